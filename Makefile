@@ -1,0 +1,31 @@
+# Two commands a fresh machine can run (no GPU, Python 3.11, PyPI):
+#   make test   create .venv, install the package with its test extras, run the CPU test suite
+#   make run    run the main job on the embedded default
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: test run install bench clean
+
+$(STAMP): setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch 2.13.0 is the CPU wheel here; name it first so nothing pulls a CUDA build
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test,math]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+run: $(STAMP)
+	$(VENV)/bin/megatron-quads demo
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_nvfp4_cpu.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

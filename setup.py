@@ -1,0 +1,46 @@
+"""megatron_quads: stable NVFP4 reinforcement learning of MoE LLMs on Megatron-Core (QUADS)."""
+
+from setuptools import find_packages, setup
+
+# megatron-core 0.17+ needs Python >= 3.12; 0.16.x is the newest that installs on 3.11.
+INSTALL_REQUIRES = [
+    "torch>=2.4",
+    "numpy",
+    "packaging",
+    "psutil",  # megatron dist_checkpointing's async writer hangs without it
+    "safetensors>=0.4",
+    "pydantic>=2",
+    "omegaconf>=2.3",
+    "rich",
+    "tqdm",
+    "matplotlib",
+    "megatron-core>=0.16,<0.17; python_version < '3.12'",
+    "megatron-core>=0.16; python_version >= '3.12'",
+    "ray>=2.40",
+    "wandb>=0.19",
+]
+
+EXTRAS_REQUIRE = {
+    "test": [
+        "pytest>=8",
+        "hypothesis>=6.100",
+        # independent NVFP4 reference; its qtensor module needs requests and huggingface_hub
+        "nvidia-modelopt==0.47.0",
+        "requests",
+        "huggingface_hub",
+    ],
+    "math": ["math-verify"],
+    "gpu": ["triton>=3.2"],
+    "vllm": ["vllm>=0.33"],
+}
+
+setup(
+    name="megatron_quads",
+    version="0.1.0",
+    description="QUADS: NVFP4 rollouts for GRPO training of MoE models on Megatron-Core",
+    packages=find_packages(include=["megatron_quads", "megatron_quads.*"]),
+    python_requires=">=3.11",
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS_REQUIRE,
+    entry_points={"console_scripts": ["megatron-quads=megatron_quads.cli:main"]},
+)
