@@ -28,6 +28,8 @@ EXTRAS_REQUIRE = {
         "nvidia-modelopt==0.47.0",
         "requests",
         "huggingface_hub",
+        # Qwen3-MoE reference model: checks that exported weights reproduce the Megatron forward
+        "transformers>=4.51",
     ],
     "math": ["math-verify"],
     "gpu": ["triton>=3.2"],

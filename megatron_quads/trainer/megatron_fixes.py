@@ -1,0 +1,114 @@
+"""Megatron-Core 0.16 gaps that are not about CPU: fixes applied through specs and param attributes.
+
+- Torch norms refuse sequence parallelism (apex / TE norms mark their weights ``sequence_parallel``;
+  ``WrappedTorchNorm`` does not): :class:`SequenceParallelTorchNorm` and
+  :func:`sequence_parallel_block_spec` swap in a torch norm whose weights carry the mark, so a local
+  spec (no TE, no apex) trains with TP > 1 and SP, as MoE + TP requires.
+- Expert-data-parallel gradients are not reduced when EP = 1 and expert-TP != TP (a 0.16.1 bug fixed
+  upstream): :func:`mark_expert_params_for_expert_dp`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Optional
+
+import torch
+
+
+# ----------------------------------------------------------------------------------------------
+# Layer spec: torch norms under sequence parallelism (no TE / apex)
+# ----------------------------------------------------------------------------------------------
+class SequenceParallelTorchNorm:
+    """Spec-level stand-in for ``WrappedTorchNorm`` that allows ``sequence_parallel``.
+
+    Builds ``torch.nn.LayerNorm`` / ``torch.nn.RMSNorm`` (per ``config.normalization``) and marks
+    its parameters ``sequence_parallel=config.sequence_parallel``, like apex's ``FusedLayerNorm``
+    and TE's norms do, so ``finalize_model_grads`` sums their gradients over the TP group (each TP
+    rank only saw its sequence shard). State-dict keys are those of the plain torch norm.
+    """
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
+        if config.layernorm_zero_centered_gamma:
+            raise ValueError("zero_centered_gamma is not supported by torch norms")
+        if config.normalization == "LayerNorm":
+            norm = torch.nn.LayerNorm(hidden_size, eps=eps)
+        elif config.normalization == "RMSNorm":
+            norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        else:
+            raise ValueError(f"unsupported normalization {config.normalization!r}")
+        for param in norm.parameters():
+            param.sequence_parallel = bool(config.sequence_parallel)
+        return norm
+
+
+def _replace_torch_norms(spec):
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if spec is WrappedTorchNorm:
+        return SequenceParallelTorchNorm
+    if isinstance(spec, ModuleSpec) and spec.submodules is not None:
+        if dataclasses.is_dataclass(spec.submodules):
+            for field in dataclasses.fields(spec.submodules):
+                value = getattr(spec.submodules, field.name)
+                setattr(spec.submodules, field.name, _replace_torch_norms(value))
+    return spec
+
+
+def sequence_parallel_block_spec(layer_spec, config, vp_stage: Optional[int] = None):
+    """Block spec for ``GPTModel(config, transformer_layer_spec=...)`` from a local layer spec
+    (e.g. ``get_gpt_layer_local_spec(num_experts=..., moe_grouped_gemm=False)``) in which every
+    ``WrappedTorchNorm`` (input/pre-MLP/q/k norms and the final norm) is replaced by
+    :class:`SequenceParallelTorchNorm`. Works with and without sequence parallelism."""
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    spec = _replace_torch_norms(copy.deepcopy(layer_spec))
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(
+        layer_specs=[spec] * num_layers, layer_norm=SequenceParallelTorchNorm
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Megatron 0.16.1 expert-DP gradient reduction (not CPU-specific)
+# ----------------------------------------------------------------------------------------------
+def mark_expert_params_for_expert_dp(model: torch.nn.Module) -> int:
+    """Mark routed-expert weights ``allreduce=False`` when expert-TP != TP (or EP > 1).
+
+    Megatron 0.16.1 ``ColumnParallelLinear``/``RowParallelLinear`` set
+    ``allreduce = not (is_expert and expert_model_parallel_size > 1)``. With EP = 1 but
+    ``expert_tensor_parallel_size != tensor_model_parallel_size`` (e.g. TP=2+SP, ETP=1) the expert
+    weights are replicated over the expert-data-parallel group, yet Megatron DDP puts them in the
+    dense buffers, reduced over the dense DP group (size 1 for TP=2 on 2 ranks): their grads are
+    never summed over the expert-DP group and the replicas drift apart. Upstream Megatron-LM fixed
+    the condition (commit cd4afffa, PR #5916: ``use_expert_pgs = is_expert and (expert_parallel
+    or ETP != TP ...)``). ``GroupedMLP`` (``weight1``/``weight2``) has the same condition and is
+    covered too. Call this on the bare model before ``DistributedDataParallel`` and
+    ``get_megatron_optimizer`` (they read ``allreduce`` when they build their buffers and param
+    groups); returns the number of parameters changed. Expert linears of our own (subclasses of
+    Column/RowParallelLinear) can instead set ``allreduce`` themselves with the upstream rule.
+    """
+    from megatron.core.transformer.moe.experts import GroupedMLP
+
+    changed = 0
+    for module in model.modules():
+        if not (getattr(module, "is_expert", False) or isinstance(module, GroupedMLP)):
+            continue
+        cfg = getattr(module, "config", None)
+        if cfg is None:
+            continue
+        etp = cfg.expert_tensor_parallel_size or cfg.tensor_model_parallel_size
+        if cfg.expert_model_parallel_size == 1 and etp == cfg.tensor_model_parallel_size:
+            continue
+        for param in module.parameters(recurse=False):
+            if hasattr(param, "main_grad"):
+                raise RuntimeError("call mark_expert_params_for_expert_dp before wrapping in DDP")
+            if getattr(param, "allreduce", True):
+                param.allreduce = False
+                changed += 1
+    return changed

@@ -1,0 +1,158 @@
+"""Build a Megatron-Core GPT-MoE model (stock or QUADS) from a typed config."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from megatron_quads.trainer.megatron_fixes import sequence_parallel_block_spec
+from megatron_quads.trainer.quads_config import QuadsTrainerConfig
+from megatron_quads.trainer.specs import apply_quads
+
+
+class ParallelConfig(BaseModel):
+    """Model-parallel layout of the trainer (data parallel is whatever the world size leaves)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tensor_parallel: int = Field(1, ge=1)
+    expert_parallel: int = Field(1, ge=1)
+    expert_tensor_parallel: int | None = Field(None, ge=1, description="default: tensor_parallel")
+    pipeline_parallel: Literal[1] = 1
+    sequence_parallel: bool = Field(False, description="required (and switched on) when TP > 1 with MoE")
+
+
+class PolicyModelConfig(BaseModel):
+    """Architecture of a GPT-MoE policy (Qwen3-MoE-like: RMSNorm, SwiGLU experts, RoPE, GQA)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_layers: int = Field(4, ge=1)
+    hidden_size: int = Field(128, ge=16)
+    num_attention_heads: int = Field(4, ge=1)
+    num_query_groups: int | None = Field(None, ge=1, description="GQA groups; default: one per head")
+    kv_channels: int | None = Field(None, ge=1)
+    ffn_hidden_size: int = Field(256, ge=16, description="dense MLP size (layers without experts)")
+    num_experts: int = Field(8, ge=1)
+    moe_ffn_hidden_size: int = Field(64, ge=16)
+    moe_router_topk: int = Field(2, ge=1)
+    moe_shared_expert_size: int | None = Field(None, description="shared-expert ffn size; None: no shared expert")
+    moe_grouped_gemm: bool = Field(False, description="legacy GroupedMLP experts instead of SequentialMLP")
+    moe_token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    moe_aux_loss_coeff: float = 0.0
+    vocab_size: int = Field(64, ge=2)
+    max_sequence_length: int = Field(256, ge=2)
+    qk_layernorm: bool = True
+    rotary_base: int = 10000
+    untie_embeddings: bool = True
+    dtype: Literal["bf16", "fp32"] = "bf16"
+    init_method_std: float = 0.02
+
+    @model_validator(mode="after")
+    def _check(self) -> PolicyModelConfig:
+        if self.moe_router_topk > self.num_experts:
+            raise ValueError(f"moe_router_topk {self.moe_router_topk} > num_experts {self.num_experts}")
+        if self.hidden_size % self.num_attention_heads and self.kv_channels is None:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
+                f"{self.num_attention_heads}: set kv_channels"
+            )
+        return self
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The parameter dtype."""
+        return torch.bfloat16 if self.dtype == "bf16" else torch.float32
+
+
+def build_transformer_config(model: PolicyModelConfig, parallel: ParallelConfig) -> TransformerConfig:
+    """Megatron TransformerConfig for ``model`` under ``parallel``."""
+    tp = parallel.tensor_parallel
+    if model.num_experts % parallel.expert_parallel:
+        raise ValueError(
+            f"num_experts {model.num_experts} is not divisible by expert_parallel {parallel.expert_parallel}"
+        )
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.kv_channels,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_moe_experts=model.num_experts,
+        moe_ffn_hidden_size=model.moe_ffn_hidden_size,
+        moe_router_topk=model.moe_router_topk,
+        moe_shared_expert_intermediate_size=model.moe_shared_expert_size,
+        moe_grouped_gemm=model.moe_grouped_gemm,
+        moe_use_legacy_grouped_gemm=model.moe_grouped_gemm,
+        moe_token_dispatcher_type=model.moe_token_dispatcher,
+        moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+        moe_router_load_balancing_type="aux_loss" if model.moe_aux_loss_coeff > 0 else "none",
+        normalization="RMSNorm",
+        qk_layernorm=model.qk_layernorm,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        init_method_std=model.init_method_std,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bf16=model.dtype == "bf16",
+        params_dtype=model.torch_dtype,
+        pipeline_dtype=model.torch_dtype,
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=parallel.expert_parallel,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel or tp,
+        sequence_parallel=parallel.sequence_parallel or tp > 1,
+    )
+
+
+def stock_layer_spec(model: PolicyModelConfig) -> ModuleSpec:
+    """Megatron's local (no Transformer Engine) GPT-MoE layer spec."""
+    return get_gpt_layer_local_spec(
+        num_experts=model.num_experts,
+        moe_grouped_gemm=model.moe_grouped_gemm,
+        moe_use_legacy_grouped_gemm=model.moe_grouped_gemm,
+        qk_layernorm=model.qk_layernorm,
+        normalization="RMSNorm",
+    )
+
+
+def build_gpt_model(
+    model: PolicyModelConfig,
+    parallel: ParallelConfig,
+    quads: QuadsTrainerConfig | None = None,
+    layer_spec: ModuleSpec | TransformerBlockSubmodules | None = None,
+) -> GPTModel:
+    """A Megatron GPTModel for this rank; QUADS fake quant applied when ``quads`` is enabled.
+
+    Needs ``parallel_state`` initialized with the same layout as ``parallel``.
+    """
+    config = build_transformer_config(model, parallel)
+    spec = layer_spec if layer_spec is not None else stock_layer_spec(model)
+    if config.sequence_parallel and isinstance(spec, ModuleSpec):
+        spec = sequence_parallel_block_spec(spec, config)  # torch norms that accept SP
+    if quads is not None:
+        config, spec = apply_quads(config, spec, quads)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=model.vocab_size,
+        max_sequence_length=model.max_sequence_length,
+        position_embedding_type="rope",
+        rotary_base=model.rotary_base,
+        share_embeddings_and_output_weights=not model.untie_embeddings,
+    )
