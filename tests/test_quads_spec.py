@@ -194,3 +194,29 @@ def test_stock_spec_is_not_mutated() -> None:
     before = copy.deepcopy(spec)
     quads_layer_spec(spec, QuadsTrainerConfig(scope=QuadsScope.ALL_LINEARS))
     assert repr(spec) == repr(before)
+
+
+def test_grouped_mlp_experts_equal_sequential_mlp_with_quads() -> None:
+    """Legacy GroupedMLP (bf16 only in Megatron) fake-quantizes each expert like SequentialMLP does."""
+    seq_cfg = PolicyModelConfig(**TINY, dtype="bf16")
+    grouped_cfg = PolicyModelConfig(**TINY, dtype="bf16", moe_grouped_gemm=True)
+    torch.manual_seed(0)
+    sequential = build_gpt_model(seq_cfg, ParallelConfig(), QuadsTrainerConfig())
+    grouped = build_gpt_model(grouped_cfg, ParallelConfig(), QuadsTrainerConfig())
+    assert type(grouped.decoder.layers[0].mlp.experts).__name__ == "FakeQuantGroupedMLP"
+    state = sequential.state_dict()
+    for layer in range(TINY["num_layers"]):  # SequentialMLP fc1 [2F, H] per expert -> GroupedMLP weight1 [H, E*2F]
+        p = f"decoder.layers.{layer}.mlp.experts"
+        fc1 = [state.pop(f"{p}.local_experts.{e}.linear_fc1.weight") for e in range(TINY["num_experts"])]
+        fc2 = [state.pop(f"{p}.local_experts.{e}.linear_fc2.weight") for e in range(TINY["num_experts"])]
+        state[f"{p}.weight1"] = torch.stack([w.t() for w in fc1]).reshape(TINY["hidden_size"], -1)
+        state[f"{p}.weight2"] = torch.stack([w.t() for w in fc2]).reshape(-1, TINY["hidden_size"])
+    grouped.load_state_dict(state, strict=False)
+    experts = grouped.decoder.layers[1].mlp.experts
+    q1, _ = experts.quantized_weights()
+    seq_fc1 = sequential.decoder.layers[1].mlp.experts.local_experts[2].linear_fc1.quantized_weight()
+    assert torch.equal(q1.view(TINY["num_experts"], TINY["hidden_size"], -1)[2].t(), seq_fc1)
+    out_seq, out_grouped = _forward(sequential), _forward(grouped)
+    assert (out_seq.float() - out_grouped.float()).abs().max() < 0.05  # bf16 matmul order differs
+    out_grouped.float().square().mean().backward()
+    assert experts.weight1.grad is not None and experts.weight1.grad.abs().sum() > 0

@@ -6,6 +6,8 @@
   spec (no TE, no apex) trains with TP > 1 and SP, as MoE + TP requires.
 - Expert-data-parallel gradients are not reduced when EP = 1 and expert-TP != TP (a 0.16.1 bug fixed
   upstream): :func:`mark_expert_params_for_expert_dp`.
+- The legacy GroupedMLP needs the CUDA-only ``grouped_gemm`` package: :func:`provide_grouped_gemm_fallback`
+  installs a plain-torch stand-in (one matmul per expert) when it is missing.
 """
 
 from __future__ import annotations
@@ -112,3 +114,33 @@ def mark_expert_params_for_expert_dp(model: torch.nn.Module) -> int:
                 param.allreduce = False
                 changed += 1
     return changed
+
+
+# ----------------------------------------------------------------------------------------------
+# Legacy GroupedMLP without the CUDA-only ``grouped_gemm`` package
+# ----------------------------------------------------------------------------------------------
+class _TorchGroupedGemmOps:
+    """``grouped_gemm.ops`` stand-in: one matmul per expert over its contiguous slice of tokens."""
+
+    @staticmethod
+    def gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor, trans_b: bool = False) -> torch.Tensor:
+        """``out[rows of expert e] = a[rows of expert e] @ b[e]`` (``b[e].T`` with ``trans_b``)."""
+        outputs = []
+        for e, rows in enumerate(torch.split(a, batch_sizes.tolist())):
+            weight = b[e].t() if trans_b else b[e]
+            outputs.append(rows @ weight)
+        return torch.cat(outputs)
+
+
+def provide_grouped_gemm_fallback() -> bool:
+    """Let Megatron's legacy GroupedMLP run without the ``grouped_gemm`` package (slow, exact).
+
+    Returns True if the stand-in was installed, False if the real package is present.
+    """
+    from megatron.core.transformer.moe import grouped_gemm_util
+
+    if grouped_gemm_util.grouped_gemm_is_available():
+        return False
+    grouped_gemm_util.grouped_gemm = type("TorchGroupedGemm", (), {"ops": _TorchGroupedGemmOps})
+    grouped_gemm_util.ops = _TorchGroupedGemmOps
+    return True

@@ -1,0 +1,276 @@
+"""The policy worker: one rank of the Megatron trainer, as the GRPO controller drives it.
+
+One :class:`PolicyWorker` per rank (the controller runs them as Ray actors that form one
+torch.distributed group). Its calls are collective over the model-parallel group: every rank of a
+data-parallel replica gets the same batch, every replica its own shard of the global batch.
+
+- :meth:`PolicyWorker.compute_logprobs`: per-token log-probs of given token ids (no grad);
+- :meth:`PolicyWorker.train_step`: one optimizer step over micro-batches with a caller's loss;
+- :meth:`PolicyWorker.save_checkpoint` / :meth:`PolicyWorker.load_checkpoint`: Megatron dist
+  checkpoints (model, optimizer, RNG), written atomically;
+- :meth:`PolicyWorker.export_hf_weights`: full weights by Hugging Face name.
+
+The model is Megatron-Core's GPTModel (QUADS spec when enabled) wrapped as Megatron trains it:
+``Float16Module`` for bf16, Megatron DDP, and Megatron's optimizer. Losses use Megatron's
+per-token loss path (``calculate_per_token_loss``): a loss function returns a *sum* and the number
+of units it is normalised by, and the gradient is ``sum of sums / sum of counts`` over every
+micro-batch and data-parallel rank, so a token-mean over the global batch is exact whatever the
+micro-batching.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
+from pydantic import BaseModel, ConfigDict, Field
+
+from megatron_quads.trainer.fake_quant import invalidate_fake_quant_caches
+from megatron_quads.trainer.hf_export import export_hf_weights
+from megatron_quads.trainer.megatron_fixes import mark_expert_params_for_expert_dp
+from megatron_quads.trainer.model import ParallelConfig, PolicyModelConfig, build_gpt_model
+from megatron_quads.trainer.quads_config import QuadsTrainerConfig
+
+logger = logging.getLogger(__name__)
+
+LossOutput = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
+"""(loss summed over the micro-batch, number of units it is normalised by, metrics to average)."""
+LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], LossOutput]
+"""``loss_fn(logprobs [b, s-1], micro_batch) -> LossOutput``; ``micro_batch`` holds the caller's tensors."""
+
+
+class OptimConfig(BaseModel):
+    """Megatron optimizer settings."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    optimizer: str = Field("adam", pattern="^(adam|sgd)$")
+    lr: float = Field(1e-6, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = Field(1.0, ge=0)
+    use_distributed_optimizer: bool = False
+
+
+class PolicyWorkerConfig(BaseModel):
+    """Everything one trainer rank needs to build its model and optimizer."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: PolicyModelConfig = PolicyModelConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    quads: QuadsTrainerConfig = QuadsTrainerConfig()
+    optim: OptimConfig = OptimConfig()
+    micro_batch_size: int = Field(8, ge=1)
+    seed: int = 1234
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """fp32 log-probs ``[b, s-1]`` of ``tokens[:, 1:]`` under ``logits[:, :-1] / temperature``.
+
+    ``logits`` may be split over the vocabulary across tensor-parallel ranks (Megatron's default
+    ``parallel_output``); the vocab-parallel cross entropy reduces across them.
+    """
+    scaled = logits[:, :-1].float() / temperature  # a fresh tensor: the CE below edits it in place
+    return -tensor_parallel.vocab_parallel_cross_entropy(scaled, tokens[:, 1:].contiguous())
+
+
+def _atomic_checkpoint_dir(path: Path) -> Path:
+    return path.with_name(path.name + ".partial")
+
+
+class PolicyWorker:
+    """One trainer rank: a Megatron GPT-MoE with optimizer, driven by the controller."""
+
+    def __init__(self, cfg: PolicyWorkerConfig) -> None:
+        if not parallel_state.model_parallel_is_initialized():
+            raise RuntimeError(
+                "PolicyWorker needs torch.distributed and Megatron parallel_state initialised first "
+                "(megatron_quads.trainer.distributed.init_trainer_distributed)"
+            )
+        self.cfg = cfg
+        tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
+        self.model = build_gpt_model(cfg.model, cfg.parallel, cfg.quads)
+        mark_expert_params_for_expert_dp(self.model)  # Megatron 0.16.1 expert-DP grad bug
+        config = self.model.config
+        # before DDP: it picks its gradient scaling (none: finalize_model_grads divides by tokens) from this
+        config.calculate_per_token_loss = True
+        if torch.cuda.is_available():
+            self.model.cuda(torch.cuda.current_device())
+        module = Float16Module(config, self.model) if config.bf16 else self.model
+        self.ddp = DistributedDataParallel(
+            config=config,
+            ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True,
+                use_distributed_optimizer=cfg.optim.use_distributed_optimizer,
+                average_in_collective=False,  # per-token loss: finalize_model_grads divides by tokens
+            ),
+            module=module,
+        )
+        o = cfg.optim
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer=o.optimizer,
+                lr=o.lr,
+                min_lr=o.lr,
+                weight_decay=o.weight_decay,
+                adam_beta1=o.adam_beta1,
+                adam_beta2=o.adam_beta2,
+                adam_eps=o.adam_eps,
+                sgd_momentum=0.0,
+                clip_grad=o.clip_grad,
+                bf16=config.bf16,
+                params_dtype=config.params_dtype,
+                use_distributed_optimizer=o.use_distributed_optimizer,
+            ),
+            [self.ddp],
+        )
+        config.finalize_model_grads_func = finalize_model_grads
+        config.grad_scale_func = self.optimizer.scale_loss
+        self.steps_done = 0
+
+    @property
+    def device(self) -> torch.device:
+        """Device the model computes on."""
+        return next(self.model.parameters()).device
+
+    def _forward_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        return self.ddp(tokens, positions, None)
+
+    def _micro_batches(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        size = batch["tokens"].shape[0]
+        mbs = self.cfg.micro_batch_size
+        return [{k: v[i : i + mbs].to(self.device) for k, v in batch.items()} for i in range(0, size, mbs)]
+
+    @torch.no_grad()
+    def compute_logprobs(self, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """Per-token log-probs ``[b, s-1]`` (fp32, CPU) of ``tokens[:, 1:]``, in micro-batches."""
+        self.ddp.eval()
+        out = []
+        for mb in self._micro_batches({"tokens": tokens}):
+            out.append(token_logprobs(self._forward_logits(mb["tokens"]), mb["tokens"], temperature).cpu())
+        self.ddp.train()
+        return torch.cat(out)
+
+    def train_step(
+        self, batch: dict[str, torch.Tensor], loss_fn: LossFn, temperature: float = 1.0
+    ) -> dict[str, float]:
+        """One optimizer step on this rank's ``batch`` (must hold ``tokens [b, s]``).
+
+        The gradient is ``sum(loss_sum) / sum(count)`` over all micro-batches and data-parallel
+        ranks. Returns the averaged metrics, ``grad_norm`` and ``update_successful``.
+        """
+        self.ddp.train()
+        micro_batches = self._micro_batches(batch)
+
+        def forward_step(data_iterator: Iterator, model: torch.nn.Module):
+            mb = next(data_iterator)
+            logits = self._forward_logits(mb["tokens"])
+            return token_logprobs(logits, mb["tokens"], temperature), partial(loss_fn_wrapper, mb)
+
+        def loss_fn_wrapper(mb: dict[str, torch.Tensor], logprobs: torch.Tensor):
+            loss_sum, count, metrics = loss_fn(logprobs, mb)
+            reported = {k: torch.stack([v.detach().float().sum(), count.detach().float()]) for k, v in metrics.items()}
+            return loss_sum, count.detach().to(torch.int), reported
+
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        reduced = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(micro_batches),
+            model=[self.ddp],
+            num_microbatches=len(micro_batches),
+            seq_length=batch["tokens"].shape[1] - 1,
+            micro_batch_size=self.cfg.micro_batch_size,
+            forward_only=False,
+        )
+        update_ok, grad_norm, _ = self.optimizer.step()
+        invalidate_fake_quant_caches(self.model)  # the optimizer wrote new weights via param.data
+        self.steps_done += 1
+        return {**_average_metrics(reduced), "grad_norm": float(grad_norm or 0.0), "update_successful": float(update_ok)}
+
+    def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full BF16 master weights by Hugging Face name (collective over the model-parallel group)."""
+        return export_hf_weights(self.model)
+
+    def _sharded_state(self, is_loading: bool = False) -> dict:
+        model_sd = self.model.sharded_state_dict()
+        state = {"model": model_sd}
+        # SGD here has no momentum, hence no state (and Megatron cannot build a loading template for it)
+        if self.cfg.optim.optimizer != "sgd":
+            # 0.16.1's default distributed-optimizer format fails ("flattened_range is not supported")
+            metadata = {"distrib_optim_sharding_type": "dp_reshardable"}
+            state["optimizer"] = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
+        return state
+
+    def save_checkpoint(self, path: str | os.PathLike) -> Path:
+        """Save model, optimizer and RNG state to ``path`` (a directory), atomically.
+
+        Everything is written to ``<path>.partial`` first and renamed once all ranks finished, so
+        ``path`` either holds a complete checkpoint or does not exist.
+        """
+        path = Path(path)
+        partial_dir = _atomic_checkpoint_dir(path)
+        if dist.get_rank() == 0:
+            shutil.rmtree(partial_dir, ignore_errors=True)
+            partial_dir.mkdir(parents=True)
+        dist.barrier()
+        dist_checkpointing.save(self._sharded_state(), str(partial_dir))
+        rng = {
+            "torch": torch.get_rng_state(),
+            "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+            "steps_done": self.steps_done,
+        }
+        torch.save(rng, partial_dir / f"rng_rank{dist.get_rank():05d}.pt")
+        dist.barrier()
+        if dist.get_rank() == 0:
+            if path.exists():
+                shutil.rmtree(path)
+            os.replace(partial_dir, path)
+        dist.barrier()
+        return path
+
+    def load_checkpoint(self, path: str | os.PathLike) -> None:
+        """Load a checkpoint written by :meth:`save_checkpoint` (any TP/EP layout for the model)."""
+        path = Path(path)
+        if not (path / "metadata.json").exists():
+            raise FileNotFoundError(f"{path} is not a complete Megatron dist checkpoint (no metadata.json)")
+        state = self._sharded_state(is_loading=True)
+        loaded = dist_checkpointing.load(state, str(path))
+        self.model.load_state_dict(loaded["model"])
+        if "optimizer" in loaded:
+            with torch.no_grad():  # the optimizer copies into views of leaf params
+                self.optimizer.load_state_dict(loaded["optimizer"])
+        rng_file = path / f"rng_rank{dist.get_rank():05d}.pt"
+        if rng_file.exists():
+            rng = torch.load(rng_file, weights_only=False)
+            torch.set_rng_state(rng["torch"])
+            tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
+            self.steps_done = rng["steps_done"]
+        invalidate_fake_quant_caches(self.model)
+
+
+def _average_metrics(reduced: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Average each metric over micro-batches (weighted by their counts) and data-parallel ranks."""
+    if not reduced:
+        return {}
+    names = reduced[0].keys()
+    totals = torch.stack([torch.stack([mb[k] for mb in reduced]).sum(0) for k in names])  # [metrics, 2]
+    group = parallel_state.get_data_parallel_group()
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(totals, group=group)
+    return {k: float(total[0] / total[1].clamp(min=1)) for k, total in zip(names, totals)}
