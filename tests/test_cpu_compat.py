@@ -106,6 +106,7 @@ def _build(cfg):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.module import Float16Module
 
+    megatron_fixes.fix_router_without_te()
     spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False)
     if cfg.sequence_parallel:
         spec = megatron_fixes.sequence_parallel_block_spec(spec, cfg)

@@ -50,3 +50,15 @@ def test_pack_rejects_odd_length_and_unpack_rejects_non_uint8() -> None:
         pack_codes(torch.zeros(3, dtype=torch.uint8))
     with pytest.raises(TypeError, match="uint8"):
         unpack_codes(torch.zeros(4, dtype=torch.int32))
+
+
+def test_bucketize_and_comparison_paths_agree() -> None:
+    from megatron_quads.nvfp4.format import magnitude_index
+
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    near = torch.cat([ties, torch.nextafter(ties, torch.tensor(0.0)), torch.nextafter(ties, torch.tensor(9.0))])
+    values = torch.cat([near, -near, torch.randn(10_000) * 3, torch.tensor([0.0, -0.0, 6.0, 1e30])])
+    by_search = magnitude_index(values, use_bucketize=True)
+    by_compare = magnitude_index(values, use_bucketize=False)
+    assert torch.equal(by_search, by_compare)
+    assert by_compare[:7].tolist() == [0, 2, 2, 4, 4, 6, 6]  # ties to even

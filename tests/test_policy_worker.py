@@ -8,6 +8,10 @@ import torch
 from megatron_quads.trainer.model import ParallelConfig, PolicyModelConfig
 from megatron_quads.trainer.policy import OptimConfig, PolicyWorker, PolicyWorkerConfig, token_logprobs
 
+# On a GPU, GEMMs of different batch shapes round differently, which flips near-tied MoE routes of a
+# randomly initialised router: exact comparisons across batch shapes hold on CPU only.
+cpu_exact = pytest.mark.skipif(torch.cuda.is_available(), reason="batch-shape-dependent GPU GEMM rounding flips MoE routes")
+
 MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_experts=4, moe_ffn_hidden_size=32, vocab_size=48)
 
 
@@ -41,12 +45,14 @@ def _params(worker: PolicyWorker) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in worker.model.named_parameters()}
 
 
+@cpu_exact
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_logprobs_are_log_softmax_of_the_model_logits(temperature: float) -> None:
     worker = _worker()
     tokens = _batch(3)
     with torch.no_grad():
-        logits = worker.model(tokens, torch.arange(10).expand(3, 10), None)
+        on_device = tokens.to(worker.device)
+        logits = worker.ddp(on_device, torch.arange(10, device=worker.device).expand(3, 10), None).cpu()
     expected = torch.log_softmax(logits[:, :-1].float() / temperature, -1).gather(-1, tokens[:, 1:, None])[..., 0]
     got = worker.compute_logprobs(tokens, temperature=temperature)
     assert got.shape == (3, 9) and got.dtype == torch.float32
@@ -54,6 +60,7 @@ def test_logprobs_are_log_softmax_of_the_model_logits(temperature: float) -> Non
     assert torch.allclose(token_logprobs(logits, tokens, temperature), expected, atol=1e-5)
 
 
+@cpu_exact
 def test_gradient_does_not_depend_on_micro_batching() -> None:
     tokens, mask = _batch(8), (torch.rand(8, 10, generator=torch.Generator().manual_seed(1)) > 0.3).float()
     results = []

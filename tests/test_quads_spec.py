@@ -115,14 +115,14 @@ def test_quantized_weight_is_built_once_per_optimizer_step() -> None:
     cfg = PolicyModelConfig(**TINY, dtype="fp32")
     model = build_gpt_model(cfg, ParallelConfig(), QuadsTrainerConfig())
     linear = model.decoder.layers[0].mlp.experts.local_experts[0].linear_fc1
-    cache = linear.fake_quant_caches()[0]
+    cache = model.decoder.layers[0].mlp.experts.fake_quant_caches()[0].cache  # all experts' fc1, one batched build
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(3):  # three micro-batches, forward and backward
         _forward(model).float().square().mean().backward()
     assert cache.rebuilds == 1
     before = linear.quantized_weight().clone()
     optimizer.step()
-    assert invalidate_fake_quant_caches(model) == 2 * TINY["num_layers"] * TINY["num_experts"]
+    assert invalidate_fake_quant_caches(model) == 2 * TINY["num_layers"]  # fc1 and fc2 group per layer
     _forward(model)
     assert cache.rebuilds == 2
     assert not torch.equal(before, linear.quantized_weight())

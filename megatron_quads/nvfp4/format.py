@@ -30,10 +30,36 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # Decision thresholds on |v| between neighbouring magnitudes. A value exactly on a threshold is a
 # tie; round-to-nearest-even sends it to the magnitude whose code is even (0, 1.0, 2.0, 4.0, 6.0 for
-# codes 0, 2, 4, 6), so the comparison is strict (">") where the lower code is even and ">=" where
-# the lower code is odd.
-_STRICT_THRESHOLDS = (0.25, 1.25, 2.5, 5.0)  # lower neighbour has an even code: ties stay down
-_INCLUSIVE_THRESHOLDS = (0.75, 1.75, 3.5)  # lower neighbour has an odd code: ties go up
+# codes 0, 2, 4, 6): ties at 0.25, 1.25, 2.5 and 5 stay down ("|v| > t" moves up), ties at 0.75,
+# 1.75 and 3.5 go up ("|v| >= t" moves up). For floats, "|v| >= t" is "|v| > the float below t", so
+# all seven become strict comparisons and one bucketize counts how many thresholds |v| passed.
+_TIES_GO_UP = (0.75, 1.75, 3.5)
+_THRESHOLDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def _strict_thresholds(device: torch.device | str) -> torch.Tensor:
+    t = torch.tensor(_THRESHOLDS, dtype=torch.float32, device=device)
+    below = torch.nextafter(t, torch.tensor(float("-inf"), device=device))
+    ties_up = torch.tensor([v in _TIES_GO_UP for v in _THRESHOLDS], device=device)
+    return torch.where(ties_up, below, t)
+
+
+def magnitude_index(scaled: torch.Tensor, use_bucketize: bool | None = None) -> torch.Tensor:
+    """Index (uint8, 0..7) of the nearest-even E2M1 magnitude of fp32 ``|scaled|``, saturating at 6.
+
+    One ``bucketize`` kernel on GPUs; seven fused comparisons on CPU, where they are faster. Both
+    count the same strict comparisons, so they agree bit for bit (tested).
+    """
+    magnitude = scaled.abs()
+    thresholds = _strict_thresholds(scaled.device)
+    if use_bucketize is None:
+        use_bucketize = scaled.is_cuda
+    if use_bucketize:
+        return torch.bucketize(magnitude, thresholds, right=False).to(torch.uint8)
+    index = torch.zeros(scaled.shape, dtype=torch.uint8, device=scaled.device)
+    for t in thresholds.tolist():
+        index += magnitude > t
+    return index
 
 
 def e2m1_lut(device: torch.device | str = "cpu") -> torch.Tensor:
@@ -48,12 +74,7 @@ def round_to_e2m1_codes(scaled: torch.Tensor) -> torch.Tensor:
     ``-0.0`` maps to code 0 and negative values in ``[-0.25, 0)`` to code 8 (negative zero), as in
     Transformer Engine's reference quantizer. NaN is not handled; callers reject it earlier.
     """
-    magnitude = scaled.abs()
-    index = torch.zeros(scaled.shape, dtype=torch.uint8, device=scaled.device)
-    for threshold in _STRICT_THRESHOLDS:
-        index += magnitude > threshold
-    for threshold in _INCLUSIVE_THRESHOLDS:
-        index += magnitude >= threshold
+    index = magnitude_index(scaled)
     sign = (scaled < 0).to(torch.uint8) << 3
     return index | sign
 

@@ -92,8 +92,13 @@ def global_encode_scale(global_amax: torch.Tensor) -> torch.Tensor:
 
 
 def decode_scale_from_amax(global_amax: torch.Tensor) -> torch.Tensor:
-    """``weight_scale_2 = amax / 2688`` in fp32 (the per-tensor decode scale stored in checkpoints)."""
-    return global_amax.to(torch.float32) / GLOBAL_SCALE_DIVISOR
+    """``weight_scale_2 = amax / 2688`` in fp32 (the per-tensor decode scale stored in checkpoints).
+
+    A tensor divisor on purpose: CUDA turns division by a Python scalar into multiplication by its
+    rounded reciprocal, which rounds differently from the true quotient that CPU computes.
+    """
+    amax = global_amax.to(torch.float32)
+    return torch.div(amax, torch.full_like(amax, GLOBAL_SCALE_DIVISOR))
 
 
 def _tile_amax_2d(x: torch.Tensor, block_size: int) -> torch.Tensor:

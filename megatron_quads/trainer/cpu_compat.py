@@ -41,10 +41,6 @@ The shims (names as in ``applied_shims()``), with the Megatron code that needs e
     CPU RNG is left as it was. Side effect: ``model_parallel_cuda_manual_seed(seed)`` reseeds the
     CPU generator with ``seed`` (as ``torch.manual_seed(seed)``). The tracker's warning "CPU RNG
     state changed within GPU RNG context" is expected here and filtered out.
-``te_general_gemm``
-    Bug in 0.16.1 without Transformer Engine: ``moe_utils.RouterGatingLinearFunction`` tests
-    ``te_general_gemm is not None`` but the name is only bound when TE imports -> ``NameError`` in
-    every router forward. The shim binds it to ``None`` (Megatron then uses ``torch.mm``).
 ``dispatcher_split_sizes``
     ``moe_utils.maybe_move_tensor_to_cpu(t, as_numpy=True)`` returns ``t`` unchanged when it is
     already on CPU, so ``MoEAlltoAllTokenDispatcher`` passes tensors as split sizes to
@@ -72,8 +68,9 @@ The shims (names as in ``applied_shims()``), with the Megatron code that needs e
     ``OptimizerConfig`` work unchanged (fp32/bf16, Adam/SGD, distributed optimizer, clipping).
 
 Not shims, and not CPU-specific, so they live in :mod:`megatron_quads.trainer.megatron_fixes`:
-sequence parallelism with torch norms (``sequence_parallel_block_spec``) and the 0.16.1 expert-DP
-gradient bug (``mark_expert_params_for_expert_dp``). ``psutil`` must be installed for
+sequence parallelism with torch norms (``sequence_parallel_block_spec``), the 0.16.1 expert-DP
+gradient bug (``mark_expert_params_for_expert_dp``) and the 0.16.1 router's ``te_general_gemm``
+NameError without Transformer Engine (``fix_router_without_te``, seen on the H200 too). ``psutil`` must be installed for
 dist_checkpointing's async file writer (it is in setup.py).
 
 Usage (one process per rank, e.g. ``torch.multiprocessing.spawn``)::
@@ -287,13 +284,6 @@ def _shim_cuda_rng() -> None:
     logging.getLogger(mrandom.__name__).addFilter(_DropForkRngWarning())
 
 
-def _shim_te_general_gemm() -> None:
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-
-
 def _shim_dispatcher_split_sizes() -> None:
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
@@ -354,7 +344,6 @@ _SHIMS: list[tuple[str, Callable[[], None]]] = [
     ("cuda_current_device", _shim_cuda_current_device),
     ("cuda_streams", _shim_cuda_streams),
     ("cuda_rng", _shim_cuda_rng),
-    ("te_general_gemm", _shim_te_general_gemm),
     ("dispatcher_split_sizes", _shim_dispatcher_split_sizes),
     ("cuda_literals", _shim_cuda_literals),
     ("optimizer", _shim_optimizer),

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-from megatron_quads.trainer.cpu_compat import init_distributed_cpu
+from megatron_quads.trainer.cpu_compat import find_free_port, init_distributed_cpu
 from megatron_quads.trainer.model import ParallelConfig
 
 
@@ -37,6 +37,8 @@ def init_trainer_distributed(
 ) -> str:
     """Join the trainer's process group and set up Megatron's model-parallel groups; returns the backend."""
     check_layout(world_size, parallel)
+    if master_port is None and world_size == 1:
+        master_port = find_free_port(master_addr)
     if not torch.cuda.is_available():
         init_distributed_cpu(
             world_size, rank, tp=parallel.tensor_parallel, ep=parallel.expert_parallel,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer.moe.experts import GroupedMLP
+from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
 
 from megatron_quads.trainer.fake_quant import (
     QuantizedWeightCache,
@@ -17,6 +17,7 @@ from megatron_quads.trainer.fake_quant import (
     fake_quant_stacked_experts,
     fake_quant_weight,
     straight_through,
+    straight_through_group,
     swapped_parameters,
 )
 
@@ -41,20 +42,30 @@ class _FakeQuantLinearMixin:
     def _init_fake_quant(self, reduction_size: int) -> None:
         check_reduction_dim(reduction_size, f"{type(self).__name__}(in={self.input_size}, out={self.output_size})")
         self._fake_quant_cache = QuantizedWeightCache()
+        self._expert_group: tuple[ExpertGroupFakeQuant, int] | None = None
 
     def fake_quant_caches(self) -> list[QuantizedWeightCache]:
         """The caches :func:`invalidate_fake_quant_caches` clears after an optimizer step."""
-        return [self._fake_quant_cache]
+        return [] if self._expert_group else [self._fake_quant_cache]
 
     def quantized_weight(self) -> torch.Tensor:
-        """The cached NVFP4 fake-quantized weight (no autograd edge)."""
-        return self._fake_quant_cache.get(
-            self.weight, lambda w: fake_quant_weight(w, self.tp_group, block_2d=self.quads_block_2d)
+        """The cached NVFP4 fake-quantized weight (no autograd edge), rebuilt if the weight changed."""
+        if self._expert_group is not None:
+            group, index = self._expert_group
+            return group.refresh()[index]
+        (quantized,) = self._fake_quant_cache.get(
+            [self.weight], lambda ws: [fake_quant_weight(ws[0], self.tp_group, block_2d=self.quads_block_2d)]
         )
+        return quantized
 
     def _forward_impl(self, input, weight, *args, **kwargs):  # noqa: D102 (Megatron's hook)
         if weight is self.weight:
-            weight = straight_through(weight, self.quantized_weight())
+            if self._expert_group is not None and self._expert_group[0].forward_weights is not None:
+                # prepared by the enclosing FakeQuantSequentialMLP.forward, already straight-through
+                group, index = self._expert_group
+                weight = group.forward_weights[index]
+            else:
+                weight = straight_through(weight, self.quantized_weight())
         return super()._forward_impl(input, weight, *args, **kwargs)
 
 
@@ -75,6 +86,68 @@ class FakeQuantRowParallelLinear(_FakeQuantLinearMixin, RowParallelLinear):
         super().__init__(*args, config=config, **kwargs)
         # each rank quantizes its own shard along K: the shard itself must split into blocks
         self._init_fake_quant(self.input_size_per_partition)
+
+
+class ExpertGroupFakeQuant:
+    """Fake-quantizes one projection (fc1 or fc2) of all local experts of a layer in one batched call.
+
+    The experts' weights are stacked, their per-expert amaxes reduced over the expert-TP group in one
+    collective, and quantized in one fused kernel: per-weight calls would cost a kernel launch chain
+    and a collective per expert.
+    """
+
+    def __init__(self, linears: list[_FakeQuantLinearMixin]) -> None:
+        shapes = {tuple(linear.weight.shape) for linear in linears}
+        if len(shapes) != 1:
+            raise ValueError(f"experts of one layer must share a weight shape, got {sorted(shapes)}")
+        self.linears = linears
+        self.cache = QuantizedWeightCache()
+        self.forward_weights: list[torch.Tensor] | None = None
+        for index, linear in enumerate(linears):
+            linear._expert_group = (self, index)
+
+    def invalidate(self) -> None:
+        """Drop the cached weights (after an optimizer step)."""
+        self.cache.invalidate()
+        self.forward_weights = None
+
+    def _build(self, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+        first = self.linears[0]
+        return [fake_quant_stacked_experts(torch.stack(weights), first.tp_group, block_2d=first.quads_block_2d)]
+
+    def refresh(self) -> torch.Tensor:
+        """All experts' fake-quantized weights ``[E, out, in]``, rebuilt if any weight changed."""
+        (stacked,) = self.cache.get([linear.weight for linear in self.linears], self._build)
+        return stacked
+
+    def prepare_forward(self) -> None:
+        """Refresh, and make the per-expert straight-through weights of this forward pass."""
+        self.forward_weights = straight_through_group([linear.weight for linear in self.linears], self.refresh())
+
+
+class FakeQuantSequentialMLP(SequentialMLP):
+    """SequentialMLP whose fake-quant expert linears are quantized per layer in batched calls."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._groups = []
+        for name in ("linear_fc1", "linear_fc2"):
+            linears = [getattr(expert, name) for expert in self.local_experts]
+            if linears and all(isinstance(linear, _FakeQuantLinearMixin) for linear in linears):
+                self._groups.append(ExpertGroupFakeQuant(linears))
+
+    def fake_quant_caches(self) -> list[ExpertGroupFakeQuant]:
+        """The caches :func:`invalidate_fake_quant_caches` clears after an optimizer step."""
+        return list(self._groups)
+
+    def forward(self, *args, **kwargs):  # noqa: D102 (the stock forward; one check and one autograd node per group)
+        for group in self._groups:
+            group.prepare_forward()
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            for group in self._groups:
+                group.forward_weights = None
 
 
 class FakeQuantGroupedMLP(GroupedMLP):
@@ -109,8 +182,8 @@ class FakeQuantGroupedMLP(GroupedMLP):
     def quantized_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The cached fake-quantized (weight1, weight2)."""
         experts, hidden = self.num_local_experts, self.config.hidden_size
-        q1 = self._cache_fc1.get(self.weight1, lambda w: self._fake_quant_along_dim1(w, (experts, hidden, -1)))
-        q2 = self._cache_fc2.get(self.weight2, lambda w: self._fake_quant_along_dim1(w, (experts, -1, hidden)))
+        (q1,) = self._cache_fc1.get([self.weight1], lambda ws: [self._fake_quant_along_dim1(ws[0], (experts, hidden, -1))])
+        (q2,) = self._cache_fc2.get([self.weight2], lambda ws: [self._fake_quant_along_dim1(ws[0], (experts, -1, hidden))])
         return q1, q2
 
     def forward(self, *args, **kwargs):  # noqa: D102 (the stock forward on fake-quantized weights)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_quads.nvfp4 import BLOCK_SIZE, quantize_dequantize
+from megatron_quads.nvfp4.fused import fake_quant_values
 
 
 class _UseQuantizedWeight(torch.autograd.Function):
@@ -31,6 +32,25 @@ class _UseQuantizedWeight(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: D102
         return grad, None
+
+
+class _UseQuantizedWeights(torch.autograd.Function):
+    """:class:`_UseQuantizedWeight` for a group of weights in one autograd node (one per layer, not per expert)."""
+
+    @staticmethod
+    def forward(ctx, quantized: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:  # noqa: D102
+        return tuple(q.view_as(q) for q in quantized.unbind(0))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):  # noqa: D102
+        return (None, *grads)
+
+
+def straight_through_group(weights: list[torch.Tensor], quantized: torch.Tensor) -> list[torch.Tensor]:
+    """``quantized[i]`` in the forward pass for each ``weights[i]``, gradients routed to the weights."""
+    if not (torch.is_grad_enabled() and weights[0].requires_grad):
+        return list(quantized.unbind(0))
+    return list(_UseQuantizedWeights.apply(quantized, *weights))
 
 
 def straight_through(weight: torch.Tensor, quantized: torch.Tensor) -> torch.Tensor:
@@ -54,7 +74,7 @@ def reduced_amax(weight: torch.Tensor, group: dist.ProcessGroup | None, dims: tu
 
 
 class QuantizedWeightCache:
-    """The fake-quantized copy of one weight, rebuilt when the weight changes.
+    """Fake-quantized copies of a list of weights, rebuilt together when any of them changes.
 
     A weight counts as changed when its autograd version counter or storage moved (in-place optimizer
     updates, ``load_state_dict``) or when :meth:`invalidate` was called. Megatron's mixed-precision
@@ -65,28 +85,33 @@ class QuantizedWeightCache:
 
     def __init__(self) -> None:
         self._key: tuple | None = None
-        self._value: torch.Tensor | None = None
+        self._values: list[torch.Tensor] | None = None
         self.rebuilds = 0
 
     def invalidate(self) -> None:
-        """Forget the cached copy; the next :meth:`get` rebuilds it."""
+        """Forget the cached copies; the next :meth:`get` rebuilds them."""
         self._key = None
-        self._value = None
+        self._values = None
 
-    def get(self, weight: torch.Tensor, build: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """The cached ``build(weight)``, rebuilt if ``weight`` changed since the last call."""
-        key = (weight._version, weight.data_ptr(), weight.dtype, tuple(weight.shape), weight.device)
-        if self._value is None or key != self._key:
+    def get(
+        self, weights: list[torch.Tensor], build: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+    ) -> list[torch.Tensor]:
+        """The cached ``build(weights)``, rebuilt if any weight changed since the last call."""
+        key = tuple((w._version, w.data_ptr(), w.dtype, tuple(w.shape), w.device) for w in weights)
+        if self._values is None or key != self._key:
             with torch.no_grad():
-                self._value = build(weight.detach())
+                self._values = build([w.detach() for w in weights])
             self._key = key
             self.rebuilds += 1
-        return self._value
+        return self._values
 
 
 def fake_quant_weight(weight: torch.Tensor, group: dist.ProcessGroup | None, block_2d: bool = False) -> torch.Tensor:
     """NVFP4 quantize-dequantize of a ``[out, in]`` linear weight with a group-reduced global amax."""
-    return quantize_dequantize(weight, global_amax=reduced_amax(weight, group), block_2d=block_2d)
+    amax = reduced_amax(weight, group)
+    if block_2d:
+        return quantize_dequantize(weight, global_amax=amax, block_2d=True)
+    return fake_quant_values(weight, amax)
 
 
 def fake_quant_stacked_experts(
@@ -94,7 +119,9 @@ def fake_quant_stacked_experts(
 ) -> torch.Tensor:
     """Fake-quantize ``[E, out, in]`` expert weights, one global amax per expert (group-reduced)."""
     amax = reduced_amax(weight, group, dims=(1, 2))
-    return quantize_dequantize(weight, global_amax=amax[:, None], block_2d=block_2d)
+    if block_2d:
+        return quantize_dequantize(weight, global_amax=amax[:, None], block_2d=True)
+    return fake_quant_values(weight, amax[:, None])
 
 
 def check_reduction_dim(size: int, what: str) -> None:

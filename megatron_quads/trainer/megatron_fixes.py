@@ -6,6 +6,8 @@
   spec (no TE, no apex) trains with TP > 1 and SP, as MoE + TP requires.
 - Expert-data-parallel gradients are not reduced when EP = 1 and expert-TP != TP (a 0.16.1 bug fixed
   upstream): :func:`mark_expert_params_for_expert_dp`.
+- Without Transformer Engine the 0.16.1 router raises ``NameError: te_general_gemm`` on every forward
+  (CPU and GPU alike): :func:`fix_router_without_te`.
 - The legacy GroupedMLP needs the CUDA-only ``grouped_gemm`` package: :func:`provide_grouped_gemm_fallback`
   installs a plain-torch stand-in (one matmul per expert) when it is missing.
 """
@@ -143,4 +145,21 @@ def provide_grouped_gemm_fallback() -> bool:
         return False
     grouped_gemm_util.grouped_gemm = type("TorchGroupedGemm", (), {"ops": _TorchGroupedGemmOps})
     grouped_gemm_util.ops = _TorchGroupedGemmOps
+    return True
+
+
+# ----------------------------------------------------------------------------------------------
+# Router without Transformer Engine
+# ----------------------------------------------------------------------------------------------
+def fix_router_without_te() -> bool:
+    """Bind ``moe_utils.te_general_gemm = None`` when TE is absent (Megatron then uses torch.mm).
+
+    ``RouterGatingLinearFunction`` tests ``te_general_gemm is not None``, but 0.16.1 binds the name
+    only when TE imports. Returns True if the binding was added.
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    if hasattr(moe_utils, "te_general_gemm"):
+        return False
+    moe_utils.te_general_gemm = None
     return True

@@ -14,7 +14,11 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from megatron_quads.trainer.megatron_fixes import provide_grouped_gemm_fallback, sequence_parallel_block_spec
+from megatron_quads.trainer.megatron_fixes import (
+    fix_router_without_te,
+    provide_grouped_gemm_fallback,
+    sequence_parallel_block_spec,
+)
 from megatron_quads.trainer.quads_config import QuadsTrainerConfig
 from megatron_quads.trainer.specs import apply_quads
 
@@ -145,6 +149,7 @@ def build_gpt_model(
     Needs ``parallel_state`` initialized with the same layout as ``parallel``.
     """
     config = build_transformer_config(model, parallel)
+    fix_router_without_te()
     if model.moe_grouped_gemm and provide_grouped_gemm_fallback():
         logger.warning("grouped_gemm is not installed: GroupedMLP uses a per-expert torch matmul loop")
     spec = layer_spec if layer_spec is not None else stock_layer_spec(model)

@@ -266,9 +266,9 @@ class PolicyWorker:
 
 def _average_metrics(reduced: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     """Average each metric over micro-batches (weighted by their counts) and data-parallel ranks."""
-    if not reduced:
+    names = list(reduced[0].keys()) if reduced else []
+    if not names:
         return {}
-    names = reduced[0].keys()
     totals = torch.stack([torch.stack([mb[k] for mb in reduced]).sum(0) for k in names])  # [metrics, 2]
     group = parallel_state.get_data_parallel_group()
     if dist.get_world_size(group) > 1:

@@ -34,6 +34,7 @@ from megatron_quads.trainer.expert_linears import (
     FakeQuantColumnParallelLinear,
     FakeQuantGroupedMLP,
     FakeQuantRowParallelLinear,
+    FakeQuantSequentialMLP,
 )
 from megatron_quads.trainer.quads_config import QuadsScope, QuadsTrainerConfig
 
@@ -41,6 +42,7 @@ _FAKE_QUANT_OF = {
     ColumnParallelLinear: FakeQuantColumnParallelLinear,
     RowParallelLinear: FakeQuantRowParallelLinear,
     GroupedMLP: FakeQuantGroupedMLP,
+    SequentialMLP: FakeQuantSequentialMLP,
 }
 _TE_EXPERT_CLASSES = ("TEGroupedMLP",)
 
@@ -89,6 +91,7 @@ def _swap_routed_experts(experts: ModuleSpec, block_2d: bool) -> None:
             "through TE's custom FP4 recipe: use megatron_quads.trainer.apply_quads(config, spec, quads)"
         )
     if issubclass(experts.module, SequentialMLP):
+        experts.module = _fake_quant_class(experts.module, where, block_2d)
         _swap_linears(experts.submodules, ("linear_fc1", "linear_fc2"), f"{where}.local_experts", block_2d)
     elif issubclass(experts.module, GroupedMLP):
         experts.module = _fake_quant_class(experts.module, where, block_2d)
