@@ -273,4 +273,4 @@ def _average_metrics(reduced: list[dict[str, torch.Tensor]]) -> dict[str, float]
     group = parallel_state.get_data_parallel_group()
     if dist.get_world_size(group) > 1:
         dist.all_reduce(totals, group=group)
-    return {k: float(total[0] / total[1].clamp(min=1)) for k, total in zip(names, totals)}
+    return {k: float(total[0] / total[1].clamp(min=1)) for k, total in zip(names, totals, strict=True)}
