@@ -1,0 +1,113 @@
+"""Per-channel activation statistics for choosing RAC channel sets, from hooks or online.
+
+Two ways to fill them, one accumulator:
+
+- calibration: attach :class:`RacCalibrator` to a model's linears (forward pre-hooks), run sample
+  batches, then :meth:`RacCalibrator.select` the channels;
+- online: a rollout engine keeps a calibrator attached with ``momentum`` (an exponential moving
+  average) while it generates, and re-selects the channels at every weight sync with the new weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from megatron_quads.nvfp4 import NVFP4Tensor, quantize
+from megatron_quads.rollout.rac import ChannelStatistic, select_channels
+from megatron_quads.rollout.w4a4 import ActivationScale, activation_amax
+
+
+class ChannelStats:
+    """Running per-input-channel means of ``r^2`` (quantization residual) and ``|x|`` for one linear."""
+
+    def __init__(self, in_features: int, momentum: float | None = None) -> None:
+        if momentum is not None and not 0.0 < momentum <= 1.0:
+            raise ValueError(f"momentum must be in (0, 1] (weight of the newest batch), got {momentum}")
+        self.in_features = in_features
+        self.momentum = momentum
+        self.tokens = 0
+        self.residual_sq = torch.zeros(in_features, dtype=torch.float64)
+        self.abs_activation = torch.zeros(in_features, dtype=torch.float64)
+
+    @torch.no_grad()
+    def update(self, x: torch.Tensor, mode: ActivationScale = ActivationScale.PER_TOKEN) -> None:
+        """Add a batch of inputs ``x [..., K]`` (quantized as the rollout quantizes them)."""
+        x2 = x.detach().reshape(-1, x.shape[-1])
+        if x2.shape[-1] != self.in_features:
+            raise ValueError(f"expected inputs with {self.in_features} features, got shape {tuple(x.shape)}")
+        if not x2.shape[0]:
+            return
+        amax = activation_amax(x2, ActivationScale.PER_TENSOR if mode == ActivationScale.STATIC else mode)
+        xq = quantize(x2, global_amax=amax).dequantize(torch.float32)
+        batch_r2 = (x2.float() - xq).double().square().mean(0).cpu()
+        batch_abs = x2.double().abs().mean(0).cpu()
+        n = x2.shape[0]
+        if self.momentum is None:  # exact running mean over all tokens seen
+            total = self.tokens + n
+            self.residual_sq += (batch_r2 - self.residual_sq) * (n / total)
+            self.abs_activation += (batch_abs - self.abs_activation) * (n / total)
+        elif self.tokens == 0:
+            self.residual_sq.copy_(batch_r2)
+            self.abs_activation.copy_(batch_abs)
+        else:
+            self.residual_sq.lerp_(batch_r2, self.momentum)
+            self.abs_activation.lerp_(batch_abs, self.momentum)
+        self.tokens += n
+
+    def scores(self, statistic: ChannelStatistic, weight: torch.Tensor | NVFP4Tensor | None = None) -> torch.Tensor:
+        """Per-channel score for ``statistic``; OUTPUT_ERROR needs the (quantized) weight ``[N, K]``."""
+        if statistic == ChannelStatistic.RESIDUAL_ENERGY:
+            return self.residual_sq.clone()
+        if statistic == ChannelStatistic.ACTIVATION_MAGNITUDE:
+            return self.abs_activation.clone()
+        if weight is None:
+            raise ValueError("the output_error statistic needs the layer's weight")
+        dense = weight.dequantize(torch.float32) if isinstance(weight, NVFP4Tensor) else weight.detach().float()
+        column_sq = dense.double().square().sum(0).cpu()
+        return self.residual_sq * column_sq
+
+
+class RacCalibrator:
+    """Collects :class:`ChannelStats` for named modules through forward pre-hooks on their input."""
+
+    def __init__(
+        self,
+        modules: Mapping[str, torch.nn.Module],
+        in_features: Mapping[str, int],
+        momentum: float | None = None,
+        mode: ActivationScale = ActivationScale.PER_TOKEN,
+    ) -> None:
+        self.mode = mode
+        self.stats = {name: ChannelStats(in_features[name], momentum) for name in modules}
+        self._handles = [
+            module.register_forward_pre_hook(self._hook(name)) for name, module in modules.items()
+        ]
+
+    def _hook(self, name: str):
+        def hook(module: torch.nn.Module, args: tuple) -> None:
+            self.stats[name].update(args[0], self.mode)
+
+        return hook
+
+    def detach(self) -> None:
+        """Remove the hooks (statistics are kept)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def select(
+        self,
+        ratio: float,
+        statistic: ChannelStatistic = ChannelStatistic.OUTPUT_ERROR,
+        weights: Mapping[str, torch.Tensor | NVFP4Tensor] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Residual channels (sorted, int32) per module; modules that saw no input are skipped."""
+        chosen = {}
+        for name, stats in self.stats.items():
+            if stats.tokens == 0:
+                continue
+            weight = None if weights is None else weights.get(name)
+            chosen[name] = select_channels(stats.scores(statistic, weight), ratio)
+        return chosen

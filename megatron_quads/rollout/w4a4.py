@@ -1,0 +1,88 @@
+"""W4A4 NVFP4 GEMM reference: online activation quantization and an emulated FP4 GEMM.
+
+An FP4 tensor-core GEMM multiplies ``(e2m1 * e4m3 scale)`` operands, whose products are exact, sums
+them with fp32 accumulation and applies the two global decode scales (``alpha``) in the epilogue.
+:func:`nvfp4_gemm` computes the same thing in PyTorch on any device, so the built-in rollout
+engine, the vLLM plugin's emulation path and the analysis tools share one definition of W4A4.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+
+from megatron_quads.nvfp4 import BLOCK_SIZE, NVFP4Tensor, codes_to_values, quantize, unpack_codes
+
+
+class ActivationScale(str, Enum):
+    """How the per-tensor (global) scale of an activation is chosen."""
+
+    PER_TOKEN = "per_token"
+    """Dynamic: one global amax per token (row). The default: robust to outlier tokens."""
+    PER_TENSOR = "per_tensor"
+    """Dynamic: one global amax for the whole activation tensor."""
+    STATIC = "static"
+    """Calibrated: a fixed amax (ModelOpt's ``input_scale * 2688``)."""
+
+
+def activation_amax(x: torch.Tensor, mode: ActivationScale, static_amax: float | torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 global amax of activations ``x [..., K]``: per token ``[...]`` or a scalar."""
+    if mode == ActivationScale.PER_TOKEN:
+        return x.detach().abs().amax(dim=-1).to(torch.float32)
+    if mode == ActivationScale.PER_TENSOR:
+        return x.detach().abs().amax().to(torch.float32)
+    if static_amax is None:
+        raise ValueError("ActivationScale.STATIC needs a calibrated static_amax (input_scale * 2688)")
+    return torch.as_tensor(static_amax, dtype=torch.float32, device=x.device)
+
+
+def block_values(t: NVFP4Tensor) -> torch.Tensor:
+    """The exact fp32 operand an FP4 GEMM multiplies: ``e2m1 * e4m3 scale`` (no global scale)."""
+    values = codes_to_values(unpack_codes(t.codes)).unflatten(-1, (-1, BLOCK_SIZE))
+    return (values * t.scales.to(torch.float32).unsqueeze(-1)).flatten(-2)
+
+
+def nvfp4_gemm(
+    a_values: torch.Tensor,
+    a_decode: torch.Tensor,
+    w_values: torch.Tensor,
+    w_decode: torch.Tensor,
+    out_dtype: torch.dtype,
+    accumulate_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``(a_values @ w_values.T) * a_decode * w_decode`` with the accumulation in ``accumulate_dtype``.
+
+    ``a_values [T, K]`` and ``w_values [N, K]`` are :func:`block_values` (exact products of codes and
+    block scales); ``a_decode`` is the activations' ``weight_scale_2`` (``[T]`` per token or a
+    scalar), ``w_decode`` the weight's. With float64 accumulation every product and partial sum of
+    FP4 operands is exact, which makes results independent of summation order.
+    """
+    acc = a_values.to(accumulate_dtype) @ w_values.to(accumulate_dtype).t()
+    a_scale = a_decode.to(torch.float32)
+    if a_scale.ndim:
+        a_scale = a_scale.unsqueeze(-1)
+    alpha = a_scale * w_decode.to(torch.float32)  # the GEMM epilogue's scale, fp32
+    return (acc.to(torch.float32) * alpha).to(out_dtype)
+
+
+def w4a4_linear(
+    x: torch.Tensor,
+    weight: NVFP4Tensor,
+    mode: ActivationScale = ActivationScale.PER_TOKEN,
+    static_amax: float | torch.Tensor | None = None,
+    accumulate_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``y = q(x) @ q(W).T``: activations quantized online to NVFP4, output in ``x.dtype``."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    amax = activation_amax(x2, mode, static_amax)
+    xq = quantize(x2, global_amax=amax)
+    y = nvfp4_gemm(block_values(xq), xq.weight_scale_2, block_values(weight), weight.weight_scale_2, x.dtype, accumulate_dtype)
+    return y.reshape(*lead, -1)
+
+
+def w4a16_linear(x: torch.Tensor, weight: NVFP4Tensor) -> torch.Tensor:
+    """``y = x @ dq(q(W)).T`` in fp32 (weight-only NVFP4), output in ``x.dtype``."""
+    w = weight.dequantize(torch.float32)
+    return (x.to(torch.float32) @ w.t()).to(x.dtype)

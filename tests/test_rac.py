@@ -1,0 +1,200 @@
+"""Residual Activation Compensation and the W4A4 reference GEMM."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_quads.nvfp4 import quantize
+from megatron_quads.rollout.calibration import ChannelStats, RacCalibrator
+from megatron_quads.rollout.rac import (
+    ChannelStatistic,
+    num_residual_channels,
+    rac_linear,
+    rac_operands,
+    reblock_columns,
+    select_channels,
+    validate_channels,
+)
+from megatron_quads.rollout.w4a4 import ActivationScale, activation_amax, block_values, nvfp4_gemm, w4a4_linear
+
+K, N, T = 256, 96, 64
+
+
+def _outlier_inputs(seed: int = 0, tokens: int = T) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, K, generator=gen)
+    hot = torch.randperm(K, generator=gen)[:12]
+    x[:, hot] *= 30.0  # outlier channels, as in LLM activations
+    return x.to(torch.bfloat16)
+
+
+def _weight(seed: int = 1) -> torch.Tensor:
+    return torch.randn(N, K, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+def _quantized_weight(seed: int = 1):
+    return quantize(_weight(seed).to(torch.bfloat16))
+
+
+def test_w4a4_linear_is_the_product_of_dequantized_operands() -> None:
+    x, wq = _outlier_inputs(), _quantized_weight()
+    y = w4a4_linear(x, wq, accumulate_dtype=torch.float64)
+    xq = quantize(x, global_amax=x.abs().amax(-1).float())
+    expected = (xq.dequantize(torch.float64) @ wq.dequantize(torch.float64).t()).to(torch.bfloat16)
+    assert y.dtype == torch.bfloat16 and y.shape == (T, N)
+    assert (y.float() - expected.float()).abs().max() <= 2 ** -7 * expected.float().abs().max()
+
+
+def test_augmented_gemm_equals_the_sum_of_two_gemms_exactly() -> None:
+    x, wq = _outlier_inputs(), _quantized_weight()
+    channels = select_channels(torch.rand(K, generator=torch.Generator().manual_seed(3)), 0.25)
+    ws = reblock_columns(wq, channels)
+    a, a_decode, w = rac_operands(x.float(), wq, channels, ws)
+    assert a.shape == (T, K + 64) and w.shape == (N, K + 64)
+    # products of FP4 operands and their sums are exact in float64: the accumulators agree bit for bit
+    one = a.double() @ w.double().t()
+    two = a[:, :K].double() @ w[:, :K].double().t() + a[:, K:].double() @ w[:, K:].double().t()
+    assert torch.equal(one, two)
+    y = nvfp4_gemm(a, a_decode, w, wq.weight_scale_2, torch.float32, torch.float64)
+    alpha = a_decode.unsqueeze(-1) * wq.weight_scale_2
+    assert torch.equal(y, two.to(torch.float32) * alpha)
+    # fp32 accumulation differs from that only by summation order
+    fp32 = nvfp4_gemm(a, a_decode, w, wq.weight_scale_2, torch.float32, torch.float32)
+    assert torch.allclose(fp32, y, rtol=1e-5, atol=1e-5 * y.abs().max().item())
+
+
+def test_rac_error_falls_with_the_ratio_and_at_100_percent_is_the_second_pass_error() -> None:
+    x, wq = _outlier_inputs(), _quantized_weight()
+    reference = x.double() @ wq.dequantize(torch.float64).t()  # trainer side: AQAT weights, exact activations
+    stats = ChannelStats(K)
+    stats.update(x)
+    scores = stats.scores(ChannelStatistic.OUTPUT_ERROR, wq)
+    errors = []
+    for ratio in (0.0, 0.125, 0.25, 0.5, 1.0):
+        channels = select_channels(scores, ratio)
+        y = rac_linear(x.float(), wq, channels, reblock_columns(wq, channels), accumulate_dtype=torch.float64)
+        errors.append(float((y.double() - reference).norm() / reference.norm()))
+    assert all(later < earlier for earlier, later in zip(errors, errors[1:], strict=False)), errors
+    assert errors[-1] < errors[0] / 4
+    # at 100% the only activation error left is the residual's own quantization error
+    amax = activation_amax(x.float(), ActivationScale.PER_TOKEN)
+    xq = quantize(x.float(), global_amax=amax).dequantize(torch.float64)
+    r = x.double() - xq
+    rq = quantize(r.float(), global_amax=amax).dequantize(torch.float64)
+    second_pass_only = ((x.double() - xq - rq) @ wq.dequantize(torch.float64).t()).norm() / reference.norm()
+    assert errors[-1] == pytest.approx(float(second_pass_only), rel=1e-4)
+
+
+def test_residual_weight_is_exact_when_all_channels_are_taken() -> None:
+    wq = _quantized_weight()
+    ws = reblock_columns(wq, torch.arange(K, dtype=torch.int32))
+    assert torch.equal(ws.scales.view(torch.uint8), wq.scales.view(torch.uint8))
+    assert torch.equal(block_values(ws), block_values(wq))
+    # the only byte difference: a -0 code (8) dequantizes to -0.0, which quantizes back to +0 (code 0)
+    differing = ws.codes != wq.codes
+    assert torch.equal(ws.codes[differing] & 0x77, wq.codes[differing] & 0x77)
+    assert torch.equal(ws.weight_scale_2, wq.weight_scale_2)
+    partial = reblock_columns(wq, select_channels(torch.arange(K, dtype=torch.float32), 0.125))
+    assert partial.codes.shape == (N, 16) and torch.equal(partial.weight_scale_2, wq.weight_scale_2)
+
+
+def test_reblock_from_a_checkpoint_weight_without_amax() -> None:
+    wq = _quantized_weight()
+    from dataclasses import replace
+
+    stored = replace(wq, global_amax=None)
+    channels = torch.arange(0, K, 2, dtype=torch.int32)[:64]
+    a, b = reblock_columns(wq, channels), reblock_columns(stored, channels)
+    assert torch.equal(a.weight_scale_2, b.weight_scale_2)
+    assert torch.allclose(block_values(a), block_values(b), rtol=0.07)  # encode scale from ws2: at most one e4m3 step
+
+
+@pytest.mark.parametrize(("k", "ratio", "expected"), [(256, 0.125, 32), (256, 0.0, 0), (256, 1.0, 256), (64, 0.1, 0), (64, 0.2, 16), (2048, 0.5, 1024)])
+def test_ratio_rounds_to_whole_blocks(k: int, ratio: float, expected: int) -> None:
+    assert num_residual_channels(k, ratio) == expected
+
+
+def test_select_channels_takes_the_top_scores_sorted() -> None:
+    scores = torch.zeros(64)
+    scores[[50, 3, 40, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31]] = torch.arange(16, 0, -1).float()
+    channels = select_channels(scores, 0.25)
+    assert channels.dtype == torch.int32
+    assert channels.tolist() == sorted([50, 3, 40, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31])
+    assert select_channels(torch.ones(64), 0.25).tolist() == list(range(16))  # ties: lower index first
+
+
+@pytest.mark.parametrize(
+    ("channels", "pattern"),
+    [
+        (torch.arange(15, dtype=torch.int32), "multiple of 16"),
+        (torch.arange(16, 32, dtype=torch.int32).flip(0), "sorted ascending"),
+        (torch.arange(250, 266, dtype=torch.int32), r"\[0, 256\)"),
+        (torch.arange(16, dtype=torch.float32), "int32"),
+    ],
+)
+def test_invalid_channel_sets_are_rejected(channels: torch.Tensor, pattern: str) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        validate_channels(channels, K)
+
+
+def test_static_activation_scale_needs_an_amax() -> None:
+    with pytest.raises(ValueError, match="static_amax"):
+        w4a4_linear(_outlier_inputs(), _quantized_weight(), mode=ActivationScale.STATIC)
+    x = _outlier_inputs()
+    static = w4a4_linear(x, _quantized_weight(), mode=ActivationScale.STATIC, static_amax=float(x.abs().max()))
+    per_tensor = w4a4_linear(x, _quantized_weight(), mode=ActivationScale.PER_TENSOR)
+    assert torch.equal(static, per_tensor)
+
+
+def test_per_token_scales_beat_per_tensor_scales_with_outlier_tokens() -> None:
+    x = _outlier_inputs().float()
+    x[0] *= 1000.0  # one huge token squeezes everyone else's block scales under a per-tensor scale
+    wq = _quantized_weight()
+    ref = x.double() @ wq.dequantize(torch.float64).t()
+    err = {
+        mode: float((w4a4_linear(x, wq, mode=mode, accumulate_dtype=torch.float64).double() - ref)[1:].norm())
+        for mode in (ActivationScale.PER_TOKEN, ActivationScale.PER_TENSOR)
+    }
+    assert err[ActivationScale.PER_TOKEN] < err[ActivationScale.PER_TENSOR]
+
+
+def test_calibration_hooks_rank_channels_by_residual_and_weight() -> None:
+    layer = torch.nn.Linear(K, N, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(_weight())
+        layer.weight[:, :16] = 0.0  # block 0's error cannot reach the output
+    calibrator = RacCalibrator({"proj": layer}, {"proj": K})
+    x = torch.randn(128, K)
+    # an outlier sets its block's scale and crushes the other 15 channels of the block to zero: the
+    # residual sits in the neighbours, not in the outlier itself
+    x[:, [5, 77]] *= 40.0
+    layer(x)
+    layer(x[:16])
+    calibrator.detach()
+    layer(x)  # no longer recorded
+    assert calibrator.stats["proj"].tokens == 144
+    neighbours_5, neighbours_77 = set(range(16)) - {5}, set(range(64, 80)) - {77}
+    by_residual = set(calibrator.select(0.125, ChannelStatistic.RESIDUAL_ENERGY)["proj"].tolist())
+    by_output = set(calibrator.select(0.125, ChannelStatistic.OUTPUT_ERROR, {"proj": layer.weight})["proj"].tolist())
+    by_magnitude = set(calibrator.select(1 / 16, ChannelStatistic.ACTIVATION_MAGNITUDE)["proj"].tolist())
+    assert neighbours_5 | neighbours_77 <= by_residual
+    assert neighbours_77 <= by_output and not by_output & set(range(16))
+    assert {5, 77} <= by_magnitude
+    with pytest.raises(ValueError, match="needs the layer's weight"):
+        calibrator.select(0.25, ChannelStatistic.OUTPUT_ERROR)
+
+
+def test_online_statistics_follow_the_stream() -> None:
+    stats = ChannelStats(64, momentum=0.5)
+    early, late = torch.randn(32, 64), torch.randn(32, 64)
+    early[:, 3] *= 50
+    late[:, 60] *= 50
+    stats.update(early)
+    assert select_channels(stats.scores(ChannelStatistic.ACTIVATION_MAGNITUDE), 0.25).tolist().count(3) == 1
+    for _ in range(6):
+        stats.update(late)
+    top = int(stats.scores(ChannelStatistic.ACTIVATION_MAGNITUDE).argmax())
+    assert top == 60
+    with pytest.raises(ValueError, match="momentum"):
+        ChannelStats(8, momentum=0.0)
