@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -25,6 +26,29 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_analyze(args: argparse.Namespace) -> int:
+    from megatron_quads.analyze import run, table_rows
+    from megatron_quads.rollout.rac import ChannelStatistic
+
+    report = run(
+        Path(args.out),
+        checkpoint=args.checkpoint,
+        ratios=tuple(args.ratios),
+        statistics=tuple(ChannelStatistic(s) for s in args.statistics),
+        num_sequences=args.sequences,
+        seq_len=args.seq_len,
+        seed=args.seed,
+    )
+    table = Table(title=f"rollout vs trainer gap: {report['model']}, {report['tokens']} tokens")
+    for column in ("pair", "max |Δlogp|", "mean |Δlogp|", "k3 KL", "weight err", "activation err"):
+        table.add_column(column, justify="left" if column == "pair" else "right")
+    for row in table_rows(report):
+        table.add_row(*row)
+    Console().print(table)
+    Console().print(f"wrote {Path(args.out) / 'analysis.json'} and {Path(args.out) / 'analysis.png'}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     parser = argparse.ArgumentParser(prog="megatron-quads", description=__doc__)
@@ -36,6 +60,19 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--cols", type=int, default=1024, help="a multiple of 16")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_cmd_demo)
+
+    analyze = sub.add_parser("analyze", help="decompose the rollout-vs-trainer gap into weight and activation error")
+    analyze.add_argument("--out", default="runs/analysis", help="output directory (analysis.json, analysis.png)")
+    analyze.add_argument("--checkpoint", default=None, help="Megatron dist checkpoint of the tiny model (default: random init)")
+    analyze.add_argument("--ratios", type=float, nargs="+", default=[0.125, 0.25, 0.5, 1.0], help="RAC ratios")
+    analyze.add_argument(
+        "--statistics", nargs="+", default=["output_error", "activation_magnitude"],
+        choices=["output_error", "residual_energy", "activation_magnitude"], help="RAC channel rankings to compare",
+    )
+    analyze.add_argument("--sequences", type=int, default=8)
+    analyze.add_argument("--seq-len", type=int, default=64)
+    analyze.add_argument("--seed", type=int, default=0)
+    analyze.set_defaults(func=_cmd_analyze)
     return parser
 
 

@@ -198,3 +198,12 @@ def test_online_statistics_follow_the_stream() -> None:
     assert top == 60
     with pytest.raises(ValueError, match="momentum"):
         ChannelStats(8, momentum=0.0)
+
+
+def test_an_expert_without_tokens_gets_an_empty_output() -> None:
+    wq = _quantized_weight()
+    empty = torch.zeros(0, K, dtype=torch.bfloat16)
+    channels = torch.arange(16, dtype=torch.int32)
+    assert w4a4_linear(empty, wq).shape == (0, N)
+    assert w4a4_linear(empty, wq, mode=ActivationScale.PER_TENSOR).shape == (0, N)
+    assert rac_linear(empty, wq, channels, reblock_columns(wq, channels)).shape == (0, N)

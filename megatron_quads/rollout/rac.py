@@ -127,6 +127,8 @@ def rac_linear(
     """W4A4 linear with Residual Activation Compensation, as one augmented-K GEMM; output in x.dtype."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] == 0:  # e.g. an expert no token was routed to
+        return x.new_zeros(*lead, weight.shape[0])
     a_values, a_decode, w_values = rac_operands(x2, weight, channels, residual_weight, mode, static_amax)
     y = nvfp4_gemm(a_values, a_decode, w_values, weight.weight_scale_2, x.dtype, accumulate_dtype)
-    return y.reshape(*lead, -1)
+    return y.reshape(*lead, weight.shape[0])

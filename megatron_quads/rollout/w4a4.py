@@ -76,10 +76,12 @@ def w4a4_linear(
     """``y = q(x) @ q(W).T``: activations quantized online to NVFP4, output in ``x.dtype``."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] == 0:  # e.g. an expert no token was routed to
+        return x.new_zeros(*lead, weight.shape[0])
     amax = activation_amax(x2, mode, static_amax)
     xq = quantize(x2, global_amax=amax)
     y = nvfp4_gemm(block_values(xq), xq.weight_scale_2, block_values(weight), weight.weight_scale_2, x.dtype, accumulate_dtype)
-    return y.reshape(*lead, -1)
+    return y.reshape(*lead, weight.shape[0])
 
 
 def w4a16_linear(x: torch.Tensor, weight: NVFP4Tensor) -> torch.Tensor:

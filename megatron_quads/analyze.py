@@ -1,0 +1,154 @@
+"""``megatron-quads analyze``: decompose the rollout-vs-trainer gap of an MoE model (table, JSON, PNG).
+
+Runs on a Megatron-Core GPT-MoE (the tiny embedded architecture by default, random or from a
+Megatron dist checkpoint) on CPU: the routed experts' linears are the layers in scope. For each pair
+of :func:`megatron_quads.rollout.analysis.default_pairs` it reports the per-token log-prob gap of the
+whole model and, per layer, the weight-error and activation-error terms; QUADS is measured at several
+RAC ratios and with each channel-ranking statistic.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from megatron_quads.rollout.analysis import QuantAnalysis, default_pairs, run_pairs
+from megatron_quads.rollout.rac import ChannelStatistic
+
+logger = logging.getLogger(__name__)
+
+_EXPERT_LINEAR = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.\d+\.linear_fc[12]$")
+
+
+def megatron_expert_linears(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The routed-expert linears of a Megatron GPT-MoE (SequentialMLP), by module name."""
+    return {name: m for name, m in model.named_modules() if _EXPERT_LINEAR.match(name)}
+
+
+def megatron_layer_of(name: str) -> str:
+    """``decoder.layers.3.mlp...`` -> ``layer 3``."""
+    return f"layer {int(_EXPERT_LINEAR.match(name).group(1))}"
+
+
+def _megatron_forward(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    return model(tokens, positions, None)
+
+
+def build_tiny_model(checkpoint: str | None, seed: int) -> torch.nn.Module:
+    """The embedded-default architecture (fp32, one CPU rank), random or loaded from a dist checkpoint."""
+    from megatron_quads.trainer.distributed import init_trainer_distributed
+    from megatron_quads.trainer.model import ParallelConfig, PolicyModelConfig, build_gpt_model
+
+    init_trainer_distributed(1, 0, ParallelConfig(), seed=seed)
+    model = build_gpt_model(PolicyModelConfig(dtype="fp32", init_method_std=0.05), ParallelConfig())
+    if checkpoint:
+        from megatron.core import dist_checkpointing
+
+        state = dist_checkpointing.load({"model": model.sharded_state_dict()}, checkpoint)
+        model.load_state_dict(state["model"])
+    return model.eval()
+
+
+def plot(report: dict, path: Path) -> None:
+    """Three panels: gap per pair; per-layer weight vs activation error; gap vs RAC ratio per statistic."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pairs = report["pairs"]
+    fig, (ax_gap, ax_layers, ax_ratio) = plt.subplots(1, 3, figsize=(18, 5.5))
+    labels = list(pairs)
+    xs = range(len(labels))
+    ax_gap.bar([x - 0.2 for x in xs], [pairs[l]["gap"]["max_abs"] for l in labels], 0.4, label="max |Δlogp|")
+    ax_gap.bar([x + 0.2 for x in xs], [pairs[l]["gap"]["mean_abs"] for l in labels], 0.4, label="mean |Δlogp|")
+    ax_gap.set_xticks(list(xs), labels, rotation=40, ha="right", fontsize=7)
+    ax_gap.set_ylabel("nats")
+    ax_gap.set_title("rollout vs trainer log-prob gap")
+    ax_gap.legend()
+
+    for label in [l for l in labels if " quads@" not in l]:
+        layers = sorted(pairs[label]["layers"], key=lambda s: int(s.split()[-1]))
+        line = ax_layers.plot([pairs[label]["layers"][l]["activation_rel"] for l in layers], marker="o", label=f"{label}: activation")
+        ax_layers.plot([pairs[label]["layers"][l]["weight_rel"] for l in layers], marker="x", linestyle="--",
+                       color=line[0].get_color(), label=f"{label}: weight")
+    ax_layers.set_xlabel("transformer layer")
+    ax_layers.set_ylabel("relative error of routed-expert outputs")
+    ax_layers.set_title("per-layer error terms")
+    ax_layers.legend(fontsize=7)
+
+    base = pairs.get("aqat vs w4a4", {}).get("gap", {}).get("mean_abs")
+    by_stat: dict[str, list[tuple[float, float]]] = {}
+    for label, r in pairs.items():
+        if " quads@" in label:
+            ratio = float(label.split("quads@")[1].split()[0])
+            stat = label.split("(")[-1].rstrip(")")
+            by_stat.setdefault(stat, []).append((ratio, r["gap"]["mean_abs"]))
+    for stat, points in by_stat.items():
+        points = sorted(([(0.0, base)] if base is not None else []) + points)
+        ax_ratio.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=stat)
+    ax_ratio.set_xlabel("RAC residual-channel ratio")
+    ax_ratio.set_ylabel("mean |Δlogp| (AQAT trainer vs W4A4+RAC rollout)")
+    ax_ratio.set_title("QUADS gap vs RAC ratio")
+    ax_ratio.legend()
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def run(
+    out_dir: Path,
+    checkpoint: str | None = None,
+    ratios: tuple[float, ...] = (0.125, 0.25, 0.5, 1.0),
+    statistics: tuple[ChannelStatistic, ...] = (ChannelStatistic.OUTPUT_ERROR, ChannelStatistic.ACTIVATION_MAGNITUDE),
+    num_sequences: int = 8,
+    seq_len: int = 64,
+    seed: int = 0,
+) -> dict:
+    """Run the analysis, write ``analysis.json`` and ``analysis.png`` to ``out_dir``; returns the report."""
+    model = build_tiny_model(checkpoint, seed)
+    vocab = model.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    calib = torch.randint(0, vocab, (num_sequences, seq_len), generator=gen)
+    tokens = torch.randint(0, vocab, (num_sequences, seq_len), generator=gen)
+    analysis = QuantAnalysis(model, megatron_expert_linears(model), _megatron_forward)
+    report: dict = {"model": "tiny Megatron GPT-MoE" + (f" from {checkpoint}" if checkpoint else " (random init)"),
+                    "tokens": tokens.numel(), "ratios": list(ratios), "pairs": {}}
+    for statistic in statistics:
+        analysis.calibrate(calib, list(ratios), statistic)
+        pairs = default_pairs(list(ratios))
+        if statistic != statistics[0]:
+            pairs = [p for p in pairs if p[1].kind == "quads"]  # the non-RAC pairs do not depend on S
+        results = run_pairs(analysis, tokens, pairs, megatron_layer_of)
+        for r in results:
+            if r.label.startswith("aqat vs quads"):
+                r.label = f"{r.label} ({statistic.value})"
+            report["pairs"][r.label] = asdict(r)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=out_dir, delete=False, suffix=".tmp") as tmp:
+        json.dump(report, tmp, indent=1)
+    os.replace(tmp.name, out_dir / "analysis.json")
+    plot(report, out_dir / "analysis.png")
+    return report
+
+
+def table_rows(report: dict) -> list[tuple[str, str, str, str, str, str]]:
+    """(pair, max |Δlogp|, mean |Δlogp|, k3 KL, mean weight err, mean activation err) per pair."""
+    rows = []
+    for label, r in report["pairs"].items():
+        layers = r["layers"].values()
+        w = sum(l["weight_rel"] for l in layers) / max(len(layers), 1)
+        a = sum(l["activation_rel"] for l in layers) / max(len(layers), 1)
+        g = r["gap"]
+        rows.append((label, f"{g['max_abs']:.4f}", f"{g['mean_abs']:.5f}", f"{g['k3_kl']:.2e}", f"{w:.4f}", f"{a:.4f}"))
+    return rows

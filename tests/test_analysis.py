@@ -1,0 +1,94 @@
+"""The rollout-vs-trainer gap analysis on the tiny Megatron MoE (one CPU rank)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megatron_quads.analyze import _megatron_forward, build_tiny_model, megatron_expert_linears, megatron_layer_of
+from megatron_quads.rollout.analysis import Precision, QuantAnalysis, default_pairs, logprob_gap, run_pairs
+from megatron_quads.rollout.rac import ChannelStatistic
+
+
+@pytest.fixture(scope="module")
+def analysis() -> QuantAnalysis:
+    model = build_tiny_model(None, seed=0)
+    return QuantAnalysis(model, megatron_expert_linears(model), _megatron_forward)
+
+
+def _tokens(seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 64, (4, 24), generator=torch.Generator().manual_seed(seed))
+
+
+def test_scope_is_the_routed_expert_linears(analysis: QuantAnalysis) -> None:
+    assert len(analysis.modules) == 4 * 8 * 2  # layers x experts x (fc1, fc2)
+    assert megatron_layer_of("decoder.layers.3.mlp.experts.local_experts.7.linear_fc2") == "layer 3"
+
+
+def test_aqat_trainer_has_exactly_zero_weight_error(analysis: QuantAnalysis) -> None:
+    tokens = _tokens()
+    for rollout in (Precision("w4a4"), Precision("aqat")):
+        sums = analysis.layer_errors(tokens, Precision("aqat"), rollout)
+        assert all(t["weight"] == 0.0 for t in sums.values())
+    bf16 = analysis.layer_errors(tokens, Precision("bf16"), Precision("w4a4"))
+    assert all(t["weight"] > 0 for t in bf16.values() if t["output"] > 0)
+
+
+def test_weight_only_rollout_has_exactly_zero_activation_error(analysis: QuantAnalysis) -> None:
+    sums = analysis.layer_errors(_tokens(), Precision("bf16"), Precision("aqat"))
+    assert all(t["activation"] == 0.0 for t in sums.values())
+    assert any(t["weight"] > 0 for t in sums.values())
+
+
+def test_aqat_simulation_equals_the_quads_trainer_model(analysis: QuantAnalysis) -> None:
+    from megatron_quads.trainer.model import ParallelConfig, PolicyModelConfig, build_gpt_model
+    from megatron_quads.trainer.quads_config import QuadsTrainerConfig
+
+    quads = build_gpt_model(PolicyModelConfig(dtype="fp32", init_method_std=0.05), ParallelConfig(), QuadsTrainerConfig())
+    quads.load_state_dict(analysis.model.state_dict())
+    tokens = _tokens()
+    with torch.no_grad():
+        real = torch.log_softmax(_megatron_forward(quads.eval(), tokens).float()[:, :-1], -1)
+    real = real.gather(-1, tokens[:, 1:, None])[..., 0]
+    assert torch.equal(analysis.logprobs(tokens, Precision("aqat")), real)
+
+
+def test_rac_shrinks_the_gap_and_ratio_one_removes_most_of_it(analysis: QuantAnalysis) -> None:
+    tokens = _tokens()
+    analysis.calibrate(_tokens(seed=2), [0.25, 1.0], ChannelStatistic.OUTPUT_ERROR)
+    results = {r.label: r for r in run_pairs(analysis, tokens, default_pairs([0.25, 1.0]), megatron_layer_of)}
+    assert set(results) == {"bf16 vs w4a4", "bf16 vs w4a16", "aqat vs w4a4", "aqat vs quads@0.25", "aqat vs quads@1"}
+    naive, quads_full = results["aqat vs w4a4"].gap, results["aqat vs quads@1"].gap
+    assert quads_full["mean_abs"] < naive["mean_abs"] / 3
+    act = {label: sum(l["activation_rel"] for l in r.layers.values()) for label, r in results.items()}
+    assert act["aqat vs quads@1"] < act["aqat vs quads@0.25"] < act["aqat vs w4a4"]
+
+
+def test_logprob_gap_by_hand() -> None:
+    trainer = torch.log(torch.tensor([[0.5, 0.25]]))
+    rollout = torch.log(torch.tensor([[0.25, 0.25]]))
+    gap = logprob_gap(trainer, rollout)
+    assert gap["max_abs"] == pytest.approx(float(torch.log(torch.tensor(2.0))))
+    assert gap["mean_abs"] == pytest.approx(float(torch.log(torch.tensor(2.0))) / 2)
+    # k3 = r - 1 - log r with r = pi_T / pi_R: token 1: 2 - 1 - log 2; token 2: 0
+    assert gap["k3_kl"] == pytest.approx((1 - float(torch.log(torch.tensor(2.0)))) / 2)
+    masked = logprob_gap(trainer, rollout, mask=torch.tensor([[0, 1]]))
+    assert masked["max_abs"] == 0.0
+
+
+def test_unknown_precision_is_rejected() -> None:
+    with pytest.raises(ValueError, match="unknown precision 'fp8'"):
+        Precision("fp8")
+
+
+def test_analyze_command_writes_report_and_plot(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    from megatron_quads.cli import main
+
+    assert main(["analyze", "--out", str(tmp_path), "--ratios", "0.25", "1.0", "--sequences", "2", "--seq-len", "16"]) == 0
+    report = json.loads((tmp_path / "analysis.json").read_text())
+    assert "aqat vs quads@0.25 (output_error)" in report["pairs"]
+    assert "aqat vs quads@1 (activation_magnitude)" in report["pairs"]
+    assert (tmp_path / "analysis.png").stat().st_size > 10_000
+    assert "wrote" in capsys.readouterr().out
