@@ -1,7 +1,9 @@
 """``megatron-quads analyze``: decompose the rollout-vs-trainer gap of an MoE model (table, JSON, PNG).
 
-Runs on a Megatron-Core GPT-MoE (the tiny embedded architecture by default, random or from a
-Megatron dist checkpoint) on CPU: the routed experts' linears are the layers in scope. For each pair
+Runs on CPU on a Megatron-Core GPT-MoE (the tiny embedded architecture by default, random or from a
+Megatron dist checkpoint) or on a local Hugging Face Qwen3-MoE-format model; the routed experts'
+linears are the layers in scope. Token sequences are random ids (the gap is a property of the
+numerics on the model's own activations; prompts from a task arrive with the GRPO issue). For each pair
 of :func:`megatron_quads.rollout.analysis.default_pairs` it reports the per-token log-prob gap of the
 whole model and, per layer, the weight-error and activation-error terms; QUADS is measured at several
 RAC ratios and with each channel-ranking statistic.
@@ -11,6 +13,8 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 import os
 import re
 import tempfile
@@ -40,6 +44,57 @@ def megatron_layer_of(name: str) -> str:
 def _megatron_forward(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     positions = torch.arange(tokens.shape[1]).expand_as(tokens)
     return model(tokens, positions, None)
+
+
+_HF_EXPERT_LINEAR = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)\.\d+$")
+
+
+@dataclass
+class Target:
+    """A model to analyse, with its in-scope linears and how to run it."""
+
+    model: torch.nn.Module
+    modules: dict[str, torch.nn.Module]
+    forward: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
+    layer_of: Callable[[str], str]
+    vocab_size: int
+    description: str
+
+
+def load_hf_model(path: str) -> Target:
+    """A local Hugging Face Qwen3-MoE-format model (fp32, CPU) with its experts split per expert."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_quads.rollout.hf_experts import split_experts
+
+    if not Path(path, "config.json").exists():
+        raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
+    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32, local_files_only=True).eval()
+    split_experts(model)
+    modules = {name: m for name, m in model.named_modules() if _HF_EXPERT_LINEAR.match(name)}
+    if not modules:
+        raise ValueError(f"{path}: found no routed-expert linears (expected Qwen3-MoE-style model.layers.N.mlp.experts)")
+    return Target(
+        model=model,
+        modules=modules,
+        forward=lambda m, tokens: m(input_ids=tokens).logits,
+        layer_of=lambda name: f"layer {int(_HF_EXPERT_LINEAR.match(name).group(1))}",
+        vocab_size=model.config.vocab_size,
+        description=f"Hugging Face model {path}",
+    )
+
+
+def load_megatron_tiny(checkpoint: str | None, seed: int) -> Target:
+    """The tiny Megatron GPT-MoE as an analysis target."""
+    model = build_tiny_model(checkpoint, seed)
+    return Target(
+        model=model,
+        modules=megatron_expert_linears(model),
+        forward=_megatron_forward,
+        layer_of=megatron_layer_of,
+        vocab_size=model.vocab_size,
+        description="tiny Megatron GPT-MoE" + (f" from {checkpoint}" if checkpoint else " (random init)"),
+    )
 
 
 def build_tiny_model(checkpoint: str | None, seed: int) -> torch.nn.Module:
@@ -109,6 +164,7 @@ def plot(report: dict, path: Path) -> None:
 def run(
     out_dir: Path,
     checkpoint: str | None = None,
+    hf_model: str | None = None,
     ratios: tuple[float, ...] = (0.125, 0.25, 0.5, 1.0),
     statistics: tuple[ChannelStatistic, ...] = (ChannelStatistic.OUTPUT_ERROR, ChannelStatistic.ACTIVATION_MAGNITUDE),
     num_sequences: int = 8,
@@ -116,20 +172,20 @@ def run(
     seed: int = 0,
 ) -> dict:
     """Run the analysis, write ``analysis.json`` and ``analysis.png`` to ``out_dir``; returns the report."""
-    model = build_tiny_model(checkpoint, seed)
-    vocab = model.vocab_size
+    if hf_model and checkpoint:
+        raise ValueError("pass either a Megatron checkpoint or a Hugging Face model, not both")
+    target = load_hf_model(hf_model) if hf_model else load_megatron_tiny(checkpoint, seed)
     gen = torch.Generator().manual_seed(seed)
-    calib = torch.randint(0, vocab, (num_sequences, seq_len), generator=gen)
-    tokens = torch.randint(0, vocab, (num_sequences, seq_len), generator=gen)
-    analysis = QuantAnalysis(model, megatron_expert_linears(model), _megatron_forward)
-    report: dict = {"model": "tiny Megatron GPT-MoE" + (f" from {checkpoint}" if checkpoint else " (random init)"),
-                    "tokens": tokens.numel(), "ratios": list(ratios), "pairs": {}}
+    calib = torch.randint(0, target.vocab_size, (num_sequences, seq_len), generator=gen)
+    tokens = torch.randint(0, target.vocab_size, (num_sequences, seq_len), generator=gen)
+    analysis = QuantAnalysis(target.model, target.modules, target.forward)
+    report: dict = {"model": target.description, "tokens": tokens.numel(), "ratios": list(ratios), "pairs": {}}
     for statistic in statistics:
         analysis.calibrate(calib, list(ratios), statistic)
         pairs = default_pairs(list(ratios))
         if statistic != statistics[0]:
             pairs = [p for p in pairs if p[1].kind == "quads"]  # the non-RAC pairs do not depend on S
-        results = run_pairs(analysis, tokens, pairs, megatron_layer_of)
+        results = run_pairs(analysis, tokens, pairs, target.layer_of)
         for r in results:
             if r.label.startswith("aqat vs quads"):
                 r.label = f"{r.label} ({statistic.value})"

@@ -92,3 +92,47 @@ def test_analyze_command_writes_report_and_plot(tmp_path, capsys: pytest.Capture
     assert "aqat vs quads@1 (activation_magnitude)" in report["pairs"]
     assert (tmp_path / "analysis.png").stat().st_size > 10_000
     assert "wrote" in capsys.readouterr().out
+
+
+def _tiny_qwen3_moe(path) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=True, mlp_only_layers=[], decoder_sparse_step=1,
+    )
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(path)
+
+
+def test_split_experts_keeps_the_hf_model_exact(tmp_path) -> None:
+    transformers = pytest.importorskip("transformers")
+    from megatron_quads.rollout.hf_experts import split_experts
+
+    _tiny_qwen3_moe(tmp_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True).eval()
+    ids = _tokens()
+    with torch.no_grad():
+        before = model(ids).logits
+        assert split_experts(model) == 2
+        after = model(ids).logits
+    assert torch.allclose(before, after, atol=1e-6)
+
+
+def test_analyze_runs_on_a_hugging_face_qwen3_moe(tmp_path) -> None:
+    from megatron_quads.analyze import run
+
+    _tiny_qwen3_moe(tmp_path / "model")
+    report = run(tmp_path / "out", hf_model=str(tmp_path / "model"), ratios=(1.0,),
+                 statistics=(ChannelStatistic.OUTPUT_ERROR,), num_sequences=2, seq_len=12)
+    pairs = report["pairs"]
+    assert set(pairs["aqat vs w4a4"]["layers"]) == {"layer 0", "layer 1"}
+    assert all(l["weight_rel"] == 0.0 for l in pairs["aqat vs w4a4"]["layers"].values())
+    assert pairs["aqat vs quads@1 (output_error)"]["gap"]["mean_abs"] < pairs["aqat vs w4a4"]["gap"]["mean_abs"]
+
+
+def test_missing_hf_model_directory_is_a_clear_error(tmp_path) -> None:
+    from megatron_quads.analyze import load_hf_model
+
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_hf_model(str(tmp_path))

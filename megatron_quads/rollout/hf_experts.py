@@ -1,0 +1,55 @@
+"""Per-expert linear modules for Hugging Face MoE models whose experts are fused 3-D parameters.
+
+transformers 5 stores a Qwen3-MoE layer's experts as ``gate_up_proj [E, 2I, H]`` and
+``down_proj [E, H, I]`` inside one module, so nothing sees one expert's input. :func:`split_experts`
+replaces each such module by :class:`PerExpertLinears` (one ``gate_up`` and one ``down``
+``nn.Linear`` per expert, the same weights and the same routing arithmetic), whose linears the
+quantization analysis and calibration can hook like any other.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _is_fused_experts(module: nn.Module) -> bool:
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.ndim == 3
+
+
+class PerExpertLinears(nn.Module):
+    """Fused MoE experts as ``nn.Linear`` per expert; forward(hidden [T, H], top_k_index, top_k_weights)."""
+
+    def __init__(self, fused: nn.Module) -> None:
+        super().__init__()
+        num_experts, two_i, hidden = fused.gate_up_proj.shape
+        self.act_fn = fused.act_fn
+        self.gate_up = nn.ModuleList(nn.Linear(hidden, two_i, bias=False) for _ in range(num_experts))
+        self.down = nn.ModuleList(nn.Linear(two_i // 2, hidden, bias=False) for _ in range(num_experts))
+        with torch.no_grad():
+            for e in range(num_experts):
+                self.gate_up[e].weight.copy_(fused.gate_up_proj[e])
+                self.down[e].weight.copy_(fused.down_proj[e])
+        self.to(fused.gate_up_proj.dtype)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """Weighted sum over each token's selected experts of ``down(act(gate) * up)``."""
+        out = torch.zeros_like(hidden_states)
+        for e in range(len(self.gate_up)):
+            token_idx, slot = torch.where(top_k_index == e)
+            if token_idx.numel() == 0:
+                continue
+            gate, up = self.gate_up[e](hidden_states[token_idx]).chunk(2, dim=-1)
+            y = self.down[e](self.act_fn(gate) * up) * top_k_weights[token_idx, slot, None]
+            out.index_add_(0, token_idx, y.to(out.dtype))
+        return out
+
+
+def split_experts(model: nn.Module) -> int:
+    """Replace every fused-experts module of ``model`` in place; returns how many were replaced."""
+    targets = [(name, m) for name, m in model.named_modules() if _is_fused_experts(m)]
+    for name, module in targets:
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, PerExpertLinears(module))
+    return len(targets)
