@@ -58,7 +58,11 @@ def _loss(logprobs: torch.Tensor, mb: dict) -> tuple:
 
 def _build_worker(profile: dict, quads: bool):
     from megatron_quads.trainer.model import PolicyModelConfig
-    from megatron_quads.trainer.policy import OptimConfig, PolicyWorker, PolicyWorkerConfig
+    from megatron_quads.trainer.policy import (
+        OptimConfig,
+        PolicyWorker,
+        PolicyWorkerConfig,
+    )
     from megatron_quads.trainer.quads_config import QuadsTrainerConfig
 
     cfg = PolicyWorkerConfig(
@@ -72,7 +76,10 @@ def _build_worker(profile: dict, quads: bool):
 
 def _rebuild_ms(worker) -> tuple[float, float]:
     """Median time of rebuilding every fake-quantized weight once, and the cached bytes."""
-    from megatron_quads.trainer.expert_linears import FakeQuantColumnParallelLinear, FakeQuantRowParallelLinear
+    from megatron_quads.trainer.expert_linears import (
+        FakeQuantColumnParallelLinear,
+        FakeQuantRowParallelLinear,
+    )
     from megatron_quads.trainer.fake_quant import invalidate_fake_quant_caches
 
     linears = [m for m in worker.model.modules() if isinstance(m, (FakeQuantColumnParallelLinear, FakeQuantRowParallelLinear))]

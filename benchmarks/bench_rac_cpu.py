@@ -21,7 +21,12 @@ import torch
 from torch.utils.benchmark import Timer
 
 from megatron_quads.nvfp4 import quantize
-from megatron_quads.rollout.rac import num_residual_channels, rac_linear, reblock_columns, select_channels
+from megatron_quads.rollout.rac import (
+    num_residual_channels,
+    rac_linear,
+    reblock_columns,
+    select_channels,
+)
 from megatron_quads.rollout.w4a4 import w4a4_linear
 
 SHAPES = [(64, 2048, 2048), (64, 4096, 4096)]  # tokens, K, N (decode-like batch)

@@ -19,7 +19,12 @@ import torch
 
 from megatron_quads.nvfp4 import quantize
 from megatron_quads.rollout.calibration import ChannelStats
-from megatron_quads.rollout.rac import ChannelStatistic, rac_linear, reblock_columns, select_channels
+from megatron_quads.rollout.rac import (
+    ChannelStatistic,
+    rac_linear,
+    reblock_columns,
+    select_channels,
+)
 
 K, N, TOKENS, LAYERS = 1024, 512, 256, 8
 RATIOS = (0.0, 0.0625, 0.125, 0.25, 0.5)

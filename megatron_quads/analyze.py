@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
 import os
 import re
 import tempfile
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -100,7 +99,11 @@ def load_megatron_tiny(checkpoint: str | None, seed: int) -> Target:
 def build_tiny_model(checkpoint: str | None, seed: int) -> torch.nn.Module:
     """The embedded-default architecture (fp32, one CPU rank), random or loaded from a dist checkpoint."""
     from megatron_quads.trainer.distributed import init_trainer_distributed
-    from megatron_quads.trainer.model import ParallelConfig, PolicyModelConfig, build_gpt_model
+    from megatron_quads.trainer.model import (
+        ParallelConfig,
+        PolicyModelConfig,
+        build_gpt_model,
+    )
 
     init_trainer_distributed(1, 0, ParallelConfig(), seed=seed)
     model = build_gpt_model(PolicyModelConfig(dtype="fp32", init_method_std=0.05), ParallelConfig())

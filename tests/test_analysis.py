@@ -7,8 +7,19 @@ import json
 import pytest
 import torch
 
-from megatron_quads.analyze import _megatron_forward, build_tiny_model, megatron_expert_linears, megatron_layer_of
-from megatron_quads.rollout.analysis import Precision, QuantAnalysis, default_pairs, logprob_gap, run_pairs
+from megatron_quads.analyze import (
+    _megatron_forward,
+    build_tiny_model,
+    megatron_expert_linears,
+    megatron_layer_of,
+)
+from megatron_quads.rollout.analysis import (
+    Precision,
+    QuantAnalysis,
+    default_pairs,
+    logprob_gap,
+    run_pairs,
+)
 from megatron_quads.rollout.rac import ChannelStatistic
 
 
@@ -43,7 +54,11 @@ def test_weight_only_rollout_has_exactly_zero_activation_error(analysis: QuantAn
 
 
 def test_aqat_simulation_equals_the_quads_trainer_model(analysis: QuantAnalysis) -> None:
-    from megatron_quads.trainer.model import ParallelConfig, PolicyModelConfig, build_gpt_model
+    from megatron_quads.trainer.model import (
+        ParallelConfig,
+        PolicyModelConfig,
+        build_gpt_model,
+    )
     from megatron_quads.trainer.quads_config import QuadsTrainerConfig
 
     quads = build_gpt_model(PolicyModelConfig(dtype="fp32", init_method_std=0.05), ParallelConfig(), QuadsTrainerConfig())

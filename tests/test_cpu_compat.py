@@ -115,7 +115,10 @@ def _build(cfg):
 
 
 def _ddp_and_optimizer(cfg, module, *, optimizer="sgd", lr=SGD_LR, dist_opt=False, overlap=False):
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+    )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     ddp_cfg = DistributedDataParallelConfig(

@@ -6,7 +6,11 @@ import pytest
 import torch
 
 from megatron_quads.trainer.hf_export import export_hf_weights
-from megatron_quads.trainer.model import ParallelConfig, PolicyModelConfig, build_gpt_model
+from megatron_quads.trainer.model import (
+    ParallelConfig,
+    PolicyModelConfig,
+    build_gpt_model,
+)
 from megatron_quads.trainer.quads_config import QuadsTrainerConfig
 
 transformers = pytest.importorskip("transformers")

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_quads.nvfp4 import E2M1_MAGNITUDES, codes_to_values, pack_codes, round_to_e2m1_codes, unpack_codes
+from megatron_quads.nvfp4 import (
+    E2M1_MAGNITUDES,
+    codes_to_values,
+    pack_codes,
+    round_to_e2m1_codes,
+    unpack_codes,
+)
 
 
 def test_grid_values_map_to_their_own_codes() -> None:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_nvfp4_golden import CASES, TENSORS
 
 from megatron_quads.nvfp4 import compute_global_amax, quantize_dequantize
 from megatron_quads.nvfp4.fused import fake_quant_values
-from test_nvfp4_golden import CASES, TENSORS
 
 ONE_D_CASES = [c for c in CASES if c["block"] == "1x16"]
 

@@ -6,7 +6,12 @@ import pytest
 import torch
 
 from megatron_quads.trainer.model import ParallelConfig, PolicyModelConfig
-from megatron_quads.trainer.policy import OptimConfig, PolicyWorker, PolicyWorkerConfig, token_logprobs
+from megatron_quads.trainer.policy import (
+    OptimConfig,
+    PolicyWorker,
+    PolicyWorkerConfig,
+    token_logprobs,
+)
 
 # On a GPU, GEMMs of different batch shapes round differently, which flips near-tied MoE routes of a
 # randomly initialised router: exact comparisons across batch shapes hold on CPU only.

@@ -20,7 +20,6 @@ import os
 
 import pytest
 import torch
-
 from mp_harness import Recorder, get, spawn
 
 WORLD = 2
@@ -48,7 +47,11 @@ def _token_mean_nll(logprobs: torch.Tensor, mb: dict) -> tuple:
 
 def _worker(parallel: dict, quads: bool):
     from megatron_quads.trainer.model import ParallelConfig, PolicyModelConfig
-    from megatron_quads.trainer.policy import OptimConfig, PolicyWorker, PolicyWorkerConfig
+    from megatron_quads.trainer.policy import (
+        OptimConfig,
+        PolicyWorker,
+        PolicyWorkerConfig,
+    )
     from megatron_quads.trainer.quads_config import QuadsTrainerConfig
 
     cfg = PolicyWorkerConfig(
@@ -84,7 +87,10 @@ def _fake_quant_uses_full_tensor_amax(worker, full: dict[str, torch.Tensor]) -> 
     from megatron.core import parallel_state
 
     from megatron_quads.nvfp4 import quantize_dequantize
-    from megatron_quads.trainer.expert_linears import FakeQuantColumnParallelLinear, FakeQuantRowParallelLinear
+    from megatron_quads.trainer.expert_linears import (
+        FakeQuantColumnParallelLinear,
+        FakeQuantRowParallelLinear,
+    )
 
     ep_rank = parallel_state.get_expert_model_parallel_rank()
     num_local = MODEL["num_experts"] // parallel_state.get_expert_model_parallel_world_size()

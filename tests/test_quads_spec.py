@@ -8,9 +8,17 @@ import pytest
 import torch
 
 from megatron_quads.nvfp4 import quantize_dequantize
-from megatron_quads.trainer.expert_linears import FakeQuantColumnParallelLinear, FakeQuantRowParallelLinear
+from megatron_quads.trainer.expert_linears import (
+    FakeQuantColumnParallelLinear,
+    FakeQuantRowParallelLinear,
+)
 from megatron_quads.trainer.fake_quant import invalidate_fake_quant_caches
-from megatron_quads.trainer.model import ParallelConfig, PolicyModelConfig, build_gpt_model, stock_layer_spec
+from megatron_quads.trainer.model import (
+    ParallelConfig,
+    PolicyModelConfig,
+    build_gpt_model,
+    stock_layer_spec,
+)
 from megatron_quads.trainer.quads_config import QuadsScope, QuadsTrainerConfig
 from megatron_quads.trainer.specs import UnsupportedForQuads, quads_layer_spec
 

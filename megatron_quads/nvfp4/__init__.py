@@ -26,7 +26,11 @@ from megatron_quads.nvfp4.quantize import (
     quantize,
     quantize_dequantize,
 )
-from megatron_quads.nvfp4.swizzle import swizzle_scales, swizzled_shape, unswizzle_scales
+from megatron_quads.nvfp4.swizzle import (
+    swizzle_scales,
+    swizzled_shape,
+    unswizzle_scales,
+)
 from megatron_quads.nvfp4.tensor import NVFP4Tensor
 
 __all__ = [

@@ -22,6 +22,7 @@ from megatron_quads.nvfp4.format import (
 )
 from megatron_quads.nvfp4.quantize import decode_scale_from_amax
 
+
 def _round_to_e2m1_values(v: torch.Tensor) -> torch.Tensor:
     """Nearest-even E2M1 value (fp32) of already-scaled ``v``, saturating at +-6, sign kept."""
     q = e2m1_lut(v.device)[:8][magnitude_index(v).long()]

@@ -13,9 +13,9 @@ the GEMM has one ``alpha`` (per token with per-token activation scales), as a re
 
 ``W_S`` are the columns S of the same quantized weight the trainer's fake quant produces, gathered
 in ascending channel order and re-blocked into 1x16 NVFP4 blocks along the gathered dimension with
-the weight's global scale (:func:`reblock_columns`). Re-blocking is exact when S is all channels;
-otherwise gathered columns from blocks with different scales share a new block scale, which rounds
-some of them (docs/format.md quantifies it; it only touches the small residual term).
+the weight's global scale (:func:`reblock_columns`). Whole aligned blocks of 16 are copied exactly
+(so S = all channels gives W_S = q(W) byte for byte); other gathered columns share a new block scale,
+which rounds some of them (docs/format.md quantifies it; it only touches the small residual term).
 """
 
 from __future__ import annotations
@@ -24,8 +24,14 @@ from enum import Enum
 
 import torch
 
-from megatron_quads.nvfp4 import BLOCK_SIZE, GLOBAL_SCALE_DIVISOR, NVFP4Tensor, quantize
-from megatron_quads.rollout.w4a4 import ActivationScale, activation_amax, block_values, nvfp4_gemm
+from megatron_quads.nvfp4 import BLOCK_SIZE, NVFP4Tensor, quantize
+from megatron_quads.rollout.w4a4 import (
+    ActivationScale,
+    activation_amax,
+    block_values,
+    nvfp4_gemm,
+)
+from megatron_quads.rollout.weights import as_residual_channels, reblock_residual
 
 
 class ChannelStatistic(str, Enum):
@@ -57,34 +63,22 @@ def select_channels(scores: torch.Tensor, ratio: float) -> torch.Tensor:
 
 def validate_channels(channels: torch.Tensor, in_features: int) -> None:
     """Raise a clear error unless ``channels`` is a valid residual channel set for K = in_features."""
-    if channels.ndim != 1 or channels.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"residual channels must be a 1-D int32 tensor, got {channels.dtype} {tuple(channels.shape)}")
-    n = channels.numel()
-    if n % BLOCK_SIZE:
-        raise ValueError(f"the number of residual channels must be a multiple of {BLOCK_SIZE}, got {n}")
-    if n and (int(channels.min()) < 0 or int(channels.max()) >= in_features):
-        raise ValueError(f"residual channels must lie in [0, {in_features}), got [{int(channels.min())}, {int(channels.max())}]")
-    if n > 1 and not bool((channels[1:] > channels[:-1]).all()):
-        raise ValueError("residual channels must be sorted ascending without duplicates")
+    as_residual_channels(channels, in_features)
 
 
 def reblock_columns(weight: NVFP4Tensor, channels: torch.Tensor) -> NVFP4Tensor:
-    """``W_S``: columns ``channels`` of ``dequantize(weight)`` re-quantized in 1x16 blocks, same global scale.
+    """``W_S`` for ``channels`` as an NVFP4 tensor sharing ``weight``'s ``weight_scale_2``.
 
-    The result carries ``weight``'s ``weight_scale_2`` so ``[q(W), W_S]`` has one decode scale. When
-    ``weight`` came from a checkpoint (no amax), the encode scale is derived from ``weight_scale_2``.
+    Built by :func:`megatron_quads.rollout.weights.reblock_residual` from the stored fields only:
+    whole aligned blocks are copied, the rest re-quantized with the weight's global scale.
     """
-    validate_channels(channels, weight.shape[-1])
-    columns = weight.dequantize(torch.float32).index_select(-1, channels.to(torch.long).to(weight.device))
-    amax = weight.global_amax if weight.global_amax is not None else weight.weight_scale_2 * GLOBAL_SCALE_DIVISOR
-    reblocked = quantize(columns, global_amax=amax)
+    codes, scales = reblock_residual(weight, channels)
     return NVFP4Tensor(
-        codes=reblocked.codes,
-        scales=reblocked.scales,
+        codes=codes,
+        scales=scales,
         weight_scale_2=weight.weight_scale_2,
-        shape=reblocked.shape,
+        shape=torch.Size((weight.shape[0], channels.numel())),
         dtype=weight.dtype,
-        global_amax=amax,
     )
 
 

@@ -12,7 +12,13 @@ from enum import Enum
 
 import torch
 
-from megatron_quads.nvfp4 import BLOCK_SIZE, NVFP4Tensor, codes_to_values, quantize, unpack_codes
+from megatron_quads.nvfp4 import (
+    BLOCK_SIZE,
+    NVFP4Tensor,
+    codes_to_values,
+    quantize,
+    unpack_codes,
+)
 
 
 class ActivationScale(str, Enum):

@@ -30,7 +30,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
@@ -39,7 +43,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from megatron_quads.trainer.fake_quant import invalidate_fake_quant_caches
 from megatron_quads.trainer.hf_export import export_hf_weights
 from megatron_quads.trainer.megatron_fixes import mark_expert_params_for_expert_dp
-from megatron_quads.trainer.model import ParallelConfig, PolicyModelConfig, build_gpt_model
+from megatron_quads.trainer.model import (
+    ParallelConfig,
+    PolicyModelConfig,
+    build_gpt_model,
+)
 from megatron_quads.trainer.quads_config import QuadsTrainerConfig
 
 logger = logging.getLogger(__name__)
