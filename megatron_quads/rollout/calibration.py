@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import torch
 
 from megatron_quads.nvfp4 import NVFP4Tensor, quantize
-from megatron_quads.rollout.rac import ChannelStatistic, select_channels
+from megatron_quads.rollout.rac import DEFAULT_RATIO, ChannelStatistic, select_channels
 from megatron_quads.rollout.w4a4 import ActivationScale, activation_amax
 
 
@@ -99,7 +99,7 @@ class RacCalibrator:
 
     def select(
         self,
-        ratio: float,
+        ratio: float = DEFAULT_RATIO,
         statistic: ChannelStatistic = ChannelStatistic.OUTPUT_ERROR,
         weights: Mapping[str, torch.Tensor | NVFP4Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:

@@ -34,6 +34,10 @@ from megatron_quads.rollout.w4a4 import (
 from megatron_quads.rollout.weights import as_residual_channels, reblock_residual
 
 
+DEFAULT_RATIO = 0.125
+"""Default fraction of input channels given a residual pass (12.5%: ~12.5% more FLOPs and bytes)."""
+
+
 class ChannelStatistic(str, Enum):
     """How input channels are ranked for RAC (calibrated per linear, per expert for MoE)."""
 
@@ -53,7 +57,7 @@ def num_residual_channels(in_features: int, ratio: float) -> int:
     return min(in_features, int(round(ratio * in_features / BLOCK_SIZE)) * BLOCK_SIZE)
 
 
-def select_channels(scores: torch.Tensor, ratio: float) -> torch.Tensor:
+def select_channels(scores: torch.Tensor, ratio: float = DEFAULT_RATIO) -> torch.Tensor:
     """The top ``ratio * K`` channels by score (ties: lower index), sorted ascending, int32."""
     count = num_residual_channels(scores.numel(), ratio)
     # stable descending order: equal scores keep index order, so selection is deterministic
