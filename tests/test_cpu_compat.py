@@ -24,13 +24,12 @@ because Adam's first step is ~lr*sign(g) and would amplify fp32 noise on near-ze
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import re
-import traceback
 
 import pytest
 import torch
+from mp_harness import Recorder, get, spawn
 
 from megatron_quads.trainer import cpu_compat, megatron_fixes
 
@@ -51,26 +50,6 @@ JOB_TIMEOUT_S = 240
 # ---------------------------------------------------------------------------------------------
 # Helpers that run inside the spawned workers
 # ---------------------------------------------------------------------------------------------
-class _Recorder:
-    def __init__(self, out_dir: str, rank: int):
-        self.path = os.path.join(out_dir, f"rank{rank}.json")
-        self.results: dict = {}
-
-    def __call__(self, name: str, **values) -> None:
-        self.results[name] = values
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.results, f)
-        os.replace(tmp, self.path)
-
-    def run(self, name: str, fn, *args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except BaseException:
-            self(name, error=traceback.format_exc())
-            raise
-
-
 def _config(
     dtype=torch.float32, *, tp=1, ep=1, etp=None, dispatcher="alltoall", aux=0.0, cpu_init=True
 ):
@@ -236,7 +215,7 @@ def _replica_max_diff(model, group, name_filter) -> float:
 # 1-process job
 # ---------------------------------------------------------------------------------------------
 def _one_process_job(rank: int, port: int, out_dir: str) -> None:
-    record = _Recorder(out_dir, rank)
+    record = Recorder(out_dir, rank)
     cpu_compat.init_distributed_cpu(1, rank, master_port=port, seed=SEED)
     record.run("rng", _check_rng, record)
     record.run("fp32", _check_single_fp32, record)
@@ -368,7 +347,7 @@ def _check_idempotent(record) -> None:
 # ---------------------------------------------------------------------------------------------
 def _two_process_job(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)  # two workers on two cores
-    record = _Recorder(out_dir, rank)
+    record = Recorder(out_dir, rank)
     ckpt_dir = os.path.join(out_dir, "ckpt_ep2")
     ref = record.run("ref", _ref_fp32, record, rank, port)
     record.run("ep2_alltoall", _compare_fp32, record, "ep2_alltoall", ref, port, ep=2, ckpt_dir=ckpt_dir)
@@ -582,51 +561,14 @@ def _run_bf16(record, name, ref16, ref, port, *, tp=1, ep=1):
 # ---------------------------------------------------------------------------------------------
 # Fixtures: spawn the jobs once per module
 # ---------------------------------------------------------------------------------------------
-def _spawn(job, nprocs: int, out_dir) -> dict:
-    import torch.multiprocessing as mp
-
-    port = cpu_compat.find_free_port()
-    error = None
-    try:
-        ctx = mp.start_processes(
-            job, args=(port, str(out_dir)), nprocs=nprocs, join=False, start_method="spawn"
-        )
-        for _ in range(JOB_TIMEOUT_S * 10):
-            if ctx.join(timeout=0.1):
-                break
-        else:
-            for p in ctx.processes:
-                p.kill()
-            error = f"job timed out after {JOB_TIMEOUT_S}s"
-    except Exception as exc:  # a worker raised: its traceback is in the message
-        error = str(exc)
-    results = []
-    for rank in range(nprocs):
-        path = os.path.join(str(out_dir), f"rank{rank}.json")
-        results.append(json.load(open(path)) if os.path.exists(path) else {})
-    return {"ranks": results, "error": error}
-
-
 @pytest.fixture(scope="module")
 def one_proc(tmp_path_factory):
-    return _spawn(_one_process_job, 1, tmp_path_factory.mktemp("cpu_compat_1proc"))
+    return spawn(_one_process_job, 1, tmp_path_factory.mktemp("cpu_compat_1proc"), JOB_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
 def two_proc(tmp_path_factory):
-    return _spawn(_two_process_job, 2, tmp_path_factory.mktemp("cpu_compat_2proc"))
-
-
-def _get(job: dict, name: str) -> list[dict]:
-    """The named check's record on every rank, failing with the worker's error if it is missing."""
-    out = []
-    for rank, results in enumerate(job["ranks"]):
-        if name not in results:
-            pytest.fail(f"check {name!r} did not run on rank {rank}; job error:\n{job['error']}")
-        if "error" in results[name]:
-            pytest.fail(f"check {name!r} failed on rank {rank}:\n{results[name]['error']}")
-        out.append(results[name])
-    return out
+    return spawn(_two_process_job, 2, tmp_path_factory.mktemp("cpu_compat_2proc"), JOB_TIMEOUT_S)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -670,12 +612,12 @@ def test_nested_wrapped_functions_keep_the_type_spelling_where_needed():
 # 1 process
 # ---------------------------------------------------------------------------------------------
 def test_single_process_rng_tracker_maps_cuda_rng_to_cpu(one_proc):
-    (r,) = _get(one_proc, "rng")
+    (r,) = get(one_proc, "rng")
     assert r["cpu_rng_untouched_by_fork"] and r["stream_advances"] and r["reseed_replays"]
 
 
 def test_single_process_fp32_schedule_ddp_adam(one_proc):
-    (r,) = _get(one_proc, "fp32")
+    (r,) = get(one_proc, "fp32")
     assert r["step_ok"] and len(r["loss"]) == 2
     assert all(3.0 < x < 7.0 for x in r["loss"])  # ~ln(128) = 4.85 at init
     assert r["grad_norm"] > 0
@@ -684,7 +626,7 @@ def test_single_process_fp32_schedule_ddp_adam(one_proc):
 
 
 def test_single_process_bf16_distributed_optimizer(one_proc):
-    (r,) = _get(one_proc, "bf16")
+    (r,) = get(one_proc, "bf16")
     assert r["loss_finite"] and 3.0 < r["loss"] < 7.0
     assert r["param_dtypes"] == ["torch.bfloat16"]
     assert r["step_ok"] and r["grad_norm"] > 0
@@ -692,7 +634,7 @@ def test_single_process_bf16_distributed_optimizer(one_proc):
 
 
 def test_apply_cpu_shims_is_idempotent(one_proc):
-    (r,) = _get(one_proc, "idempotent")
+    (r,) = get(one_proc, "idempotent")
     assert r["again"] is True
     assert r["applied"] == list(cpu_compat.SHIM_NAMES)
     assert r["same_functions"] and r["wrapped_once"]
@@ -703,14 +645,14 @@ def test_apply_cpu_shims_is_idempotent(one_proc):
 # 2 processes
 # ---------------------------------------------------------------------------------------------
 def test_reference_tp1_ep1_trains(two_proc):
-    for r in _get(two_proc, "ref"):
+    for r in get(two_proc, "ref"):
         assert r["step_ok"] and r["params_changed"] == r["params"]
         assert r["max_update"] > 100 * FP32_PARAM_TOL  # so the parameter comparisons see a bad step
 
 
 @pytest.mark.parametrize("check", ["ep2_alltoall", "ep2_allgather", "tp2_sp_ep1", "tp2_sp_ep2"])
 def test_parallel_layout_matches_reference_fp32(two_proc, check):
-    for r in _get(two_proc, check):
+    for r in get(two_proc, check):
         assert r["step_ok"]
         assert r["loss_max_diff"] <= FP32_LOSS_TOL
         assert r["grad_norm_rel_diff"] <= FP32_GNORM_RTOL
@@ -718,18 +660,18 @@ def test_parallel_layout_matches_reference_fp32(two_proc, check):
 
 
 def test_dist_checkpoint_ep2_to_tp2_resharding(two_proc):
-    assert all(r["ckpt_saved"] for r in _get(two_proc, "ep2_alltoall"))
-    for r in _get(two_proc, "tp2_sp_ep1"):
+    assert all(r["ckpt_saved"] for r in get(two_proc, "ep2_alltoall"))
+    for r in get(two_proc, "tp2_sp_ep1"):
         assert r["ckpt_load_param_max_diff"] <= FP32_PARAM_TOL
 
 
 def test_broadcast_data_over_tp_group(two_proc):
     for check in ("tp2_sp_ep1", "tp2_sp_ep2"):
-        assert all(r["broadcast_ok"] for r in _get(two_proc, check))
+        assert all(r["broadcast_ok"] for r in get(two_proc, check))
 
 
 def test_expert_dp_replicas_stay_in_sync_with_fix(two_proc):
-    for r in _get(two_proc, "expert_dp_fixed"):
+    for r in get(two_proc, "expert_dp_fixed"):
         assert r["expert_dp_size"] == 2 and r["dense_dp_size"] == 1
         assert r["marked"] > 0
         assert r["expert_replica_max_diff"] == 0.0
@@ -744,12 +686,12 @@ def test_expert_dp_drift_without_fix_is_megatron_0_16_bug(two_proc):
 
     if not importlib.metadata.version("megatron-core").startswith("0.16."):
         pytest.skip("documents megatron-core 0.16.x behaviour")
-    for r in _get(two_proc, "expert_dp_unfixed"):
+    for r in get(two_proc, "expert_dp_unfixed"):
         assert r["expert_replica_max_diff"] > 1e-3
 
 
 def test_adam_distributed_optimizer_overlap_grad_reduce(two_proc):
-    for r in _get(two_proc, "adam_distopt"):
+    for r in get(two_proc, "adam_distopt"):
         assert r["step_ok"]
         assert r["loss_max_diff"] <= FP32_LOSS_TOL
         assert r["grad_norm_rel_diff"] <= FP32_GNORM_RTOL
@@ -760,9 +702,9 @@ def test_adam_distributed_optimizer_overlap_grad_reduce(two_proc):
 
 @pytest.mark.parametrize("check", ["ep2_alltoall_bf16", "tp2_sp_bf16"])
 def test_parallel_layout_matches_reference_bf16(two_proc, check):
-    for r in _get(two_proc, "ref_bf16"):
+    for r in get(two_proc, "ref_bf16"):
         assert r["step_ok"] and r["fp32_loss_max_diff"] <= BF16_LOSS_TOL
-    for r in _get(two_proc, check):
+    for r in get(two_proc, check):
         assert r["step_ok"]
         assert r["params_changed"] == r["params"]
         assert r["loss_max_diff"] <= BF16_LOSS_TOL

@@ -28,11 +28,11 @@ from megatron_quads.nvfp4 import BLOCK_SIZE, NVFP4Tensor, quantize
 from megatron_quads.rollout.w4a4 import (
     ActivationScale,
     activation_amax,
+    apply_to_tokens,
     block_values,
     nvfp4_gemm,
 )
 from megatron_quads.rollout.weights import as_residual_channels, reblock_residual
-
 
 DEFAULT_RATIO = 0.125
 """Default fraction of input channels given a residual pass (12.5%: ~12.5% more FLOPs and bytes)."""
@@ -123,10 +123,9 @@ def rac_linear(
     accumulate_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """W4A4 linear with Residual Activation Compensation, as one augmented-K GEMM; output in x.dtype."""
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.shape[0] == 0:  # e.g. an expert no token was routed to
-        return x.new_zeros(*lead, weight.shape[0])
-    a_values, a_decode, w_values = rac_operands(x2, weight, channels, residual_weight, mode, static_amax)
-    y = nvfp4_gemm(a_values, a_decode, w_values, weight.weight_scale_2, x.dtype, accumulate_dtype)
-    return y.reshape(*lead, weight.shape[0])
+
+    def gemm(x2: torch.Tensor) -> torch.Tensor:
+        a_values, a_decode, w_values = rac_operands(x2, weight, channels, residual_weight, mode, static_amax)
+        return nvfp4_gemm(a_values, a_decode, w_values, weight.weight_scale_2, x.dtype, accumulate_dtype)
+
+    return apply_to_tokens(x, weight.shape[0], gemm)

@@ -8,6 +8,7 @@ engine, the vLLM plugin's emulation path and the analysis tools share one defini
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import Enum
 
 import torch
@@ -72,6 +73,20 @@ def nvfp4_gemm(
     return (acc.to(torch.float32) * alpha).to(out_dtype)
 
 
+def apply_to_tokens(
+    x: torch.Tensor, out_features: int, fn: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """``fn`` on ``x`` flattened to ``[tokens, K]``, reshaped back to ``[..., out_features]``.
+
+    An input without tokens (an expert nothing was routed to) gives an empty output without calling ``fn``.
+    """
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] == 0:
+        return x.new_zeros(*lead, out_features)
+    return fn(x2).reshape(*lead, out_features)
+
+
 def w4a4_linear(
     x: torch.Tensor,
     weight: NVFP4Tensor,
@@ -80,14 +95,12 @@ def w4a4_linear(
     accumulate_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """``y = q(x) @ q(W).T``: activations quantized online to NVFP4, output in ``x.dtype``."""
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.shape[0] == 0:  # e.g. an expert no token was routed to
-        return x.new_zeros(*lead, weight.shape[0])
-    amax = activation_amax(x2, mode, static_amax)
-    xq = quantize(x2, global_amax=amax)
-    y = nvfp4_gemm(block_values(xq), xq.weight_scale_2, block_values(weight), weight.weight_scale_2, x.dtype, accumulate_dtype)
-    return y.reshape(*lead, weight.shape[0])
+
+    def gemm(x2: torch.Tensor) -> torch.Tensor:
+        xq = quantize(x2, global_amax=activation_amax(x2, mode, static_amax))
+        return nvfp4_gemm(block_values(xq), xq.weight_scale_2, block_values(weight), weight.weight_scale_2, x.dtype, accumulate_dtype)
+
+    return apply_to_tokens(x, weight.shape[0], gemm)
 
 
 def w4a16_linear(x: torch.Tensor, weight: NVFP4Tensor) -> torch.Tensor:
