@@ -28,67 +28,19 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from megatron_quads.nvfp4 import NVFP4Tensor, quantize, quantize_dequantize
+from megatron_quads.nvfp4 import quantize
 from megatron_quads.rollout.calibration import RacCalibrator
-from megatron_quads.rollout.rac import ChannelStatistic, rac_linear, reblock_columns
-from megatron_quads.rollout.w4a4 import w4a4_linear
-
-PRECISIONS = ("bf16", "aqat", "w4a4", "quads")
-
-
-@dataclass(frozen=True)
-class Precision:
-    """How one side computes the linears in scope (``ratio`` only for ``quads``)."""
-
-    kind: str
-    ratio: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.kind not in PRECISIONS:
-            raise ValueError(f"unknown precision {self.kind!r}; choose one of {PRECISIONS}")
-
-    @property
-    def label(self) -> str:
-        """A short name for tables and plots."""
-        return f"quads@{self.ratio:.3g}" if self.kind == "quads" else self.kind
-
-
-@dataclass
-class LinearState:
-    """What a precision needs of one linear: its dense weight, quantized weight and RAC channels."""
-
-    weight: torch.Tensor
-    quantized: NVFP4Tensor
-    channels: dict[float, torch.Tensor] = field(default_factory=dict)
-    residual: dict[float, NVFP4Tensor] = field(default_factory=dict)
-
-
-def _weight_of(module: torch.nn.Module) -> torch.Tensor:
-    return module.weight.detach()
-
-
-def _output(result: object) -> torch.Tensor:
-    return result[0] if isinstance(result, tuple) else result
-
-
-def _with_output(result: object, y: torch.Tensor) -> object:
-    return (y, *result[1:]) if isinstance(result, tuple) else y
-
-
-def linear_output(x: torch.Tensor, state: LinearState, precision: Precision) -> torch.Tensor:
-    """The linear's output under ``precision`` for input ``x [..., K]``, in x's dtype."""
-    if precision.kind == "bf16":
-        return (x.float() @ state.weight.float().t()).to(x.dtype)
-    if precision.kind == "aqat":
-        return (x.float() @ state.quantized.dequantize(torch.float32).t()).to(x.dtype)
-    if precision.kind == "w4a4":
-        return w4a4_linear(x, state.quantized)
-    channels = state.channels[precision.ratio]
-    return rac_linear(x, state.quantized, channels, state.residual.get(precision.ratio))
+from megatron_quads.rollout.precision import (
+    LinearState,
+    Precision,
+    linear_output,
+    replace_output,
+)
+from megatron_quads.rollout.rac import ChannelStatistic, reblock_columns
 
 
 class QuantAnalysis:
@@ -108,7 +60,7 @@ class QuantAnalysis:
         self.modules = dict(modules)
         self.forward = forward
         self.states = {
-            name: LinearState(weight=_weight_of(m), quantized=quantize(_weight_of(m)))
+            name: LinearState(weight=m.weight.detach(), quantized=quantize(m.weight.detach()))
             for name, m in self.modules.items()
         }
 
@@ -138,7 +90,7 @@ class QuantAnalysis:
                 state = self.states[name]
 
                 def hook(mod, args, result, state=state):
-                    return _with_output(result, linear_output(args[0], state, precision))
+                    return replace_output(result, linear_output(args[0], state, precision))
 
                 handles.append(module.register_forward_hook(hook))
         try:
@@ -171,7 +123,7 @@ class QuantAnalysis:
                 sums[name]["weight"] += float((w_r_only - y_t).square().sum())
                 sums[name]["activation"] += float((y_r - w_r_only).square().sum())
                 sums[name]["output"] += float(y_t.square().sum())
-                return _with_output(result, y_t.to(x.dtype))
+                return replace_output(result, y_t.to(x.dtype))
 
             handles.append(module.register_forward_hook(record))
         try:
@@ -190,11 +142,6 @@ def logprob_gap(logp_trainer: torch.Tensor, logp_rollout: torch.Tensor, mask: to
     log_ratio = -delta  # log(pi_T / pi_R) on tokens sampled from the rollout side
     k3 = (log_ratio.exp() - 1 - log_ratio).mean()
     return {"max_abs": float(delta.abs().max()), "mean_abs": float(delta.abs().mean()), "k3_kl": float(k3)}
-
-
-def trainer_weight_equals_rollout_weight(state: LinearState) -> bool:
-    """AQAT invariant: the trainer's fake-quantized weight is bit-identical to the rollout's dequantized one."""
-    return torch.equal(quantize_dequantize(state.weight), state.quantized.dequantize(state.weight.dtype))
 
 
 def default_pairs(ratios: list[float]) -> list[tuple[Precision, Precision]]:
