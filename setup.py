@@ -18,6 +18,8 @@ INSTALL_REQUIRES = [
     "megatron-core>=0.16; python_version >= '3.12'",
     "ray>=2.40",
     "wandb>=0.19",
+    # the built-in rollout engine's network (Qwen3-MoE) and Hugging Face tokenizers
+    "transformers>=4.51",
 ]
 
 EXTRAS_REQUIRE = {
@@ -28,8 +30,6 @@ EXTRAS_REQUIRE = {
         "nvidia-modelopt==0.47.0",
         "requests",
         "huggingface_hub",
-        # Qwen3-MoE reference model: checks that exported weights reproduce the Megatron forward
-        "transformers>=4.51",
     ],
     "math": ["math-verify"],
     "gpu": ["triton>=3.2"],

@@ -1,0 +1,58 @@
+"""The rollout-engine interface: what the controller asks of any engine (built-in or vLLM)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+ENGINE_PRECISIONS = ("bf16", "w4a16", "w4a4", "quads")
+"""bf16; NVFP4 weights with BF16 activations; naive NVFP4 W4A4; W4A4 + Residual Activation Compensation."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to continue each prompt. ``temperature == 0`` is greedy."""
+
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0: greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class Generation:
+    """One completed response: its tokens and each token's log-prob under the sampling distribution.
+
+    Log-probs are of ``softmax(logits / temperature)`` (``temperature`` 1 when greedy), before top-p
+    truncation: the same quantity the trainer recomputes, so the two can be compared token by token.
+    """
+
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str = "length"
+
+
+class RolloutEngine(Protocol):
+    """What the GRPO controller needs of a rollout engine."""
+
+    precision: str
+    weight_version: int
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor] | object, version: int) -> None:
+        """Swap in new weights (BF16 tensors by HF name, or QuantizedModelWeights)."""
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+        """Continue every prompt; returns one Generation per prompt, in order."""
