@@ -31,7 +31,7 @@ EXTRAS_REQUIRE = {
         "requests",
         "huggingface_hub",
     ],
-    "math": ["math-verify"],
+    "math": ["math-verify", "pyarrow"],  # pyarrow: Parquet task files
     "gpu": ["triton>=3.2"],
     "vllm": ["vllm>=0.33"],
 }

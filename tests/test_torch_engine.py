@@ -127,3 +127,18 @@ def test_bad_requests_fail_clearly(trainers) -> None:
         _engine(trainers, "bf16").generate([[1], []], SamplingParams())
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
+
+
+def test_checkpoint_weights_of_a_transformers_model_load_into_the_engine() -> None:
+    from transformers import Qwen3MoeForCausalLM
+
+    from megatron_quads.rollout.hf_experts import checkpoint_weights
+
+    torch.manual_seed(1)
+    reference = Qwen3MoeForCausalLM(qwen3_moe_config(CFG)).eval()
+    engine = TorchRolloutEngine(qwen3_moe_config(CFG), precision="bf16", dtype=torch.float32)
+    engine.load_weights(checkpoint_weights(reference), version=3)
+    ids = torch.tensor([PROMPTS[2]])
+    with torch.no_grad():
+        assert torch.allclose(engine.model(ids).logits, reference(ids).logits, atol=1e-5)
+    assert engine.weight_version == 3

@@ -53,3 +53,24 @@ def split_experts(model: nn.Module) -> int:
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, PerExpertLinears(module))
     return len(targets)
+
+
+def checkpoint_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A transformers MoE model's tensors under checkpoint names (one gate/up/down tensor per expert).
+
+    The inverse of what transformers 5 does on loading (it fuses ``experts.E.{gate,up}_proj`` into
+    ``experts.gate_up_proj``): engines and converters speak checkpoint names.
+    """
+    out = {}
+    for name, tensor in model.state_dict().items():
+        base, _, leaf = name.rpartition(".")
+        if leaf == "gate_up_proj" and tensor.ndim == 3:
+            for e, fused in enumerate(tensor):
+                gate, up = fused.chunk(2, dim=0)
+                out[f"{base}.{e}.gate_proj.weight"], out[f"{base}.{e}.up_proj.weight"] = gate, up
+        elif leaf == "down_proj" and tensor.ndim == 3:
+            for e, w in enumerate(tensor):
+                out[f"{base}.{e}.down_proj.weight"] = w
+        elif "rotary_emb" not in name:
+            out[name] = tensor
+    return out

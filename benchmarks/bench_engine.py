@@ -1,0 +1,94 @@
+"""Tokens per second of the built-in rollout engine in each precision mode.
+
+    python benchmarks/bench_engine.py --profile cpu   # the tiny embedded-default MoE, 2-core CPU
+    python benchmarks/bench_engine.py --profile gpu   # a larger synthetic MoE (random weights) on a GPU
+
+Greedy decoding of a batch of prompts; the NVFP4 modes run the PyTorch reference GEMM (dequantize
+and multiply), so they measure the numerics' cost, not a fast kernel. Appends to
+benchmarks/results/engine.json and writes engine_<profile>.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from megatron_quads.rollout.engine import ENGINE_PRECISIONS, SamplingParams
+from megatron_quads.rollout.torch_engine import TorchRolloutEngine
+
+PROFILES = {
+    "cpu": dict(model=dict(), batch=16, prompt=16, new_tokens=32, dtype="bfloat16"),
+    "gpu": dict(model=dict(num_layers=8, hidden_size=1024, num_attention_heads=16, num_experts=32,
+                           moe_ffn_hidden_size=512, moe_router_topk=4, vocab_size=32000, max_sequence_length=1024),
+                batch=64, prompt=128, new_tokens=64, dtype="bfloat16"),
+}
+
+
+def main() -> None:
+    """Time greedy generation for each precision and record tokens/s."""
+    from megatron_quads.trainer.hf_export import qwen3_moe_config
+    from megatron_quads.trainer.model import PolicyModelConfig
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="gpu" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/engine.json"))
+    args = parser.parse_args()
+    profile = PROFILES[args.profile]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    config = qwen3_moe_config(PolicyModelConfig(**profile["model"]))
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, config.vocab_size, (profile["batch"], profile["prompt"]), generator=gen).tolist()
+    params = SamplingParams(max_new_tokens=profile["new_tokens"], temperature=0.0)
+    from transformers import Qwen3MoeForCausalLM
+
+    from megatron_quads.rollout.hf_experts import checkpoint_weights
+
+    torch.manual_seed(0)
+    weights = checkpoint_weights(Qwen3MoeForCausalLM(config))  # random weights, checkpoint names
+    rows = []
+    for precision in ENGINE_PRECISIONS:
+        engine = TorchRolloutEngine(config, precision=precision, device=device, dtype=getattr(torch, profile["dtype"]))
+        engine.load_weights(weights, version=0)
+        if precision == "quads":
+            engine.calibrate(prompts[:4])
+        engine.generate(prompts[:2], SamplingParams(max_new_tokens=2, temperature=0.0))  # warm-up
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = engine.generate(prompts, params)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        tokens = sum(len(g.token_ids) for g in out)
+        rows.append({"precision": precision, "tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1)})
+        del engine
+    record = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if device == "cuda" else f"CPU, {torch.get_num_threads()} threads",
+        "profile": args.profile, "command": f"python benchmarks/bench_engine.py --profile {args.profile}",
+        "batch": profile["batch"], "prompt_tokens": profile["prompt"], "new_tokens": profile["new_tokens"], "rows": rows,
+    }
+    history = json.loads(args.out.read_text()) if args.out.exists() else []
+    history.append(record)
+    lines = [f"# Built-in engine throughput ({record['date']}, {record['device']}, profile {args.profile})", "",
+             f"Command: `{record['command']}`. Greedy, batch {record['batch']}, prompt {record['prompt_tokens']} tokens, "
+             f"{record['new_tokens']} new tokens; NVFP4 modes use the PyTorch reference GEMM.", "",
+             "| precision | tokens | seconds | tokens/s |", "|---|---:|---:|---:|"]
+    lines += [f"| {r['precision']} | {r['tokens']} | {r['seconds']} | {r['tokens_per_s']} |" for r in rows]
+    for path, text in ((args.out, json.dumps(history, indent=1) + "\n"),
+                       (args.out.with_name(f"engine_{args.profile}.md"), "\n".join(lines) + "\n")):
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
+            tmp.write(text)
+        os.replace(tmp.name, path)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
