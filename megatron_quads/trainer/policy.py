@@ -215,18 +215,18 @@ class PolicyWorker:
         """Full BF16 master weights by Hugging Face name (collective over the model-parallel group)."""
         return export_hf_weights(self.model)
 
-    def _sharded_state(self, is_loading: bool = False) -> dict:
+    def _sharded_state(self, is_loading: bool = False, with_optimizer: bool = True) -> dict:
         model_sd = self.model.sharded_state_dict()
         state = {"model": model_sd}
         # SGD here has no momentum, hence no state (and Megatron cannot build a loading template for it)
-        if self.cfg.optim.optimizer != "sgd":
+        if with_optimizer and self.cfg.optim.optimizer != "sgd":
             # 0.16.1's default distributed-optimizer format fails ("flattened_range is not supported")
             metadata = {"distrib_optim_sharding_type": "dp_reshardable"}
             state["optimizer"] = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
         return state
 
-    def save_checkpoint(self, path: str | os.PathLike) -> Path:
-        """Save model, optimizer and RNG state to ``path`` (a directory), atomically.
+    def save_checkpoint(self, path: str | os.PathLike, with_optimizer: bool = True) -> Path:
+        """Save model, optimizer (unless ``with_optimizer`` is False) and RNG state to ``path``, atomically.
 
         Everything is written to ``<path>.partial`` first and renamed once all ranks finished, so
         ``path`` either holds a complete checkpoint or does not exist.
@@ -237,7 +237,7 @@ class PolicyWorker:
             shutil.rmtree(partial_dir, ignore_errors=True)
             partial_dir.mkdir(parents=True)
         dist.barrier()
-        dist_checkpointing.save(self._sharded_state(), str(partial_dir))
+        dist_checkpointing.save(self._sharded_state(with_optimizer=with_optimizer), str(partial_dir))
         rng = {
             "torch": torch.get_rng_state(),
             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
@@ -252,12 +252,16 @@ class PolicyWorker:
         dist.barrier()
         return path
 
-    def load_checkpoint(self, path: str | os.PathLike) -> None:
-        """Load a checkpoint written by :meth:`save_checkpoint` (any TP/EP layout for the model)."""
+    def load_checkpoint(self, path: str | os.PathLike, with_optimizer: bool = True) -> None:
+        """Load a checkpoint written by :meth:`save_checkpoint` (any TP/EP layout for the model).
+
+        ``with_optimizer=False`` loads model weights (and RNG, if present) only, e.g. to start
+        training from a model-only checkpoint such as the embedded default.
+        """
         path = Path(path)
         if not (path / "metadata.json").exists():
             raise FileNotFoundError(f"{path} is not a complete Megatron dist checkpoint (no metadata.json)")
-        state = self._sharded_state(is_loading=True)
+        state = self._sharded_state(is_loading=True, with_optimizer=with_optimizer)
         loaded = dist_checkpointing.load(state, str(path))
         self.model.load_state_dict(loaded["model"])
         if "optimizer" in loaded:
