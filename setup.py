@@ -41,6 +41,8 @@ setup(
     version="0.1.0",
     description="QUADS: NVFP4 rollouts for GRPO training of MoE models on Megatron-Core",
     packages=find_packages(include=["megatron_quads", "megatron_quads.*"]),
+    # the embedded default checkpoint (Megatron dist checkpoint: note the hidden .metadata file)
+    package_data={"megatron_quads": ["assets/tiny_moe_sft/checkpoint/*", "assets/tiny_moe_sft/checkpoint/.metadata"]},
     python_requires=">=3.11",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,

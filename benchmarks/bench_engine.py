@@ -27,7 +27,7 @@ PROFILES = {
     "cpu": dict(model=dict(), batch=16, prompt=16, new_tokens=32, dtype="bfloat16"),
     "gpu": dict(model=dict(num_layers=8, hidden_size=1024, num_attention_heads=16, num_experts=32,
                            moe_ffn_hidden_size=512, moe_router_topk=4, vocab_size=32000, max_sequence_length=1024),
-                batch=64, prompt=128, new_tokens=64, dtype="bfloat16"),
+                batch=32, prompt=64, new_tokens=32, dtype="bfloat16"),
 }
 
 

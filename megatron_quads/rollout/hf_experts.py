@@ -31,7 +31,7 @@ class PerExpertLinears(nn.Module):
             for e in range(num_experts):
                 self.gate_up[e].weight.copy_(fused.gate_up_proj[e])
                 self.down[e].weight.copy_(fused.down_proj[e])
-        self.to(fused.gate_up_proj.dtype)
+        self.to(device=fused.gate_up_proj.device, dtype=fused.gate_up_proj.dtype)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """Weighted sum over each token's selected experts of ``down(act(gate) * up)``."""

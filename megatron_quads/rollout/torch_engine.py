@@ -107,11 +107,11 @@ class TorchRolloutEngine:
         for module, parts in q_parts.items():
             order = ["down_proj"] if "down_proj" in parts else ["gate_proj", "up_proj"]
             lins = [parts[p] for p in order]
-            nvfp4 = _concat_nvfp4([lin.to_nvfp4(self.dtype) for lin in lins])
+            nvfp4 = _concat_nvfp4([lin.to_nvfp4(self.dtype) for lin in lins]).to(self.device)
             channels = lins[0].residual_channels
             if any(not torch.equal(lin.residual_channels, channels) for lin in lins):
                 raise ValueError(f"{module}: gate_proj and up_proj read the same input, so they need the same residual channels")
-            residual = _concat_nvfp4([lin.residual_to_nvfp4(self.dtype) for lin in lins]) if channels.numel() else None
+            residual = _concat_nvfp4([lin.residual_to_nvfp4(self.dtype) for lin in lins]).to(self.device) if channels.numel() else None
             dense_w = nvfp4.dequantize(self.dtype)
             state[f"{module}.weight"] = dense_w
             self.states[module] = LinearState(weight=dense_w, quantized=nvfp4, channels={self.ratio: channels}, residual={self.ratio: residual})
