@@ -50,6 +50,20 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from megatron_quads.controller.config import ConfigError, load_config
+    from megatron_quads.controller.run import run
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        Console(stderr=True).print(f"[red]{err}[/red]")
+        return 2
+    metrics = run(cfg)
+    Console().print(f"metrics: {metrics}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     parser = argparse.ArgumentParser(prog="megatron-quads", description=__doc__)
@@ -61,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--cols", type=int, default=1024, help="a multiple of 16")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_cmd_demo)
+
+    train = sub.add_parser("train", help="run GRPO (config YAML plus dotted key=value overrides)")
+    train.add_argument("config", nargs="?", default=None, help="YAML config (default: the embedded default)")
+    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.steps=3 precision.mode=quads")
+    train.set_defaults(func=_cmd_train)
 
     analyze = sub.add_parser("analyze", help="decompose the rollout-vs-trainer gap into weight and activation error")
     analyze.add_argument("--out", default="runs/analysis", help="output directory (analysis.json, analysis.png)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
@@ -39,10 +39,14 @@ def float_matrices(draw: st.DrawFn, max_rows: int = 8, max_blocks: int = 4) -> t
 @SETTINGS
 @given(float_matrices(), st.booleans())
 def test_quantize_is_idempotent_on_its_own_output(x: torch.Tensor, block_2d: bool) -> None:
+    # Outside the property (docs/nvfp4.md): an amax so small that S_enc is capped at FLT_MAX, and
+    # blocks whose E4M3 scale is subnormal (< 2^-6), whose dequantized values no longer pin the scale.
+    assume(float(x.abs().max()) > 1e-30)
     first = quantize(x, block_2d=block_2d)
     y = dequantize(first, torch.float32)
     again = dequantize(quantize(y, global_amax=first.global_amax, block_2d=block_2d), torch.float32)
-    assert torch.equal(again, y)
+    normal_scale = (first.scales.to(torch.float32) >= 2.0**-6).repeat_interleave(16, dim=-1)
+    assert torch.equal(again[normal_scale], y[normal_scale])
 
 
 @SETTINGS
@@ -59,6 +63,10 @@ def test_error_is_at_most_half_a_grid_step_times_block_scale(x: torch.Tensor) ->
     # smallest e4m3 subnormal (2^-10) in scale units
     underflow = (t.scales.to(torch.float64) == 0).repeat_interleave(16, dim=-1)
     bound = torch.where(underflow, 6 * 2.0**-10 * decode, bound)
+    # a subnormal e4m3 scale (< 2^-6) may round down by up to half its step (2^-10): elements near the
+    # block amax then saturate at 6 and lose up to 6 * 2^-10 scale units on top of the rounding
+    subnormal = (t.scales.to(torch.float64) < 2.0**-6).repeat_interleave(16, dim=-1)
+    bound = bound + torch.where(subnormal, 6 * 2.0**-10 * decode, torch.zeros_like(bound))
     err = (y.double() - x.double()).abs()
     assert (err <= bound * (1 + 1e-6) + 1e-30).all()
 

@@ -1,0 +1,232 @@
+"""The GRPO driver: the algorithm box, one named call per phase (mechanisms live in the workers)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import ray
+import torch
+
+from megatron_quads.controller.config import RunConfig
+from megatron_quads.controller.workers import (
+    RolloutWorker,
+    TrainerWorker,
+    checkpoint_dirs,
+    start_checkpoint,
+)
+from megatron_quads.rl.advantages import group_advantages
+from megatron_quads.rl.metrics import mismatch_metrics
+from megatron_quads.rollout.engine import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class Trainers:
+    """The trainer ranks as Ray actors forming one torch.distributed group."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        from megatron_quads.trainer.cpu_compat import find_free_port
+
+        port = find_free_port()
+        actor = ray.remote(num_cpus=0)(TrainerWorker)
+        world = cfg.trainer_world_size
+        self.actors = [actor.remote(cfg, rank, world, port) for rank in range(world)]
+        self.dp = ray.get([a.data_parallel.remote() for a in self.actors])
+
+    def _shards(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        return [{k: v.chunk(size)[rank] for k, v in batch.items()} for rank, size in self.dp]
+
+    def compute_logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Log-probs of the whole batch (data-parallel shards gathered back in order)."""
+        shards = ray.get([a.compute_logprobs.remote(s["tokens"]) for a, s in zip(self.actors, self._shards({"tokens": tokens}), strict=True)])
+        seen, parts = set(), []
+        for (rank, _), part in zip(self.dp, shards, strict=True):
+            if rank not in seen:
+                seen.add(rank)
+                parts.append(part)
+        return torch.cat(parts)
+
+    def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """One optimizer step over the whole batch."""
+        return ray.get([a.train_step.remote(s) for a, s in zip(self.actors, self._shards(batch), strict=True)])[0]
+
+    def export_rollout_weights(self, version: int):
+        """The rollout weights (quantized once, on the trainer side) as a Ray object ref."""
+        refs = [a.export_rollout_weights.remote(version) for a in self.actors]
+        ray.get(refs[1:])
+        return refs[0]
+
+    def load(self, path: str, with_optimizer: bool) -> int:
+        """Load a checkpoint on every rank."""
+        return ray.get([a.load.remote(path, with_optimizer) for a in self.actors])[0]
+
+    def save(self, path: str) -> None:
+        """Save a checkpoint (collective)."""
+        ray.get([a.save.remote(path) for a in self.actors])
+
+
+class Rollouts:
+    """Rollout engines as Ray actors; a dead or hung engine is restarted, re-synced and retried."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self.actor = ray.remote(num_cpus=0, num_gpus=cfg.rollout.num_gpus_per_worker)(RolloutWorker)
+        self.workers = [self.actor.remote(cfg) for _ in range(cfg.rollout.num_workers)]
+        self.weights_ref = None
+        self.version = -1
+        self.calibration: list[list[int]] = []
+        self.restarts = 0
+
+    def sync(self, weights_ref, version: int, calibration: list[list[int]]) -> None:
+        """Send the same weights to every engine; each checks them and reports the version it holds."""
+        self.weights_ref, self.version, self.calibration = weights_ref, version, calibration
+        held = ray.get([w.load_weights.remote(weights_ref, version, calibration) for w in self.workers],
+                       timeout=self.cfg.rollout.timeout_s)
+        if any(v != version for v in held):
+            raise RuntimeError(f"rollout engines hold weight versions {held}, expected {version}")
+
+    def _restart(self, index: int) -> None:
+        ray.kill(self.workers[index], no_restart=True)
+        self.workers[index] = self.actor.remote(self.cfg)
+        ray.get(self.workers[index].load_weights.remote(self.weights_ref, self.version, self.calibration),
+                timeout=self.cfg.rollout.timeout_s)
+        self.restarts += 1
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list:
+        """Generations for all prompts, split across engines in order."""
+        n = len(self.workers)
+        chunks = [prompts[i::n] for i in range(n)]
+        outputs: list = [None] * n
+        for index, chunk in enumerate(chunks):
+            for attempt in range(self.cfg.rollout.max_retries + 1):
+                try:
+                    outputs[index] = ray.get(self.workers[index].generate.remote(chunk, params), timeout=self.cfg.rollout.timeout_s)
+                    break
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
+                    if attempt == self.cfg.rollout.max_retries:
+                        raise RuntimeError(f"rollout worker {index} failed {attempt + 1} times; last error: {err}") from err
+                    logger.warning("rollout worker %d failed (%s); restarting and retrying", index, type(err).__name__)
+                    self._restart(index)
+        merged = [None] * len(prompts)
+        for index, out in enumerate(outputs):
+            merged[index::n] = out
+        return merged
+
+
+def build_batch(prompts: list[list[int]], generations: list, pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded [prompt + response] tokens, the response mask and the rollout log-probs [b, s-1]."""
+    seqs = [p + g.token_ids for p, g in zip(prompts, generations, strict=True)]
+    width = max(len(s) for s in seqs)
+    tokens = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width))
+    logp_rollout = torch.zeros((len(seqs), width - 1))
+    for i, (p, g) in enumerate(zip(prompts, generations, strict=True)):
+        tokens[i, : len(p) + len(g.token_ids)] = torch.tensor(p + g.token_ids)
+        mask[i, len(p) : len(p) + len(g.token_ids)] = 1.0
+        logp_rollout[i, len(p) - 1 : len(p) - 1 + len(g.logprobs)] = torch.tensor(g.logprobs)
+    return {"tokens": tokens, "mask": mask, "logp_rollout": logp_rollout}
+
+
+def _write_json_atomic(path: Path, obj: object) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def save_checkpoint(cfg: RunConfig, trainers: Trainers, step: int, stream) -> Path:
+    """Trainer state + controller state, made visible by writing the manifest last; keeps the last K."""
+    root = Path(cfg.run_dir) / "checkpoints" / f"step_{step}"
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    trainers.save(str(root / "trainer"))
+    _write_json_atomic(root / "controller.json", {"step": step, "stream": stream.state_dict()})
+    _write_json_atomic(root / "manifest.json", {"step": step, "complete": True})
+    for old in checkpoint_dirs(cfg.run_dir)[: -cfg.checkpoint.keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return root
+
+
+def latest_checkpoint(cfg: RunConfig) -> Path | None:
+    """The newest complete checkpoint; incomplete or unreadable ones are skipped with a warning."""
+    for path in reversed(checkpoint_dirs(cfg.run_dir)):
+        try:
+            json.loads((path / "controller.json").read_text())
+            if (path / "trainer" / "metadata.json").exists():
+                return path
+        except (OSError, ValueError):
+            pass
+        logger.warning("skipping incomplete or corrupt checkpoint %s", path)
+    return None
+
+
+def run(cfg: RunConfig) -> Path:
+    """Run GRPO as configured; returns the metrics file."""
+    from megatron_quads import embedded
+
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(cfg.model_dump_json(indent=1))
+    if not ray.is_initialized():
+        ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False)
+    tok, task = embedded.tokenizer(), embedded.task(split="train")
+    stream = task.stream(seed=cfg.seed)
+    trainers, rollouts = Trainers(cfg), Rollouts(cfg)
+    metrics_path = run_dir / "metrics.jsonl"
+
+    resume = latest_checkpoint(cfg)
+    if resume is not None:
+        state = json.loads((resume / "controller.json").read_text())
+        trainers.load(str(resume / "trainer"), with_optimizer=True)
+        stream.load_state_dict(state["stream"])
+        start = state["step"]
+        kept = [line for line in metrics_path.read_text().splitlines() if json.loads(line)["step"] < start] if metrics_path.exists() else []
+        metrics_path.write_text("".join(line + "\n" for line in kept))
+        logger.info("resumed from %s at step %d", resume, start)
+    else:
+        checkpoint = start_checkpoint(cfg)
+        if checkpoint:
+            trainers.load(checkpoint, with_optimizer=False)
+        start = 0
+        metrics_path.write_text("")
+
+    params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+                            top_p=cfg.rollout.top_p, stop_token_ids=(tok.eos_id,))
+    n = cfg.grpo.responses_per_prompt
+    for step in range(start, cfg.grpo.steps):
+        t0 = time.perf_counter()
+        prompts = stream.next_batch(cfg.grpo.prompts_per_step)
+        prompt_ids = [tok.encode(p.text, add_bos=True) for p in prompts for _ in range(n)]
+        rollouts.sync(trainers.export_rollout_weights(step), step, prompt_ids)           # weight sync (quantize once)
+        t_sync = time.perf_counter()
+        generations = rollouts.generate(prompt_ids, dataclasses.replace(params, seed=cfg.seed * 100003 + step))
+        t_gen = time.perf_counter()
+        rewards = torch.tensor(task.rewards([p for p in prompts for _ in range(n)], [tok.decode(g.token_ids) for g in generations]))
+        batch = build_batch(prompt_ids, generations, tok.pad_id)
+        batch["advantages"] = group_advantages(rewards, n, cfg.grpo.advantages)
+        t_reward = time.perf_counter()
+        batch["logp_old"] = trainers.compute_logprobs(batch["tokens"])                    # trainer log-probs
+        mismatch = mismatch_metrics(batch["logp_rollout"], batch["logp_old"], batch["mask"][:, 1:])
+        t_logp = time.perf_counter()
+        train = trainers.train_step(batch)                                                # policy update
+        t_train = time.perf_counter()
+        record = {
+            "step": step, "reward": float(rewards.mean()),
+            "response_length": float(batch["mask"].sum(1).mean()),
+            **{f"mismatch/{k}": float(v) for k, v in mismatch.items()},
+            **{f"train/{k}": v for k, v in train.items()},
+            "time/sync": t_sync - t0, "time/generate": t_gen - t_sync, "time/reward": t_reward - t_gen,
+            "time/logprobs": t_logp - t_reward, "time/train": t_train - t_logp, "rollout_restarts": rollouts.restarts,
+        }
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        logger.info("step %d reward %.3f gap max %.3f mean %.4f", step, record["reward"],
+                    record["mismatch/gap_max_abs"], record["mismatch/gap_mean_abs"])
+        if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0:
+            save_checkpoint(cfg, trainers, step + 1, stream)                               # checkpoint
+    return metrics_path

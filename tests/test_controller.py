@@ -1,0 +1,126 @@
+"""The Ray GRPO controller on the embedded default (CPU, Ray local)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_quads.controller.config import ConfigError, load_config
+
+ray = pytest.importorskip("ray")
+
+EXAMPLE = Path(__file__).parents[1] / "examples" / "embedded_default.yaml"
+FAST = ["grpo.prompts_per_step=4", "grpo.responses_per_prompt=4", "rollout.max_new_tokens=5"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ray():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _run(run_dir: Path, *overrides: str) -> list[dict]:
+    from megatron_quads.controller.run import run
+
+    cfg = load_config(EXAMPLE, [*FAST, f"run_dir={run_dir}", *overrides])
+    path = run(cfg)
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _without_times(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in records]
+
+
+@pytest.mark.parametrize("mode", ["bf16", "naive-nvfp4", "aqat", "quads"])
+def test_three_steps_in_each_precision_mode(tmp_path: Path, mode: str) -> None:
+    records = _run(tmp_path, "grpo.steps=3", f"precision.mode={mode}", "checkpoint.every=0")
+    assert [r["step"] for r in records] == [0, 1, 2]
+    for r in records:
+        assert 0.0 <= r["reward"] <= 1.0 and r["train/update_successful"] == 1.0
+        assert r["mismatch/num_tokens"] > 0
+    gap = max(r["mismatch/gap_max_abs"] for r in records)
+    if mode == "bf16":
+        assert gap < 1e-3  # same weights, same precision: only summation order differs
+    else:
+        assert gap > 1e-3  # NVFP4 rollout vs a BF16 or AQAT trainer
+
+
+def test_resumed_run_reproduces_the_uninterrupted_metrics(tmp_path: Path) -> None:
+    full = _run(tmp_path / "full", "grpo.steps=4", "checkpoint.every=2", "precision.mode=quads")
+    _run(tmp_path / "split", "grpo.steps=2", "checkpoint.every=2", "precision.mode=quads")
+    resumed = _run(tmp_path / "split", "grpo.steps=4", "checkpoint.every=2", "precision.mode=quads")
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3]
+    assert _without_times(resumed) == _without_times(full)
+    kept = sorted(p.name for p in (tmp_path / "full" / "checkpoints").iterdir())
+    assert kept == ["step_2", "step_4"]
+
+
+def test_corrupt_or_partial_checkpoints_are_skipped(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from megatron_quads.controller.run import latest_checkpoint
+
+    cfg = load_config(EXAMPLE, [f"run_dir={tmp_path}"])
+    root = tmp_path / "checkpoints"
+    good = root / "step_2"
+    (good / "trainer").mkdir(parents=True)
+    (good / "trainer" / "metadata.json").write_text("{}")
+    (good / "controller.json").write_text(json.dumps({"step": 2}))
+    (good / "manifest.json").write_text("{}")
+    shutil.copytree(good, root / "step_4")
+    (root / "step_4" / "controller.json").write_text("{not json")  # corrupt
+    shutil.copytree(good, root / "step_6")
+    (root / "step_6" / "manifest.json").unlink()  # partial: the manifest is written last
+    assert latest_checkpoint(cfg) == good
+    assert "step_4" in caplog.text
+
+
+def test_a_killed_rollout_worker_is_restarted_and_resynced(tmp_path: Path) -> None:
+    from megatron_quads.controller.run import Rollouts, Trainers
+    from megatron_quads.rollout.engine import SamplingParams
+
+    cfg = load_config(EXAMPLE, [f"run_dir={tmp_path}", "precision.mode=aqat", "rollout.timeout_s=120"])
+    trainers, rollouts = Trainers(cfg), Rollouts(cfg)
+    rollouts.sync(trainers.export_rollout_weights(7), 7, [[1, 4, 13, 5, 17]])
+    ray.kill(rollouts.workers[0], no_restart=True)
+    out = rollouts.generate([[1, 4, 13, 5, 17], [1, 6, 14, 3, 17]], SamplingParams(max_new_tokens=3, temperature=0.0))
+    assert len(out) == 2 and all(len(g.token_ids) >= 1 for g in out)
+    assert rollouts.restarts == 1
+    assert ray.get(rollouts.workers[0].ping.remote()) == 7  # re-synced to the current weights
+
+
+@pytest.mark.parametrize(
+    ("overrides", "pattern"),
+    [
+        (["grpo.stepz=3"], r"grpo\.stepz: Extra inputs"),
+        (["trainer_world_size=3", "parallel.tensor_parallel=2"], "not divisible by tensor_parallel"),
+        (["rollout.engine=vllm", "precision.mode=quads"], "vLLM engine"),
+        (["precision.mode=fp3"], r"precision\.mode"),
+        (["grpo.steps"], "key=value"),
+    ],
+)
+def test_invalid_configs_fail_before_any_worker_starts(overrides: list[str], pattern: str) -> None:
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(EXAMPLE, overrides)
+
+
+def test_weight_payload_round_trip() -> None:
+    from megatron_quads.controller.weight_sync import from_payload, to_payload
+    from megatron_quads.rollout.weights import quantize_hf_weights
+
+    named = {"model.layers.0.mlp.experts.0.gate_proj.weight": torch.randn(32, 64),
+             "model.layers.0.mlp.experts.0.up_proj.weight": torch.randn(32, 64),
+             "model.norm.weight": torch.ones(64)}
+    weights = quantize_hf_weights(named.items(), lambda m: "experts" in m)
+    back, version = from_payload(to_payload(weights, 5))
+    assert version == 5
+    def raw(t: torch.Tensor) -> torch.Tensor:
+        return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+    received = back.state_dict()
+    assert received.keys() == weights.state_dict().keys()
+    for name, tensor in weights.state_dict().items():
+        assert received[name].dtype == tensor.dtype and torch.equal(raw(received[name]), raw(tensor))
