@@ -1,6 +1,6 @@
 # Two commands a fresh machine can run (no GPU, Python 3.11, PyPI):
 #   make test   create .venv, install the package with its test extras, run the CPU test suite
-#   make run    run the main job on the embedded default
+#   make run    run the main job: GRPO on the embedded default (tiny MoE, CPU, QUADS numerics)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -22,7 +22,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 run: $(STAMP)
-	$(VENV)/bin/megatron-quads demo
+	$(VENV)/bin/megatron-quads train examples/embedded_default.yaml
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_nvfp4_cpu.py

@@ -60,7 +60,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         Console(stderr=True).print(f"[red]{err}[/red]")
         return 2
     metrics = run(cfg)
-    Console().print(f"metrics: {metrics}")
+    Console().print(f"metrics: {metrics}\nplots:   {metrics.with_name('metrics.png')}")
     return 0
 
 

@@ -14,7 +14,7 @@ from megatron_quads.controller.config import ConfigError, load_config
 ray = pytest.importorskip("ray")
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "embedded_default.yaml"
-FAST = ["grpo.prompts_per_step=4", "grpo.responses_per_prompt=4", "rollout.max_new_tokens=5"]
+FAST = ["grpo.prompts_per_step=4", "grpo.responses_per_prompt=4", "rollout.max_new_tokens=5", "logging.wandb=disabled"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -43,6 +43,7 @@ def test_three_steps_in_each_precision_mode(tmp_path: Path, mode: str) -> None:
     for r in records:
         assert 0.0 <= r["reward"] <= 1.0 and r["train/update_successful"] == 1.0
         assert r["mismatch/num_tokens"] > 0
+    assert (tmp_path / "metrics.png").stat().st_size > 10_000
     gap = max(r["mismatch/gap_max_abs"] for r in records)
     if mode == "bf16":
         assert gap < 1e-3  # same weights, same precision: only summation order differs
@@ -124,3 +125,16 @@ def test_weight_payload_round_trip() -> None:
     assert received.keys() == weights.state_dict().keys()
     for name, tensor in weights.state_dict().items():
         assert received[name].dtype == tensor.dtype and torch.equal(raw(received[name]), raw(tensor))
+
+
+def test_out_of_vocabulary_ids_decode_to_an_unparsable_response() -> None:
+    from megatron_quads import embedded
+    from megatron_quads.controller.run import decode_response
+
+    tok = embedded.tokenizer()
+    ids = tok.encode("19;")
+    assert decode_response(tok, ids) == "19;"
+    text = decode_response(tok, [ids[0], 30, *ids[1:]])
+    assert text == "1\ufffd9;"
+    prompt = embedded.task().sample_prompts(1, seed=0)[0]
+    assert embedded.task().reward(prompt, text) == 0.0

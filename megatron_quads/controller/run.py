@@ -13,7 +13,10 @@ from pathlib import Path
 import ray
 import torch
 
+from tqdm import tqdm
+
 from megatron_quads.controller.config import RunConfig
+from megatron_quads.controller.report import MetricsSink, plot_run
 from megatron_quads.controller.workers import (
     RolloutWorker,
     TrainerWorker,
@@ -133,6 +136,21 @@ def build_batch(prompts: list[list[int]], generations: list, pad_id: int) -> dic
     return {"tokens": tokens, "mask": mask, "logp_rollout": logp_rollout}
 
 
+def decode_response(tok, ids: list[int]) -> str:
+    """Response text; ids outside the tokenizer (the model's vocabulary is padded) become U+FFFD,
+    which no task parses, so such a response scores as malformed instead of crashing the run."""
+    pieces, run = [], []
+    for i in ids:
+        if 0 <= i < tok.vocab_size:
+            run.append(i)
+            continue
+        pieces.append(tok.decode(run))
+        pieces.append("\ufffd")
+        run = []
+    pieces.append(tok.decode(run))
+    return "".join(pieces)
+
+
 def _write_json_atomic(path: Path, obj: object) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=1))
@@ -198,7 +216,9 @@ def run(cfg: RunConfig) -> Path:
     params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                             top_p=cfg.rollout.top_p, stop_token_ids=(tok.eos_id,))
     n = cfg.grpo.responses_per_prompt
-    for step in range(start, cfg.grpo.steps):
+    sink = MetricsSink(cfg, metrics_path)
+    progress = tqdm(range(start, cfg.grpo.steps), initial=start, total=cfg.grpo.steps, desc="GRPO", unit="step")
+    for step in progress:
         t0 = time.perf_counter()
         prompts = stream.next_batch(cfg.grpo.prompts_per_step)
         prompt_ids = [tok.encode(p.text, add_bos=True) for p in prompts for _ in range(n)]
@@ -206,7 +226,7 @@ def run(cfg: RunConfig) -> Path:
         t_sync = time.perf_counter()
         generations = rollouts.generate(prompt_ids, dataclasses.replace(params, seed=cfg.seed * 100003 + step))
         t_gen = time.perf_counter()
-        rewards = torch.tensor(task.rewards([p for p in prompts for _ in range(n)], [tok.decode(g.token_ids) for g in generations]))
+        rewards = torch.tensor(task.rewards([p for p in prompts for _ in range(n)], [decode_response(tok, g.token_ids) for g in generations]))
         batch = build_batch(prompt_ids, generations, tok.pad_id)
         batch["advantages"] = group_advantages(rewards, n, cfg.grpo.advantages)
         t_reward = time.perf_counter()
@@ -223,10 +243,10 @@ def run(cfg: RunConfig) -> Path:
             "time/sync": t_sync - t0, "time/generate": t_gen - t_sync, "time/reward": t_reward - t_gen,
             "time/logprobs": t_logp - t_reward, "time/train": t_train - t_logp, "rollout_restarts": rollouts.restarts,
         }
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        logger.info("step %d reward %.3f gap max %.3f mean %.4f", step, record["reward"],
-                    record["mismatch/gap_max_abs"], record["mismatch/gap_mean_abs"])
+        sink.log(record)
+        progress.set_postfix(reward=f"{record['reward']:.3f}", gap=f"{record['mismatch/gap_max_abs']:.3f}")
         if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0:
             save_checkpoint(cfg, trainers, step + 1, stream)                               # checkpoint
+    sink.close()
+    plot_run(metrics_path, run_dir / "metrics.png")
     return metrics_path

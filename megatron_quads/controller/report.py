@@ -1,0 +1,64 @@
+"""Run outputs a person reads: the progress bar, wandb, and the end-of-run plots."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from megatron_quads.controller.config import RunConfig
+
+
+class MetricsSink:
+    """Per-step metrics to JSONL (always) and to wandb (offline unless configured otherwise)."""
+
+    def __init__(self, cfg: RunConfig, path: Path) -> None:
+        self.path = path
+        self.wandb_run = None
+        if cfg.logging.wandb != "disabled":
+            import wandb
+
+            self.wandb_run = wandb.init(
+                project=cfg.logging.project, mode=cfg.logging.wandb, dir=str(Path(cfg.run_dir)),
+                config=cfg.model_dump(mode="json"), name=Path(cfg.run_dir).name, reinit="finish_previous",
+            )
+
+    def log(self, record: dict) -> None:
+        """Append one step's record."""
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log(record, step=record["step"])
+
+    def close(self) -> None:
+        """Flush wandb."""
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+def plot_run(metrics_path: Path, out_path: Path) -> Path:
+    """Reward and rollout-vs-trainer gap over steps, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    steps = [r["step"] for r in records]
+    fig, (ax_reward, ax_gap) = plt.subplots(1, 2, figsize=(11, 4))
+    ax_reward.plot(steps, [r["reward"] for r in records], marker="o")
+    ax_reward.set_xlabel("step")
+    ax_reward.set_ylabel("mean reward")
+    ax_reward.set_title("reward")
+    ax_gap.plot(steps, [r["mismatch/gap_max_abs"] for r in records], marker="o", label="max |Δlogp|")
+    ax_gap.plot(steps, [r["mismatch/gap_mean_abs"] for r in records], marker="o", label="mean |Δlogp|")
+    ax_gap.set_xlabel("step")
+    ax_gap.set_ylabel("nats")
+    ax_gap.set_title("rollout vs trainer gap")
+    ax_gap.legend()
+    fig.tight_layout()
+    tmp = out_path.with_name(out_path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, out_path)
+    return out_path
