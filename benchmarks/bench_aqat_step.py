@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
 import platform
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import torch
+from results_io import append_record
 
 PROFILES = {
     "cpu": dict(
@@ -150,13 +148,6 @@ def _markdown(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
-        tmp.write(text)
-    os.replace(tmp.name, path)
-
-
 def main() -> None:
     """Run every setting of the chosen profile and append the record to the results file."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -180,11 +171,7 @@ def main() -> None:
         "model": profile["model"],
         "results": results,
     }
-    out = args.out
-    history = json.loads(out.read_text()) if out.exists() else []
-    history.append(record)
-    _write_atomic(out, json.dumps(history, indent=1) + "\n")
-    _write_atomic(out.with_name(f"aqat_step_{args.profile}.md"), _markdown(record))
+    append_record(args.out, record, args.out.with_name(f"aqat_step_{args.profile}.md"), _markdown(record))
     print(_markdown(record))
 
 

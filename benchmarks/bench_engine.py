@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
-import tempfile
 import time
 from pathlib import Path
 
 import torch
+from results_io import append_record
 
 from megatron_quads.rollout.engine import ENGINE_PRECISIONS, SamplingParams
 from megatron_quads.rollout.torch_engine import TorchRolloutEngine
@@ -75,18 +73,12 @@ def main() -> None:
         "profile": args.profile, "command": f"python benchmarks/bench_engine.py --profile {args.profile}",
         "batch": profile["batch"], "prompt_tokens": profile["prompt"], "new_tokens": profile["new_tokens"], "rows": rows,
     }
-    history = json.loads(args.out.read_text()) if args.out.exists() else []
-    history.append(record)
     lines = [f"# Built-in engine throughput ({record['date']}, {record['device']}, profile {args.profile})", "",
              f"Command: `{record['command']}`. Greedy, batch {record['batch']}, prompt {record['prompt_tokens']} tokens, "
              f"{record['new_tokens']} new tokens; NVFP4 modes use the PyTorch reference GEMM.", "",
              "| precision | tokens | seconds | tokens/s |", "|---|---:|---:|---:|"]
     lines += [f"| {r['precision']} | {r['tokens']} | {r['seconds']} | {r['tokens_per_s']} |" for r in rows]
-    for path, text in ((args.out, json.dumps(history, indent=1) + "\n"),
-                       (args.out.with_name(f"engine_{args.profile}.md"), "\n".join(lines) + "\n")):
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
-            tmp.write(text)
-        os.replace(tmp.name, path)
+    append_record(args.out, record, args.out.with_name(f"engine_{args.profile}.md"), "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

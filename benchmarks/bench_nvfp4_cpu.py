@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
 import platform
-import tempfile
 from pathlib import Path
 
 import torch
+from results_io import append_record
 from torch.utils.benchmark import Timer
 
 from megatron_quads.nvfp4 import dequantize, fake_quant, quantize
@@ -60,13 +58,6 @@ def bench_case(rows: int, cols: int, min_run_time: float) -> dict:
     }
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
-        tmp.write(text)
-    os.replace(tmp.name, path)
-
-
 def _markdown(record: dict) -> str:
     lines = [
         f"# NVFP4 reference on CPU ({record['date']}, {record['device']}, torch {record['torch']}, "
@@ -100,10 +91,7 @@ def main() -> None:
         "command": "python benchmarks/bench_nvfp4_cpu.py",
         "cases": [bench_case(r, c, args.min_run_time) for r, c in SHAPES],
     }
-    history = json.loads(args.out.read_text()) if args.out.exists() else []
-    history.append(record)
-    _write_atomic(args.out, json.dumps(history, indent=1) + "\n")
-    _write_atomic(args.out.with_suffix(".md"), _markdown(record))
+    append_record(args.out, record, args.out.with_suffix(".md"), _markdown(record))
     print(_markdown(record))
 
 

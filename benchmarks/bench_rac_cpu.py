@@ -12,12 +12,10 @@ go to ``benchmarks/results/rac_cpu.json`` (appended) and ``rac_cpu.md`` (newest)
 from __future__ import annotations
 
 import datetime
-import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
+from results_io import append_record
 from torch.utils.benchmark import Timer
 
 from megatron_quads.nvfp4 import quantize
@@ -71,8 +69,6 @@ def main() -> None:
         "command": "python benchmarks/bench_rac_cpu.py",
         "rows": [row for shape in SHAPES for row in case(*shape)],
     }
-    history = json.loads(out.read_text()) if out.exists() else []
-    history.append(record)
     lines = [
         f"# RAC overhead over W4A4 ({record['date']}, {record['device']}, torch {record['torch']})", "",
         f"Command: `{record['command']}`. Computed: FP4 kernel FLOPs and operand bytes. Measured: the "
@@ -85,10 +81,7 @@ def main() -> None:
             f"| {r['tokens']}x{r['K']}x{r['N']} | {r['ratio']:.3f} | {r['residual_channels']} | {r['flop_overhead']:.1%} | "
             f"{r['byte_overhead']:.1%} | {r['w4a4_ms']:.2f} | {r['rac_ms']:.2f} | {r['measured_overhead']:+.1%} |"
         )
-    for path, text in ((out, json.dumps(history, indent=1) + "\n"), (out.with_suffix(".md"), "\n".join(lines) + "\n")):
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
-            tmp.write(text)
-        os.replace(tmp.name, path)
+    append_record(out, record, out.with_suffix(".md"), "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

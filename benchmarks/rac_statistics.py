@@ -11,11 +11,10 @@ calibrated on one batch and measured on another. Results: benchmarks/results/rac
 from __future__ import annotations
 
 import datetime
-import os
-import tempfile
 from pathlib import Path
 
 import torch
+from results_io import write_text_atomic
 
 from megatron_quads.nvfp4 import quantize
 from megatron_quads.rollout.calibration import ChannelStats
@@ -70,9 +69,7 @@ def main() -> None:
     for statistic in ChannelStatistic:
         lines.append(f"| {statistic.value} | " + " | ".join(f"{errors[(statistic, r)]:.4f}" for r in RATIOS) + " |")
     out = Path("benchmarks/results/rac_statistics.md")
-    with tempfile.NamedTemporaryFile("w", dir=out.parent, delete=False, suffix=".tmp") as tmp:
-        tmp.write("\n".join(lines) + "\n")
-    os.replace(tmp.name, out)
+    write_text_atomic(out, "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -1,0 +1,25 @@
+"""Writing benchmark results: a JSON history of records and a Markdown view, never half-written."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same directory and a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
+        tmp.write(text)
+    os.replace(tmp.name, path)
+
+
+def append_record(json_path: Path, record: dict, markdown_path: Path | None = None, markdown: str = "") -> None:
+    """Append ``record`` to the JSON list at ``json_path`` and (optionally) rewrite the Markdown view."""
+    history = json.loads(json_path.read_text()) if json_path.exists() else []
+    history.append(record)
+    write_text_atomic(json_path, json.dumps(history, indent=1) + "\n")
+    if markdown_path is not None:
+        write_text_atomic(markdown_path, markdown)
