@@ -1,0 +1,107 @@
+"""Step-time breakdown of the embedded default, and weight-sync throughput of bf16 vs NVFP4 payloads (CPU).
+
+    python benchmarks/bench_controller.py
+
+1. Runs the embedded default (quads mode) for 12 steps and reports the median seconds of each phase
+   (sync, generate, reward, trainer log-probs, train) over steps 2..11.
+2. Weight sync: a synthetic Qwen3-MoE-format model (random weights, ~0.4 GB in bf16) is exported
+   (a) as BF16 tensors and (b) quantized once into NVFP4-plus-residual; each payload goes through Ray's
+   object store to a rollout-side actor that rebuilds it. Reports bytes, quantize time, transfer
+   time and GB/s of parameters (bf16-equivalent bytes per second).
+Results: benchmarks/results/controller_cpu.json (appended) and controller_cpu.md.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import ray
+import torch
+from results_io import append_record
+
+from megatron_quads.controller.config import load_config
+from megatron_quads.controller.run import run
+from megatron_quads.controller.weight_sync import from_payload, payload_bytes, to_payload
+from megatron_quads.rollout.weights import quantize_hf_weights
+
+LAYERS, EXPERTS, HIDDEN, FFN = 4, 16, 1024, 768
+
+
+def synthetic_weights() -> dict[str, torch.Tensor]:
+    """Qwen3-MoE-named expert and attention weights (bf16, random)."""
+    gen = torch.Generator().manual_seed(0)
+    w = {}
+    for layer in range(LAYERS):
+        p = f"model.layers.{layer}"
+        for name, shape in (("self_attn.q_proj", (HIDDEN, HIDDEN)), ("self_attn.o_proj", (HIDDEN, HIDDEN))):
+            w[f"{p}.{name}.weight"] = (torch.randn(shape, generator=gen) * 0.02).bfloat16()
+        for e in range(EXPERTS):
+            for proj, shape in (("gate_proj", (FFN, HIDDEN)), ("up_proj", (FFN, HIDDEN)), ("down_proj", (HIDDEN, FFN))):
+                w[f"{p}.mlp.experts.{e}.{proj}.weight"] = (torch.randn(shape, generator=gen) * 0.02).bfloat16()
+    return w
+
+
+@ray.remote
+class Receiver:
+    """Stands in for a rollout worker: rebuilds the weights it is sent."""
+
+    def receive(self, payload: dict) -> int:
+        weights, version = from_payload(payload)
+        return version
+
+
+def sync_case(name: str, weights, receiver) -> dict:
+    """Quantize (if asked), ship through the object store, rebuild on the other side."""
+    start = time.perf_counter()
+    payload = to_payload(weights, 1)
+    ref = ray.put(payload)
+    assert ray.get(receiver.receive.remote(ref)) == 1
+    seconds = time.perf_counter() - start
+    return {"payload": name, "payload_MB": round(payload_bytes(payload) / 2**20, 1), "transfer_s": round(seconds, 3)}
+
+
+def main() -> None:
+    """Both measurements; one record."""
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = load_config(Path("examples/embedded_default.yaml"), [
+            f"run_dir={tmp}", "grpo.steps=12", "checkpoint.every=0", "logging.wandb=disabled"])
+        records = [json.loads(line) for line in run(cfg).read_text().splitlines()][2:]
+    phases = {k: round(statistics.median(r[k] for r in records), 4) for k in records[0] if k.startswith("time/")}
+
+    dense = synthetic_weights()
+    params_gb = sum(t.numel() for t in dense.values()) * 2 / 1e9
+    receiver = Receiver.remote()
+    start = time.perf_counter()
+    quantized = quantize_hf_weights(dense.items(), lambda m: ".mlp.experts." in m)
+    quantize_s = time.perf_counter() - start
+    sync = [sync_case("bf16", dense, receiver), sync_case("nvfp4+residual", quantized, receiver)]
+    sync[1]["quantize_s"] = round(quantize_s, 3)
+    for row in sync:
+        total = row["transfer_s"] + row.get("quantize_s", 0.0)
+        row["GBps_of_bf16_params"] = round(params_gb / total, 3)
+    record = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": f"CPU, {torch.get_num_threads()} threads", "command": "python benchmarks/bench_controller.py",
+        "step_phases_median_s": phases, "sync_model_bf16_GB": round(params_gb, 3), "sync": sync,
+    }
+    lines = [f"# Controller on CPU ({record['date']}, {record['device']})", "", f"Command: `{record['command']}`", "",
+             "Embedded default, quads mode, median seconds per phase over steps 2-11:", "",
+             "| phase | seconds |", "|---|---:|"]
+    lines += [f"| {k.removeprefix('time/')} | {v} |" for k, v in phases.items()]
+    lines += ["", f"Weight sync of a synthetic {record['sync_model_bf16_GB']} GB (bf16) Qwen3-MoE-format model "
+              "through Ray's object store to another actor (quantize on the sender, rebuild on the receiver):", "",
+              "| payload | MB | quantize s | transfer + rebuild s | GB/s of bf16 params |", "|---|---:|---:|---:|---:|"]
+    lines += [f"| {r['payload']} | {r['payload_MB']} | {r.get('quantize_s', 0.0)} | {r['transfer_s']} | {r['GBps_of_bf16_params']} |" for r in sync]
+    out = Path("benchmarks/results/controller_cpu.json")
+    append_record(out, record, out.with_suffix(".md"), "\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
