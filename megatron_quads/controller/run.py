@@ -48,12 +48,10 @@ class Trainers:
     def compute_logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
         """Log-probs of the whole batch (data-parallel shards gathered back in order)."""
         shards = ray.get([a.compute_logprobs.remote(s["tokens"]) for a, s in zip(self.actors, self._shards({"tokens": tokens}), strict=True)])
-        seen, parts = set(), []
-        for (rank, _), part in zip(self.dp, shards, strict=True):
-            if rank not in seen:
-                seen.add(rank)
-                parts.append(part)
-        return torch.cat(parts)
+        by_dp_rank = {}  # ranks of one data-parallel replica return the same shard: keep one per replica
+        for (dp_rank, _), part in zip(self.dp, shards, strict=True):
+            by_dp_rank.setdefault(dp_rank, part)
+        return torch.cat([by_dp_rank[r] for r in sorted(by_dp_rank)])
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """One optimizer step over the whole batch."""
