@@ -23,6 +23,7 @@ because Adam's first step is ~lr*sign(g) and would amplify fp32 noise on near-ze
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 import re
@@ -679,13 +680,13 @@ def test_expert_dp_replicas_stay_in_sync_with_fix(two_proc):
         assert r["grad_norm_rel_diff"] <= FP32_GNORM_RTOL
 
 
+@pytest.mark.skipif(
+    not importlib.metadata.version("megatron-core").startswith("0.16."),
+    reason="documents megatron-core 0.16.x behaviour",
+)
 def test_expert_dp_drift_without_fix_is_megatron_0_16_bug(two_proc):
     """Documents the Megatron 0.16.1 bug that mark_expert_params_for_expert_dp works around. If
     this starts failing after a Megatron upgrade, the upstream fix landed: drop the workaround."""
-    import importlib.metadata
-
-    if not importlib.metadata.version("megatron-core").startswith("0.16."):
-        pytest.skip("documents megatron-core 0.16.x behaviour")
     for r in get(two_proc, "expert_dp_unfixed"):
         assert r["expert_replica_max_diff"] > 1e-3
 
