@@ -26,7 +26,11 @@ from results_io import append_record
 
 from megatron_quads.controller.config import load_config
 from megatron_quads.controller.run import run
-from megatron_quads.controller.weight_sync import from_payload, payload_bytes, to_payload
+from megatron_quads.controller.weight_sync import (
+    buckets_bytes,
+    from_buckets,
+    to_buckets,
+)
 from megatron_quads.rollout.weights import quantize_hf_weights
 
 LAYERS, EXPERTS, HIDDEN, FFN = 4, 16, 1024, 768
@@ -50,19 +54,19 @@ def synthetic_weights() -> dict[str, torch.Tensor]:
 class Receiver:
     """Stands in for a rollout worker: rebuilds the weights it is sent."""
 
-    def receive(self, payload: dict) -> int:
-        weights, version = from_payload(payload)
+    def receive(self, refs: list) -> int:
+        weights, version = from_buckets([ray.get(ref) for ref in refs])
         return version
 
 
 def sync_case(name: str, weights, receiver) -> dict:
     """Quantize (if asked), ship through the object store, rebuild on the other side."""
     start = time.perf_counter()
-    payload = to_payload(weights, 1)
-    ref = ray.put(payload)
-    assert ray.get(receiver.receive.remote(ref)) == 1
+    buckets = to_buckets(weights, 1, bucket_bytes=64 * 2**20)
+    assert ray.get(receiver.receive.remote([ray.put(b) for b in buckets])) == 1
     seconds = time.perf_counter() - start
-    return {"payload": name, "payload_MB": round(payload_bytes(payload) / 2**20, 1), "transfer_s": round(seconds, 3)}
+    return {"payload": name, "payload_MB": round(buckets_bytes(buckets) / 2**20, 1), "buckets": len(buckets),
+            "transfer_s": round(seconds, 3)}
 
 
 def main() -> None:

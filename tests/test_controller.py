@@ -108,16 +108,24 @@ def test_invalid_configs_fail_before_any_worker_starts(overrides: list[str], pat
         load_config(EXAMPLE, overrides)
 
 
-def test_weight_payload_round_trip() -> None:
-    from megatron_quads.controller.weight_sync import from_payload, to_payload
+def test_weight_buckets_are_bounded_and_round_trip() -> None:
+    from megatron_quads.controller.weight_sync import (
+        buckets_bytes,
+        from_buckets,
+        to_buckets,
+    )
     from megatron_quads.rollout.weights import quantize_hf_weights
 
-    named = {"model.layers.0.mlp.experts.0.gate_proj.weight": torch.randn(32, 64),
-             "model.layers.0.mlp.experts.0.up_proj.weight": torch.randn(32, 64),
-             "model.norm.weight": torch.ones(64)}
+    named = {f"model.layers.0.mlp.experts.{e}.{p}.weight": torch.randn(32, 64) for e in range(4) for p in ("gate_proj", "up_proj")}
+    named["model.norm.weight"] = torch.ones(64)
     weights = quantize_hf_weights(named.items(), lambda m: "experts" in m)
-    back, version = from_payload(to_payload(weights, 5))
+    limit = 3000
+    buckets = to_buckets(weights, 5, bucket_bytes=limit)
+    assert len(buckets) > 1
+    assert all(buckets_bytes([b]) <= limit for b in buckets)
+    back, version = from_buckets(list(reversed(buckets)))  # arrival order does not matter
     assert version == 5
+
     def raw(t: torch.Tensor) -> torch.Tensor:
         return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
@@ -125,7 +133,11 @@ def test_weight_payload_round_trip() -> None:
     assert received.keys() == weights.state_dict().keys()
     for name, tensor in weights.state_dict().items():
         assert received[name].dtype == tensor.dtype and torch.equal(raw(received[name]), raw(tensor))
-
+    with pytest.raises(ValueError, match="incomplete weight sync"):
+        from_buckets(buckets[1:])
+    stale = to_buckets(weights, 4, bucket_bytes=limit)
+    with pytest.raises(ValueError, match="different versions"):
+        from_buckets([stale[0], *buckets[1:]])
 
 def test_out_of_vocabulary_ids_decode_to_an_unparsable_response() -> None:
     from megatron_quads import embedded

@@ -54,6 +54,7 @@ class RolloutSection(_Strict):
     num_gpus_per_worker: float = Field(0.0, ge=0.0)
     timeout_s: float = Field(300.0, gt=0)
     max_retries: int = Field(2, ge=0)
+    sync_bucket_mb: float = Field(256.0, gt=0, description="weight-sync bucket size bound")
 
 
 class GRPOSection(_Strict):

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import ray
 import torch
-
 from tqdm import tqdm
 
 from megatron_quads.controller.config import RunConfig
@@ -57,11 +56,9 @@ class Trainers:
         """One optimizer step over the whole batch."""
         return ray.get([a.train_step.remote(s) for a, s in zip(self.actors, self._shards(batch), strict=True)])[0]
 
-    def export_rollout_weights(self, version: int):
-        """The rollout weights (quantized once, on the trainer side) as a Ray object ref."""
-        refs = [a.export_rollout_weights.remote(version) for a in self.actors]
-        ray.get(refs[1:])
-        return refs[0]
+    def export_rollout_weights(self, version: int) -> list:
+        """The rollout weights (quantized once, on the trainer side) as object refs of bounded buckets."""
+        return ray.get([a.export_rollout_weights.remote(version) for a in self.actors])[0]
 
     def load(self, path: str, with_optimizer: bool) -> int:
         """Load a checkpoint on every rank."""

@@ -80,8 +80,10 @@ class TrainerWorker:
         return self.worker.train_step(batch, self.loss, temperature=max(self.cfg.rollout.temperature, 1e-6))
 
     def export_rollout_weights(self, version: int):
-        """Weights for the rollout engines, quantized once, as a payload (rank 0 returns it; others None)."""
-        from megatron_quads.controller.weight_sync import to_payload
+        """Weights for the rollout engines, quantized once, as object refs of bounded buckets (rank 0; others None)."""
+        import ray
+
+        from megatron_quads.controller.weight_sync import to_buckets
         from megatron_quads.rollout.weights import quantize_hf_weights
 
         named = ((name, tensor.float()) for name, tensor in self.worker.export_hf_weights())
@@ -90,7 +92,10 @@ class TrainerWorker:
         else:
             weights = quantize_hf_weights(named, lambda m: bool(EXPERT_MODULE.match(m)),
                                           weight_version=version, unquantized_dtype=torch.float32)
-        return to_payload(weights, version) if self.rank == 0 else None
+        if self.rank != 0:
+            return None
+        bucket_bytes = int(self.cfg.rollout.sync_bucket_mb * 2**20)
+        return [ray.put(bucket) for bucket in to_buckets(weights, version, bucket_bytes)]
 
 
 class RolloutWorker:
@@ -108,13 +113,15 @@ class RolloutWorker:
             ratio=cfg.precision.rac_ratio, device=device, dtype=torch.float32,
         )
 
-    def load_weights(self, payload: dict, version: int, calibration_prompts: list[list[int]]) -> int:
-        """Check and swap in new weights; in quads mode re-choose the RAC channels (online calibration)."""
-        from megatron_quads.controller.weight_sync import from_payload
+    def load_weights(self, bucket_refs: list, version: int, calibration_prompts: list[list[int]]) -> int:
+        """Fetch the buckets, check and swap in the weights; in quads mode re-choose the RAC channels."""
+        import ray
 
-        weights, sent_version = from_payload(payload)
+        from megatron_quads.controller.weight_sync import from_buckets
+
+        weights, sent_version = from_buckets([ray.get(ref) for ref in bucket_refs])
         if sent_version != version:
-            raise ValueError(f"weight payload has version {sent_version}, the controller expected {version}")
+            raise ValueError(f"weight buckets have version {sent_version}, the controller expected {version}")
         self.engine.load_weights(weights, version)
         if self.engine.precision == "quads":
             self.engine.calibrate(calibration_prompts)
