@@ -87,13 +87,15 @@ class TrainerWorker:
         from megatron_quads.rollout.weights import quantize_hf_weights
 
         named = ((name, tensor.float()) for name, tensor in self.worker.export_hf_weights())
+        if self.rank != 0:
+            for _ in named:  # the export is collective: take part in every gather, keep nothing
+                pass
+            return None
         if self.cfg.engine_precision() == "bf16":
             weights = {name: t.clone() for name, t in named}
         else:
             weights = quantize_hf_weights(named, lambda m: bool(EXPERT_MODULE.match(m)),
                                           weight_version=version, unquantized_dtype=torch.float32)
-        if self.rank != 0:
-            return None
         bucket_bytes = int(self.cfg.rollout.sync_bucket_mb * 2**20)
         return [ray.put(bucket) for bucket in to_buckets(weights, version, bucket_bytes)]
 

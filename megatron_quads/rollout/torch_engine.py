@@ -119,7 +119,7 @@ class TorchRolloutEngine:
         missing = [m for m in missing if not m.endswith("rotary_emb.inv_freq")]
         if missing or unexpected:
             raise ValueError(f"weights do not fit the engine's model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        if not quantized:  # BF16 weights: quantize the experts here (gate and up fused: one amax)
+        if not quantized and self.precision != "bf16":  # BF16 weights, NVFP4 mode: quantize the experts here (gate and up fused: one amax)
             for name, module in self.experts.items():
                 w = module.weight.detach()
                 self.states[name] = LinearState(weight=w, quantized=quantize(w))
@@ -128,6 +128,8 @@ class TorchRolloutEngine:
 
     def calibrate(self, prompts: Sequence[Sequence[int]], statistic: ChannelStatistic = ChannelStatistic.OUTPUT_ERROR) -> None:
         """Choose RAC channels from the engine's own activations on ``prompts`` (quads mode)."""
+        if self.precision != "quads":
+            raise ValueError(f"RAC calibration is for the quads precision; this engine serves {self.precision!r}")
         self._remove_hooks()  # calibrate on the unquantized forward's inputs, like the analysis
         calibrator = RacCalibrator(self.experts, {n: s.weight.shape[-1] for n, s in self.states.items()})
         try:
