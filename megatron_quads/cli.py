@@ -51,15 +51,20 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from megatron_quads.controller.config import ConfigError, load_config
-    from megatron_quads.controller.run import run
+    from megatron_quads.controller.config import ConfigError, check_runnable, load_config
+    from megatron_quads.controller.run import TrainerFailure, run
 
     try:
         cfg = load_config(args.config, args.overrides)
+        check_runnable(cfg)
     except ConfigError as err:
         Console(stderr=True).print(f"[red]{err}[/red]")
         return 2
-    metrics = run(cfg)
+    try:
+        metrics = run(cfg)
+    except TrainerFailure as err:
+        Console(stderr=True).print(f"[red]training stopped: {err}[/red]")
+        return 1
     Console().print(f"metrics: {metrics}\nplots:   {metrics.with_name('metrics.png')}")
     return 0
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,7 @@ def _run(run_dir: Path, *overrides: str) -> list[dict]:
 
 
 def _without_times(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in records]
+    return [{k: v for k, v in r.items() if not (k.startswith("time/") or k.endswith("_s"))} for r in records]
 
 
 @pytest.mark.parametrize("mode", ["bf16", "naive-nvfp4", "aqat", "quads"])
@@ -85,7 +86,7 @@ def test_a_killed_rollout_worker_is_restarted_and_resynced(tmp_path: Path) -> No
 
     cfg = load_config(EXAMPLE, [f"run_dir={tmp_path}", "precision.mode=aqat", "rollout.timeout_s=120"])
     trainers, rollouts = Trainers(cfg), Rollouts(cfg)
-    rollouts.sync(trainers.export_rollout_weights(7), 7, [[1, 4, 13, 5, 17]])
+    rollouts.sync(trainers, 7, [[1, 4, 13, 5, 17]])
     ray.kill(rollouts.workers[0], no_restart=True)
     out = rollouts.generate([[1, 4, 13, 5, 17], [1, 6, 14, 3, 17]], SamplingParams(max_new_tokens=3, temperature=0.0))
     assert len(out) == 2 and all(len(g.token_ids) >= 1 for g in out)
@@ -98,9 +99,12 @@ def test_a_killed_rollout_worker_is_restarted_and_resynced(tmp_path: Path) -> No
     [
         (["grpo.stepz=3"], r"grpo\.stepz: Extra inputs"),
         (["trainer_world_size=3", "parallel.tensor_parallel=2"], "not divisible by tensor_parallel"),
-        (["rollout.engine=vllm", "precision.mode=quads"], "vLLM engine"),
         (["precision.mode=fp3"], r"precision\.mode"),
         (["grpo.steps"], "key=value"),
+        (["placement.mode=colocated", "rollout.num_workers=2"], "rollout.num_workers 2 > trainer_world_size 1"),
+        (["placement.mode=colocated", "rollout.num_gpus_per_worker=1"], "share the trainer ranks' GPUs"),
+        (["rollout.weight_transfer=cuda_ipc"], "cuda_ipc works between processes on one GPU"),
+        (["placement.trainer_gpus_per_worker=2"], r"placement\.trainer_gpus_per_worker"),
     ],
 )
 def test_invalid_configs_fail_before_any_worker_starts(overrides: list[str], pattern: str) -> None:
@@ -150,3 +154,88 @@ def test_out_of_vocabulary_ids_decode_to_an_unparsable_response() -> None:
     assert text == "1\ufffd9;"
     prompt = embedded.task().sample_prompts(1, seed=0)[0]
     assert embedded.task().reward(prompt, text) == 0.0
+
+
+def test_colocated_placement_shares_bundles_and_runs(tmp_path: Path) -> None:
+    from megatron_quads.controller.placement import Placement
+
+    cfg = load_config(EXAMPLE, [*FAST, f"run_dir={tmp_path}", "placement.mode=colocated", "trainer_world_size=2",
+                                "parallel.expert_parallel=2", "rollout.num_workers=2", "grpo.steps=2", "checkpoint.every=0"])
+    placement = Placement(cfg)
+    try:
+        assert len(placement.groups) == 1
+        for trainer, engine in zip(placement.trainer_slots, placement.rollout_slots, strict=True):
+            assert trainer.strategy.placement_group_bundle_index == engine.strategy.placement_group_bundle_index
+            assert trainer.num_cpus + engine.num_cpus == cfg.placement.cpus_per_worker
+    finally:
+        placement.remove()
+    records = _run(tmp_path, "placement.mode=colocated", "trainer_world_size=2", "parallel.expert_parallel=2",
+                   "rollout.num_workers=2", "grpo.steps=2", "checkpoint.every=0", "precision.mode=quads")
+    assert [r["step"] for r in records] == [0, 1]
+    assert all(r["sync/bytes"] > 0 and r["train/update_successful"] == 1.0 for r in records)
+    deadline = time.monotonic() + 30  # placement groups are given back asynchronously
+    while ray.available_resources().get("CPU") != ray.cluster_resources()["CPU"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU") == ray.cluster_resources()["CPU"]
+
+
+def test_a_trainer_failure_stops_the_run_with_a_resume_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron_quads.controller import run as run_module
+
+    original = run_module.Trainers.train_step
+    calls = []
+
+    def failing_train_step(self, batch):
+        calls.append(1)
+        if len(calls) == 3:  # third step, after the checkpoint at step 2: a rank dies
+            ray.kill(self.actors[0], no_restart=True)
+        return original(self, batch)
+
+    monkeypatch.setattr(run_module.Trainers, "train_step", failing_train_step)
+    with pytest.raises(run_module.TrainerFailure) as failure:
+        _run(tmp_path, "grpo.steps=4", "checkpoint.every=2", "precision.mode=aqat")
+    message = str(failure.value)
+    assert "a trainer rank failed" in message
+    assert f"the last complete checkpoint is {tmp_path / 'checkpoints' / 'step_2'}" in message
+    assert f"resume with: megatron-quads train {tmp_path / 'config.yaml'}" in message
+    monkeypatch.setattr(run_module.Trainers, "train_step", original)
+    cfg = load_config(tmp_path / "config.yaml")  # the printed command's config, as written
+    records = [json.loads(line) for line in run_module.run(cfg).read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+
+
+def test_weight_buckets_pack_every_dtype_into_one_aligned_buffer() -> None:
+    from megatron_quads.controller.weight_sync import pack, to_buckets, unpack
+
+    tensors = {
+        "codes": torch.randint(0, 255, (3, 5), dtype=torch.uint8),
+        "scales": torch.randn(3, 7).clamp(-400, 400).to(torch.float8_e4m3fn),
+        "decode": torch.tensor(0.125),
+        "channels": torch.zeros(0, dtype=torch.int32),
+        "bf16": torch.randn(4, 3).to(torch.bfloat16),
+    }
+    buffer, specs = pack(tensors)
+    assert buffer.dtype == torch.uint8 and buffer.ndim == 1
+    assert all(s.offset % 16 == 0 for s in specs)
+    back = unpack(buffer, specs)
+    for name, t in tensors.items():
+        assert back[name].dtype == t.dtype and back[name].shape == t.shape
+        assert torch.equal(back[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+    with pytest.raises(ValueError, match="truncated"):
+        unpack(buffer[:20], specs)
+    with pytest.raises(ValueError, match="needs the weights on a CUDA device"):
+        to_buckets(tensors, 0, transport="cuda_ipc")
+
+
+def test_example_configs_validate_and_the_vllm_one_is_refused_before_workers_start() -> None:
+    from megatron_quads.controller.config import check_runnable
+
+    examples = Path(__file__).parents[1] / "examples"
+    qwen = load_config(examples / "qwen3_30b_a3b_multinode.yaml")
+    assert (qwen.parallel.expert_parallel, qwen.trainer_world_size, qwen.model.architecture.num_experts) == (8, 16, 128)
+    with pytest.raises(ConfigError, match="rollout.engine=vllm"):
+        check_runnable(qwen)
+    gpu = load_config(examples / "gpu_colocated_synthetic.yaml")
+    check_runnable(gpu)
+    assert gpu.weight_transport() == "cuda_ipc" and gpu.rollout_on_gpu()
+    assert load_config(EXAMPLE).weight_transport() == "object_store"

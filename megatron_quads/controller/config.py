@@ -8,7 +8,7 @@ starts, with a message that names the key.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from omegaconf import OmegaConf
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -55,6 +55,22 @@ class RolloutSection(_Strict):
     timeout_s: float = Field(300.0, gt=0)
     max_retries: int = Field(2, ge=0)
     sync_bucket_mb: float = Field(256.0, gt=0, description="weight-sync bucket size bound")
+    weight_transfer: Literal["auto", "object_store", "cuda_ipc"] = Field(
+        "auto", description="auto: CUDA IPC when colocated on GPUs, else Ray's object store"
+    )
+    release_memory_during_training: bool = Field(
+        True, description="colocated: engines move their weights and caches off the GPU while the trainer trains"
+    )
+
+
+class PlacementSection(_Strict):
+    """How trainer ranks and rollout engines are placed on the Ray cluster."""
+
+    mode: Literal["colocated", "disaggregated"] = "disaggregated"
+    trainer_gpus_per_worker: int = Field(0, ge=0, le=1, description="0: CPU trainer ranks; 1: one GPU per rank")
+    cpus_per_worker: float = Field(0.5, gt=0, description="CPU share of each placement bundle")
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    ray_address: str | None = Field(None, description="join this Ray cluster (e.g. 'auto'); default: start a local one")
 
 
 class GRPOSection(_Strict):
@@ -67,6 +83,14 @@ class GRPOSection(_Strict):
     optim: OptimConfig = OptimConfig(lr=1e-4)
     loss: PolicyLossConfig = PolicyLossConfig()
     advantages: AdvantageConfig = AdvantageConfig()
+
+
+class TaskSection(_Strict):
+    """What the policy is rewarded on; unset: the embedded default's arithmetic task and tokenizer."""
+
+    kind: Literal["arithmetic", "gsm8k", "math", "qa"] = "arithmetic"
+    options: dict[str, Any] = Field(default_factory=dict, description="megatron_quads.tasks.make_task options, e.g. path")
+    tokenizer: str = Field("char", description="'char' or a Hugging Face tokenizer directory")
 
 
 class CheckpointSection(_Strict):
@@ -93,7 +117,9 @@ class RunConfig(_Strict):
     trainer_world_size: int = Field(1, ge=1)
     precision: PrecisionSection = PrecisionSection()
     rollout: RolloutSection = RolloutSection()
+    placement: PlacementSection = PlacementSection()
     grpo: GRPOSection = GRPOSection()
+    task: TaskSection | None = None
     checkpoint: CheckpointSection = CheckpointSection()
     logging: LoggingSection = LoggingSection()
 
@@ -112,14 +138,42 @@ class RunConfig(_Strict):
                 f"trainer_world_size {self.trainer_world_size} is not divisible by expert_tensor_parallel * "
                 f"expert_parallel = {etp * p.expert_parallel}"
             )
-        if self.rollout.engine == "vllm" and self.precision.mode in ("naive-nvfp4", "aqat", "quads"):
-            raise ValueError(
-                f"precision.mode={self.precision.mode!r} needs W4A4 activation quantization, which the vLLM "
-                "engine of this project does not serve yet: use rollout.engine=torch"
-            )
+        self._check_placement()
         if not self.model.embedded_default and self.model.architecture is None:
             raise ValueError("model.architecture is required when model.embedded_default is false")
         return self
+
+    def _check_placement(self) -> None:
+        place, roll = self.placement, self.rollout
+        if place.mode == "colocated":
+            if roll.num_workers > self.trainer_world_size:
+                raise ValueError(
+                    f"placement.mode=colocated puts engine i beside trainer rank i: rollout.num_workers "
+                    f"{roll.num_workers} > trainer_world_size {self.trainer_world_size}"
+                )
+            if roll.num_gpus_per_worker:
+                raise ValueError(
+                    "placement.mode=colocated: engines share the trainer ranks' GPUs; leave "
+                    "rollout.num_gpus_per_worker at 0 (set placement.trainer_gpus_per_worker instead)"
+                )
+        if roll.weight_transfer == "cuda_ipc" and not (place.mode == "colocated" and place.trainer_gpus_per_worker):
+            raise ValueError(
+                "rollout.weight_transfer=cuda_ipc works between processes on one GPU: it needs "
+                "placement.mode=colocated and placement.trainer_gpus_per_worker=1 (or use object_store / auto)"
+            )
+
+    def rollout_on_gpu(self) -> bool:
+        """Whether the engines are given GPUs (colocated: the trainers'; disaggregated: their own)."""
+        if self.placement.mode == "colocated":
+            return self.placement.trainer_gpus_per_worker > 0
+        return self.rollout.num_gpus_per_worker > 0
+
+    def weight_transport(self) -> str:
+        """The resolved weight transfer: ``cuda_ipc`` or ``object_store``."""
+        if self.rollout.weight_transfer != "auto":
+            return self.rollout.weight_transfer
+        colocated_gpu = self.placement.mode == "colocated" and self.placement.trainer_gpus_per_worker > 0
+        return "cuda_ipc" if colocated_gpu else "object_store"
 
     def trainer_quads(self) -> QuadsTrainerConfig:
         """The trainer's fake-quant settings for this precision mode."""
@@ -132,6 +186,15 @@ class RunConfig(_Strict):
 
 class ConfigError(ValueError):
     """An invalid configuration, with every problem named by its dotted key."""
+
+
+def check_runnable(cfg: RunConfig) -> None:
+    """Raise :class:`ConfigError` for a valid config this release cannot run (checked before any worker starts)."""
+    if cfg.rollout.engine == "vllm":
+        raise ConfigError(
+            "rollout.engine=vllm: the vLLM rollout worker (and its plugin for the NVFP4-plus-residual format) is "
+            "not part of this release; use rollout.engine=torch (the built-in engine serves every precision.mode)"
+        )
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:

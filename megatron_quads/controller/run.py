@@ -14,10 +14,12 @@ import ray
 import torch
 from tqdm import tqdm
 
-from megatron_quads.controller.config import RunConfig
+from megatron_quads.controller.config import RunConfig, check_runnable
+from megatron_quads.controller.placement import Placement, Slot
 from megatron_quads.controller.report import MetricsSink, plot_run
 from megatron_quads.controller.workers import (
     RolloutWorker,
+    policy_model_config,
     TrainerWorker,
     checkpoint_dirs,
     start_checkpoint,
@@ -29,24 +31,38 @@ from megatron_quads.rollout.engine import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+class TrainerFailure(RuntimeError):
+    """A trainer rank died or raised: the run stops; the last complete checkpoint is intact."""
+
+
+def _trainer_get(refs):
+    """``ray.get`` for trainer calls: a dead or failing rank becomes a :class:`TrainerFailure`."""
+    try:
+        return ray.get(refs)
+    except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
+        raise TrainerFailure(f"a trainer rank failed ({type(err).__name__}): {str(err).splitlines()[0]}") from err
+
+
 class Trainers:
     """The trainer ranks as Ray actors forming one torch.distributed group."""
 
-    def __init__(self, cfg: RunConfig) -> None:
-        from megatron_quads.trainer.cpu_compat import find_free_port
-
-        port = find_free_port()
-        actor = ray.remote(num_cpus=0)(TrainerWorker)
+    def __init__(self, cfg: RunConfig, slots: list[Slot] | None = None) -> None:
         world = cfg.trainer_world_size
-        self.actors = [actor.remote(cfg, rank, world, port) for rank in range(world)]
-        self.dp = ray.get([a.data_parallel.remote() for a in self.actors])
+        actor = ray.remote(TrainerWorker)
+        if slots is None:  # no placement group (unit tests): CPU ranks beside the driver
+            self.actors = [actor.options(num_cpus=0).remote(cfg, rank, world) for rank in range(world)]
+        else:
+            self.actors = [actor.options(**slot.options()).remote(cfg, rank, world) for rank, slot in enumerate(slots)]
+        address, port = _trainer_get(self.actors[0].rendezvous_address.remote())
+        self.backend = _trainer_get([a.setup.remote(address, port) for a in self.actors])[0]
+        self.dp = _trainer_get([a.data_parallel.remote() for a in self.actors])
 
     def _shards(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         return [{k: v.chunk(size)[rank] for k, v in batch.items()} for rank, size in self.dp]
 
     def compute_logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
         """Log-probs of the whole batch (data-parallel shards gathered back in order)."""
-        shards = ray.get([a.compute_logprobs.remote(s["tokens"]) for a, s in zip(self.actors, self._shards({"tokens": tokens}), strict=True)])
+        shards = _trainer_get([a.compute_logprobs.remote(s["tokens"]) for a, s in zip(self.actors, self._shards({"tokens": tokens}), strict=True)])
         by_dp_rank = {}  # ranks of one data-parallel replica return the same shard: keep one per replica
         for (dp_rank, _), part in zip(self.dp, shards, strict=True):
             by_dp_rank.setdefault(dp_rank, part)
@@ -54,46 +70,74 @@ class Trainers:
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """One optimizer step over the whole batch."""
-        return ray.get([a.train_step.remote(s) for a, s in zip(self.actors, self._shards(batch), strict=True)])[0]
+        return _trainer_get([a.train_step.remote(s) for a, s in zip(self.actors, self._shards(batch), strict=True)])[0]
 
     def export_rollout_weights(self, version: int) -> list:
-        """The rollout weights (quantized once, on the trainer side) as object refs of bounded buckets."""
-        return ray.get([a.export_rollout_weights.remote(version) for a in self.actors])[0]
+        """The rollout weights (quantized once, on the trainer side) as bounded buckets (see TrainerWorker)."""
+        return _trainer_get([a.export_rollout_weights.remote(version) for a in self.actors])[0]
+
+    def release_sync_buffers(self) -> None:
+        """Free rank 0's CUDA IPC buffers once every engine has copied them."""
+        _trainer_get(self.actors[0].release_sync_buffers.remote())
 
     def load(self, path: str, with_optimizer: bool) -> int:
         """Load a checkpoint on every rank."""
-        return ray.get([a.load.remote(path, with_optimizer) for a in self.actors])[0]
+        return _trainer_get([a.load.remote(path, with_optimizer) for a in self.actors])[0]
 
     def save(self, path: str) -> None:
         """Save a checkpoint (collective)."""
-        ray.get([a.save.remote(path) for a in self.actors])
+        _trainer_get([a.save.remote(path) for a in self.actors])
 
 
 class Rollouts:
     """Rollout engines as Ray actors; a dead or hung engine is restarted, re-synced and retried."""
 
-    def __init__(self, cfg: RunConfig) -> None:
+    def __init__(self, cfg: RunConfig, slots: list[Slot] | None = None) -> None:
         self.cfg = cfg
-        self.actor = ray.remote(num_cpus=0, num_gpus=cfg.rollout.num_gpus_per_worker)(RolloutWorker)
-        self.workers = [self.actor.remote(cfg) for _ in range(cfg.rollout.num_workers)]
-        self.weights_ref = None
+        actor = ray.remote(RolloutWorker)
+        if slots is None:
+            slots_options = [{"num_cpus": 0, "num_gpus": cfg.rollout.num_gpus_per_worker}] * cfg.rollout.num_workers
+        else:
+            slots_options = [slot.options() for slot in slots]
+        self.factories = [actor.options(**options) for options in slots_options]
+        self.workers = [factory.remote(cfg) for factory in self.factories]
+        self.trainers: Trainers | None = None
         self.version = -1
         self.calibration: list[list[int]] = []
         self.restarts = 0
 
-    def sync(self, weights_ref, version: int, calibration: list[list[int]]) -> None:
-        """Send the same weights to every engine; each checks them and reports the version it holds."""
-        self.weights_ref, self.version, self.calibration = weights_ref, version, calibration
-        held = ray.get([w.load_weights.remote(weights_ref, version, calibration) for w in self.workers],
-                       timeout=self.cfg.rollout.timeout_s)
+    def sleep(self) -> int:
+        """Colocated engines release their GPU memory for the trainer; returns bytes freed."""
+        return sum(ray.get([w.sleep.remote() for w in self.workers], timeout=self.cfg.rollout.timeout_s))
+
+    def sync(self, trainers: Trainers, version: int, calibration: list[list[int]]) -> dict[str, float]:
+        """Export the trainer's weights once and load them into every engine (each checks names,
+        shapes and the version); CUDA IPC buffers are freed after. Returns payload bytes and the
+        trainer's export seconds plus the slowest engine's receive / load / calibrate seconds."""
+        self.trainers, self.version, self.calibration = trainers, version, calibration
+        buckets, stats = trainers.export_rollout_weights(version)
+        try:
+            loaded = ray.get([w.load_weights.remote(buckets, version, calibration) for w in self.workers],
+                             timeout=self.cfg.rollout.timeout_s)
+        finally:
+            if self.cfg.weight_transport() == "cuda_ipc":
+                trainers.release_sync_buffers()
+        held = [v for v, _ in loaded]
         if any(v != version for v in held):
             raise RuntimeError(f"rollout engines hold weight versions {held}, expected {version}")
+        slowest = {k: max(t[k] for _, t in loaded) for k in loaded[0][1]}
+        return {k: float(v) for k, v in {**stats, **slowest}.items()}
 
     def _restart(self, index: int) -> None:
         ray.kill(self.workers[index], no_restart=True)
-        self.workers[index] = self.actor.remote(self.cfg)
-        ray.get(self.workers[index].load_weights.remote(self.weights_ref, self.version, self.calibration),
-                timeout=self.cfg.rollout.timeout_s)
+        self.workers[index] = self.factories[index].remote(self.cfg)
+        buckets, _ = self.trainers.export_rollout_weights(self.version)  # re-export: IPC buffers are freed after a sync
+        try:
+            ray.get(self.workers[index].load_weights.remote(buckets, self.version, self.calibration),
+                    timeout=self.cfg.rollout.timeout_s)
+        finally:
+            if self.cfg.weight_transport() == "cuda_ipc":
+                self.trainers.release_sync_buffers()
         self.restarts += 1
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list:
@@ -178,18 +222,71 @@ def latest_checkpoint(cfg: RunConfig) -> Path | None:
     return None
 
 
-def run(cfg: RunConfig) -> Path:
-    """Run GRPO as configured; returns the metrics file."""
-    from megatron_quads import embedded
+def _resume_hint(cfg: RunConfig) -> str:
+    last = latest_checkpoint(cfg)
+    where = f"the last complete checkpoint is {last}" if last else "no checkpoint was written yet"
+    return f"{where}; resume with: megatron-quads train {Path(cfg.run_dir) / 'config.yaml'}"
 
+
+def _init_ray(cfg: RunConfig) -> None:
+    if ray.is_initialized():
+        return
+    if cfg.placement.ray_address:
+        ray.init(address=cfg.placement.ray_address, log_to_driver=False)
+    else:
+        ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False)
+
+
+def run(cfg: RunConfig) -> Path:
+    """Run GRPO as configured; returns the metrics file. A trainer failure raises
+    :class:`TrainerFailure` naming the last complete checkpoint and the command that resumes."""
+    check_runnable(cfg)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(cfg.model_dump_json(indent=1))
-    if not ray.is_initialized():
-        ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False)
-    tok, task = embedded.tokenizer(), embedded.task(split="train")
+    save_config(cfg, run_dir / "config.yaml")
+    _init_ray(cfg)
+    placement = Placement(cfg)
+    trainers = rollouts = None
+    try:
+        trainers = Trainers(cfg, placement.trainer_slots)
+        rollouts = Rollouts(cfg, placement.rollout_slots)
+        return _train(cfg, trainers, rollouts)
+    except TrainerFailure as err:
+        raise TrainerFailure(f"{err}\n{_resume_hint(cfg)}") from err.__cause__
+    finally:
+        for group in (trainers, rollouts):
+            for actor in getattr(group, "actors", None) or getattr(group, "workers", None) or []:
+                ray.kill(actor, no_restart=True)
+        placement.remove()
+
+
+def save_config(cfg: RunConfig, path: Path) -> None:
+    """The resolved config as YAML (what the resume command reads), written atomically."""
+    from omegaconf import OmegaConf
+
+    tmp = path.with_name(path.name + ".tmp")
+    OmegaConf.save(OmegaConf.create(cfg.model_dump(mode="json")), tmp)
+    os.replace(tmp, path)
+
+
+def task_and_tokenizer(cfg: RunConfig):
+    """The run's task and tokenizer (the embedded default's when ``task`` is unset)."""
+    from megatron_quads import embedded
+    from megatron_quads.tasks import load_tokenizer, make_task
+
+    if cfg.task is None:
+        return embedded.task(split="train"), embedded.tokenizer()
+    return make_task(cfg.task.kind, **dict(cfg.task.options)), load_tokenizer(cfg.task.tokenizer)
+
+
+def _train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts) -> Path:
+    run_dir = Path(cfg.run_dir)
+    task, tok = task_and_tokenizer(cfg)
+    vocab = policy_model_config(cfg).vocab_size
+    if tok.vocab_size > vocab:
+        raise ValueError(f"the tokenizer has {tok.vocab_size} tokens but the model's vocab_size is {vocab}: "
+                         "set model.architecture.vocab_size >= the tokenizer's")
     stream = task.stream(seed=cfg.seed)
-    trainers, rollouts = Trainers(cfg), Rollouts(cfg)
     metrics_path = run_dir / "metrics.jsonl"
 
     resume = latest_checkpoint(cfg)
@@ -211,15 +308,17 @@ def run(cfg: RunConfig) -> Path:
     params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                             top_p=cfg.rollout.top_p, stop_token_ids=(tok.eos_id,))
     n = cfg.grpo.responses_per_prompt
+    release = cfg.placement.mode == "colocated" and cfg.rollout_on_gpu() and cfg.rollout.release_memory_during_training
     sink = MetricsSink(cfg, metrics_path)
     progress = tqdm(range(start, cfg.grpo.steps), initial=start, total=cfg.grpo.steps, desc="GRPO", unit="step")
     for step in progress:
         t0 = time.perf_counter()
         prompts = stream.next_batch(cfg.grpo.prompts_per_step)
         prompt_ids = [tok.encode(p.text, add_bos=True) for p in prompts for _ in range(n)]
-        rollouts.sync(trainers.export_rollout_weights(step), step, prompt_ids)           # weight sync (quantize once)
+        sync = rollouts.sync(trainers, step, prompt_ids)                                  # weight sync (quantize once)
         t_sync = time.perf_counter()
         generations = rollouts.generate(prompt_ids, dataclasses.replace(params, seed=cfg.seed * 100003 + step))
+        freed = rollouts.sleep() if release else 0                                        # colocated: free the GPU
         t_gen = time.perf_counter()
         rewards = torch.tensor(task.rewards([p for p in prompts for _ in range(n)], [decode_response(tok, g.token_ids) for g in generations]))
         batch = build_batch(prompt_ids, generations, tok.pad_id)
@@ -237,6 +336,7 @@ def run(cfg: RunConfig) -> Path:
             **{f"train/{k}": v for k, v in train.items()},
             "time/sync": t_sync - t0, "time/generate": t_gen - t_sync, "time/reward": t_reward - t_gen,
             "time/logprobs": t_logp - t_reward, "time/train": t_train - t_logp, "rollout_restarts": rollouts.restarts,
+            **{f"sync/{k}": v for k, v in sync.items()}, "rollout/gpu_bytes_released": float(freed),
         }
         sink.log(record)
         progress.set_postfix(reward=f"{record['reward']:.3f}", gap=f"{record['mismatch/gap_max_abs']:.3f}")

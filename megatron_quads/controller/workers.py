@@ -6,6 +6,7 @@ Plain classes (Ray wraps them with ``ray.remote``), so they are usable and testa
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import torch
@@ -13,6 +14,13 @@ import torch
 from megatron_quads.controller.config import RunConfig
 
 EXPERT_MODULE = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj$")
+
+
+def _elapsed(start: float) -> float:
+    """Seconds since ``start``, after the GPU has finished what was queued."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
 
 
 def policy_model_config(cfg: RunConfig):
@@ -38,18 +46,36 @@ def start_checkpoint(cfg: RunConfig) -> str | None:
 
 
 class TrainerWorker:
-    """One rank of the Megatron trainer (a PolicyWorker) in the trainers' process group."""
+    """One rank of the Megatron trainer (a PolicyWorker) in the trainers' process group.
 
-    def __init__(self, cfg: RunConfig, rank: int, world_size: int, master_port: int) -> None:
+    Built in two steps so ranks on several nodes can meet: :meth:`rendezvous_address` on rank 0
+    gives its node's address and a free port, then every rank calls :meth:`setup` with it at once.
+    """
+
+    def __init__(self, cfg: RunConfig, rank: int, world_size: int) -> None:
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self._ipc_buffers = None
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """(this node's IP address, a free TCP port on it) for the process group's rendezvous."""
+        import ray
+
+        from megatron_quads.trainer.cpu_compat import find_free_port
+
+        address = ray.util.get_node_ip_address()
+        return address, find_free_port(address)
+
+    def setup(self, master_addr: str, master_port: int) -> str:
+        """Join the trainers' process group (NCCL on GPU, gloo on CPU) and build the policy."""
         from megatron.core import parallel_state
 
         from megatron_quads.rl.loss import PolicyLoss
         from megatron_quads.trainer.distributed import init_trainer_distributed
         from megatron_quads.trainer.policy import PolicyWorker, PolicyWorkerConfig
 
-        init_trainer_distributed(world_size, rank, cfg.parallel, master_port=master_port, seed=cfg.seed)
-        self.cfg = cfg
-        self.rank = rank
+        cfg = self.cfg
+        backend = init_trainer_distributed(self.world_size, self.rank, cfg.parallel, master_addr=master_addr,
+                                           master_port=master_port, seed=cfg.seed)
         self.worker = PolicyWorker(PolicyWorkerConfig(
             model=policy_model_config(cfg), parallel=cfg.parallel, quads=cfg.trainer_quads(),
             optim=cfg.grpo.optim, micro_batch_size=cfg.grpo.micro_batch_size, seed=cfg.seed,
@@ -57,6 +83,7 @@ class TrainerWorker:
         self.loss = PolicyLoss(cfg.grpo.loss)
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
+        return backend
 
     def data_parallel(self) -> tuple[int, int]:
         """(data-parallel rank, size): which shard of each batch this rank takes."""
@@ -80,24 +107,45 @@ class TrainerWorker:
         return self.worker.train_step(batch, self.loss, temperature=max(self.cfg.rollout.temperature, 1e-6))
 
     def export_rollout_weights(self, version: int):
-        """Weights for the rollout engines, quantized once, as object refs of bounded buckets (rank 0; others None)."""
+        """Weights for the rollout engines, quantized once, as (bounded buckets, {bytes, export_s})
+        on rank 0 (None on the others); export_s covers the gathers, quantization and packing.
+
+        With the ``object_store`` transport the buckets are Ray object refs; with ``cuda_ipc`` they
+        are bucket objects holding IPC handles of GPU buffers this rank keeps until
+        :meth:`release_sync_buffers`.
+        """
         import ray
 
-        from megatron_quads.controller.weight_sync import to_buckets
+        from megatron_quads.controller.weight_sync import IpcKeepAlive, buckets_bytes, to_buckets
         from megatron_quads.rollout.weights import quantize_hf_weights
 
-        named = ((name, tensor.float()) for name, tensor in self.worker.export_hf_weights())
+        start = time.perf_counter()
+        dtype = policy_model_config(self.cfg).torch_dtype
+        named = ((name, tensor) for name, tensor in self.worker.export_hf_weights())
         if self.rank != 0:
             for _ in named:  # the export is collective: take part in every gather, keep nothing
                 pass
             return None
         if self.cfg.engine_precision() == "bf16":
-            weights = {name: t.clone() for name, t in named}
+            weights = {name: t.to(dtype, copy=True) for name, t in named}
         else:
-            weights = quantize_hf_weights(named, lambda m: bool(EXPERT_MODULE.match(m)),
-                                          weight_version=version, unquantized_dtype=torch.float32)
+            weights = quantize_hf_weights(((n, t.float()) for n, t in named), lambda m: bool(EXPERT_MODULE.match(m)),
+                                          weight_version=version, unquantized_dtype=dtype)
         bucket_bytes = int(self.cfg.rollout.sync_bucket_mb * 2**20)
-        return [ray.put(bucket) for bucket in to_buckets(weights, version, bucket_bytes)]
+        transport = self.cfg.weight_transport()
+        if transport == "cuda_ipc":
+            self._ipc_buffers = IpcKeepAlive()
+            buckets = to_buckets(weights, version, bucket_bytes, "cuda_ipc", self._ipc_buffers)
+            return buckets, {"bytes": buckets_bytes(buckets), "export_s": _elapsed(start)}
+        buckets = to_buckets(weights, version, bucket_bytes)
+        refs = [ray.put(bucket) for bucket in buckets]
+        return refs, {"bytes": buckets_bytes(buckets), "export_s": _elapsed(start)}
+
+    def release_sync_buffers(self) -> int:
+        """Free the GPU buffers behind the last CUDA IPC export (every engine has copied them)."""
+        held = 0 if self._ipc_buffers is None else self._ipc_buffers.nbytes
+        self._ipc_buffers = None
+        return held
 
 
 class RolloutWorker:
@@ -109,29 +157,64 @@ class RolloutWorker:
 
         if cfg.rollout.engine != "torch":
             raise NotImplementedError("only the built-in torch engine is wired into the controller so far")
-        device = "cuda" if torch.cuda.is_available() and cfg.rollout.num_gpus_per_worker > 0 else "cpu"
+        model = policy_model_config(cfg)
+        self.device = torch.device("cuda" if cfg.rollout_on_gpu() else "cpu")
         self.engine = TorchRolloutEngine(
-            qwen3_moe_config(policy_model_config(cfg)), precision=cfg.engine_precision(),
-            ratio=cfg.precision.rac_ratio, device=device, dtype=torch.float32,
+            qwen3_moe_config(model), precision=cfg.engine_precision(),
+            ratio=cfg.precision.rac_ratio, device=self.device, dtype=model.torch_dtype,
         )
+        self.asleep = False
 
-    def load_weights(self, bucket_refs: list, version: int, calibration_prompts: list[list[int]]) -> int:
-        """Fetch the buckets, check and swap in the weights; in quads mode re-choose the RAC channels."""
+    def load_weights(self, buckets: list, version: int, calibration_prompts: list[list[int]]) -> tuple[int, dict]:
+        """Fetch the buckets, check and swap in the weights; in quads mode re-choose the RAC channels.
+
+        Returns (the weight version now held, seconds spent receiving / loading / calibrating).
+        """
         import ray
 
         from megatron_quads.controller.weight_sync import from_buckets
 
-        weights, sent_version = from_buckets([ray.get(ref) for ref in bucket_refs])
+        start = time.perf_counter()
+        self.wake_up()
+        received = [ray.get(b) if isinstance(b, ray.ObjectRef) else b for b in buckets]
+        weights, sent_version = from_buckets(received, device=self.device)
         if sent_version != version:
             raise ValueError(f"weight buckets have version {sent_version}, the controller expected {version}")
+        receive_s = _elapsed(start)
         self.engine.load_weights(weights, version)
+        del weights, received
+        load_s = _elapsed(start) - receive_s
         if self.engine.precision == "quads":
             self.engine.calibrate(calibration_prompts)
-        return self.engine.weight_version
+        timing = {"receive_s": receive_s, "load_s": load_s, "calibrate_s": _elapsed(start) - receive_s - load_s}
+        return self.engine.weight_version, timing
 
     def generate(self, prompts: list[list[int]], params) -> list:
         """Generations for ``prompts`` (see TorchRolloutEngine.generate)."""
+        self.wake_up()
         return self.engine.generate(prompts, params)
+
+    def sleep(self) -> int:
+        """Move the engine's weights off the GPU and free its cached memory; returns bytes freed."""
+        if self.asleep or self.device.type != "cuda":
+            return 0
+        before = torch.cuda.memory_allocated(self.device)
+        self.engine.to_device("cpu")
+        torch.cuda.empty_cache()
+        self.asleep = True
+        return before - torch.cuda.memory_allocated(self.device)
+
+    def wake_up(self) -> None:
+        """Undo :meth:`sleep` (a no-op when awake)."""
+        if self.asleep:
+            self.engine.to_device(self.device)
+            self.asleep = False
+
+    def gpu_memory(self) -> dict[str, int]:
+        """Allocated / reserved bytes of this engine's process on its GPU (zeros on CPU)."""
+        if self.device.type != "cuda":
+            return {"allocated": 0, "reserved": 0}
+        return {"allocated": torch.cuda.memory_allocated(self.device), "reserved": torch.cuda.memory_reserved(self.device)}
 
     def ping(self) -> int:
         """Liveness check: the weight version held."""

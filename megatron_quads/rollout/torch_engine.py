@@ -68,6 +68,17 @@ class TorchRolloutEngine:
         # transformers 5 renamed the KV-cache argument from past_key_values to cache
         self._cache_arg = "cache" if "cache" in inspect.signature(type(self.model).forward).parameters else "past_key_values"
 
+    def to_device(self, device: str | torch.device) -> None:
+        """Move the model and every linear's quantized state to ``device`` (colocated sleep / wake)."""
+        device = torch.device(device)
+        self.model.to(device)
+        for state in self.states.values():  # mutated in place: the forward hooks hold these objects
+            state.weight = state.weight.to(device)
+            state.quantized = state.quantized.to(device)
+            state.channels = {r: c.to(device) for r, c in state.channels.items()}
+            state.residual = {r: None if w is None else w.to(device) for r, w in state.residual.items()}
+        self.device = device
+
     # ------------------------------------------------------------------ weights
     def _engine_name(self, module: str) -> tuple[str, str] | None:
         """Checkpoint expert module name -> (engine module name, 'gate'|'up'|'down')."""

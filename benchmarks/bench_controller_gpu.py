@@ -1,0 +1,87 @@
+"""The controller on one GPU: colocated trainer and rollout engine, a synthetic MoE in quads mode.
+
+    python benchmarks/bench_controller_gpu.py [--steps 4] [key=value overrides of the config]
+
+Runs ``examples/gpu_colocated_synthetic.yaml`` (Ray local with one GPU, Megatron trainer rank on
+NCCL, built-in engine on the same GPU, weights handed over by CUDA IPC, engine memory released
+during training) and reports, over the steps after the first (warm-up):
+- the median seconds of each phase (sync, generate, reward, log-probs, train);
+- the weight sync split into the trainer's export (gathers + NVFP4 quantization + packing), the
+  engine's receive (IPC map + copy), load and RAC calibration, and its throughput in GB/s of bf16
+  parameters and of payload bytes.
+Results: benchmarks/results/controller_gpu.json (appended) and controller_gpu.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+import ray
+import torch
+from results_io import append_record
+
+from megatron_quads.controller.config import load_config
+from megatron_quads.controller.run import run
+from megatron_quads.controller.workers import policy_model_config
+from megatron_quads.trainer.hf_export import qwen3_moe_config
+
+CONFIG = Path(__file__).parents[1] / "examples" / "gpu_colocated_synthetic.yaml"
+
+
+def parameter_count(cfg) -> int:
+    """Parameters of the policy (its Hugging Face twin built on the meta device)."""
+    from transformers import Qwen3MoeForCausalLM
+
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(qwen3_moe_config(policy_model_config(cfg)))
+    return sum(p.numel() for p in model.parameters())
+
+
+def main() -> None:
+    """One run, one record."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_controller_gpu.py needs a CUDA GPU (see benchmarks/bench_controller.py for CPU)")
+    ray.init(num_gpus=1, num_cpus=8, include_dashboard=False, log_to_driver=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = load_config(CONFIG, [f"run_dir={tmp}", f"grpo.steps={args.steps}", *args.overrides])
+        records = [json.loads(line) for line in run(cfg).read_text().splitlines()]
+    steady = records[1:] or records
+    median = {k: statistics.median(r[k] for r in steady) for k in steady[0] if k.startswith(("time/", "sync/"))}
+    params = parameter_count(cfg)
+    sync_s = median["sync/export_s"] + median["sync/receive_s"] + median["sync/load_s"]
+    record = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(), "command": "python benchmarks/bench_controller_gpu.py " + " ".join(
+            [f"--steps {args.steps}", *args.overrides]).strip(),
+        "config": str(CONFIG.name), "parameters": params, "precision": cfg.precision.mode,
+        "transport": cfg.weight_transport(), "steps_measured": len(steady),
+        "median": {k: round(v, 4) for k, v in median.items()},
+        "sync_GBps_of_bf16_params": round(params * 2 / 1e9 / sync_s, 3),
+        "sync_GBps_of_payload": round(median["sync/bytes"] / 1e9 / sync_s, 3),
+        "rollout_gpu_GB_released": round(statistics.median(r["rollout/gpu_bytes_released"] for r in steady) / 1e9, 3),
+        "gap_max_abs": [round(r["mismatch/gap_max_abs"], 4) for r in records],
+    }
+    lines = [f"# Controller on {record['device']} ({record['date']})", "", f"Command: `{record['command']}`", "",
+             f"{params / 1e6:.0f}M-parameter synthetic GPT-MoE, {record['precision']} mode, colocated trainer + engine, "
+             f"weights by {record['transport']}; medians over {len(steady)} steps after the first:", "",
+             "| quantity | value |", "|---|---:|"]
+    lines += [f"| {k} | {v} |" for k, v in record["median"].items()]
+    lines += [f"| sync GB/s (bf16 params) | {record['sync_GBps_of_bf16_params']} |",
+              f"| sync GB/s (payload) | {record['sync_GBps_of_payload']} |",
+              f"| engine GPU memory released in training, GB | {record['rollout_gpu_GB_released']} |"]
+    out = Path(__file__).parent / "results" / "controller_gpu.json"
+    append_record(out, record, out.with_suffix(".md"), "\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
