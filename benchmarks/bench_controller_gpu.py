@@ -59,7 +59,7 @@ def main() -> None:
     params = parameter_count(cfg)
     sync_s = median["sync/export_s"] + median["sync/receive_s"] + median["sync/load_s"]
     record = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(), "command": "python benchmarks/bench_controller_gpu.py " + " ".join(
             [f"--steps {args.steps}", *args.overrides]).strip(),
         "config": str(CONFIG.name), "parameters": params, "precision": cfg.precision.mode,
@@ -71,8 +71,8 @@ def main() -> None:
         "gap_max_abs": [round(r["mismatch/gap_max_abs"], 4) for r in records],
     }
     lines = [f"# Controller on {record['device']} ({record['date']})", "", f"Command: `{record['command']}`", "",
-             f"{params / 1e6:.0f}M-parameter synthetic GPT-MoE, {record['precision']} mode, colocated trainer + engine, "
-             f"weights by {record['transport']}; medians over {len(steady)} steps after the first:", "",
+             (f"{params / 1e6:.0f}M-parameter synthetic GPT-MoE, {record['precision']} mode, colocated trainer + engine, "
+              f"weights by {record['transport']}; medians over {len(steady)} steps after the first:"), "",
              "| quantity | value |", "|---|---:|"]
     lines += [f"| {k} | {v} |" for k, v in record["median"].items()]
     lines += [f"| sync GB/s (bf16 params) | {record['sync_GBps_of_bf16_params']} |",

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+"""Kernel tests also run on CPU under Triton's interpreter (``TRITON_INTERPRET=1 pytest -m gpu
+tests/test_kernels_*.py``): slow, and a development aid only; the GPU machine is where they count."""
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -13,8 +19,17 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run `pytest -m gpu` on the GPU machine)")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(needs_gpu)
+        if "gpu" not in item.keywords:
+            continue
+        if TRITON_INTERPRET and item.path.name.startswith("test_kernels_"):
+            continue  # Triton kernel tests run on CPU tensors under the interpreter
+        item.add_marker(needs_gpu)
+
+
+@pytest.fixture
+def kernel_device() -> str:
+    """Where Triton kernel tests put their tensors: CUDA, or CPU under ``TRITON_INTERPRET=1``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(autouse=True)

@@ -15,7 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from megatron_quads.controller.config import RunConfig

@@ -19,9 +19,9 @@ from megatron_quads.controller.placement import Placement, Slot
 from megatron_quads.controller.report import MetricsSink, plot_run
 from megatron_quads.controller.workers import (
     RolloutWorker,
-    policy_model_config,
     TrainerWorker,
     checkpoint_dirs,
+    policy_model_config,
     start_checkpoint,
 )
 from megatron_quads.rl.advantages import group_advantages

@@ -116,7 +116,11 @@ class TrainerWorker:
         """
         import ray
 
-        from megatron_quads.controller.weight_sync import IpcKeepAlive, buckets_bytes, to_buckets
+        from megatron_quads.controller.weight_sync import (
+            IpcKeepAlive,
+            buckets_bytes,
+            to_buckets,
+        )
         from megatron_quads.rollout.weights import quantize_hf_weights
 
         start = time.perf_counter()
