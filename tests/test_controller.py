@@ -239,3 +239,12 @@ def test_example_configs_validate_and_the_vllm_one_is_refused_before_workers_sta
     check_runnable(gpu)
     assert gpu.weight_transport() == "cuda_ipc" and gpu.rollout_on_gpu()
     assert load_config(EXAMPLE).weight_transport() == "object_store"
+
+
+def test_the_config_reference_is_current() -> None:
+    import subprocess
+    import sys
+
+    tool = Path(__file__).parents[1] / "tools" / "config_reference.py"
+    result = subprocess.run([sys.executable, str(tool), "--check"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

@@ -31,7 +31,7 @@ class _Strict(BaseModel):
 class ModelSection(_Strict):
     """Which policy to train: the embedded default, or an architecture plus an optional checkpoint."""
 
-    embedded_default: bool = True
+    embedded_default: bool = Field(True, description="the tiny MoE shipped in the package (CPU)")
     architecture: PolicyModelConfig | None = None
     checkpoint: str | None = Field(None, description="Megatron dist checkpoint to start from (model only)")
 
@@ -39,21 +39,23 @@ class ModelSection(_Strict):
 class PrecisionSection(_Strict):
     """Numerics of trainer and rollout."""
 
-    mode: Literal["bf16", "naive-nvfp4", "aqat", "quads"] = "quads"
+    mode: Literal["bf16", "naive-nvfp4", "aqat", "quads"] = Field(
+        "quads", description="bf16; naive-nvfp4 (BF16 trainer, W4A4 rollout); aqat (AQAT trainer, W4A4); quads (AQAT, W4A4 + RAC)"
+    )
     rac_ratio: float = Field(0.25, ge=0.0, le=1.0, description="RAC residual-channel ratio (quads mode)")
 
 
 class RolloutSection(_Strict):
     """The rollout engines."""
 
-    engine: Literal["torch", "vllm"] = "torch"
-    num_workers: int = Field(1, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
+    engine: Literal["torch", "vllm"] = Field("torch", description="torch: the built-in engine; vllm: not in this release")
+    num_workers: int = Field(1, ge=1, description="rollout engines (each generates a share of the prompts)")
+    temperature: float = Field(1.0, ge=0.0, description="sampling temperature (also applied to trainer log-probs)")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    max_new_tokens: int = Field(8, ge=1)
-    num_gpus_per_worker: float = Field(0.0, ge=0.0)
-    timeout_s: float = Field(300.0, gt=0)
-    max_retries: int = Field(2, ge=0)
+    max_new_tokens: int = Field(8, ge=1, description="response length limit")
+    num_gpus_per_worker: float = Field(0.0, ge=0.0, description="disaggregated: GPUs of each engine (0: CPU)")
+    timeout_s: float = Field(300.0, gt=0, description="an engine call slower than this counts as a hang")
+    max_retries: int = Field(2, ge=0, description="restarts of a failed engine per generation before the run stops")
     sync_bucket_mb: float = Field(256.0, gt=0, description="weight-sync bucket size bound")
     weight_transfer: Literal["auto", "object_store", "cuda_ipc"] = Field(
         "auto", description="auto: CUDA IPC when colocated on GPUs, else Ray's object store"
@@ -66,20 +68,22 @@ class RolloutSection(_Strict):
 class PlacementSection(_Strict):
     """How trainer ranks and rollout engines are placed on the Ray cluster."""
 
-    mode: Literal["colocated", "disaggregated"] = "disaggregated"
+    mode: Literal["colocated", "disaggregated"] = Field(
+        "disaggregated", description="colocated: engine i shares trainer rank i's bundle (GPU); disaggregated: own bundles"
+    )
     trainer_gpus_per_worker: int = Field(0, ge=0, le=1, description="0: CPU trainer ranks; 1: one GPU per rank")
     cpus_per_worker: float = Field(0.5, gt=0, description="CPU share of each placement bundle")
-    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field("PACK", description="Ray placement strategy")
     ray_address: str | None = Field(None, description="join this Ray cluster (e.g. 'auto'); default: start a local one")
 
 
 class GRPOSection(_Strict):
     """The RL algorithm."""
 
-    steps: int = Field(3, ge=1)
-    prompts_per_step: int = Field(8, ge=1)
-    responses_per_prompt: int = Field(4, ge=2)
-    micro_batch_size: int = Field(16, ge=1)
+    steps: int = Field(3, ge=1, description="optimizer steps of the run")
+    prompts_per_step: int = Field(8, ge=1, description="distinct prompts per step")
+    responses_per_prompt: int = Field(4, ge=2, description="GRPO group size")
+    micro_batch_size: int = Field(16, ge=1, description="sequences per trainer micro-batch")
     optim: OptimConfig = OptimConfig(lr=1e-4)
     loss: PolicyLossConfig = PolicyLossConfig()
     advantages: AdvantageConfig = AdvantageConfig()
@@ -97,29 +101,29 @@ class CheckpointSection(_Strict):
     """When and where to save."""
 
     every: int = Field(0, ge=0, description="save every N steps (0: never)")
-    keep_last: int = Field(2, ge=1)
+    keep_last: int = Field(2, ge=1, description="complete checkpoints kept")
 
 
 class LoggingSection(_Strict):
     """Where metrics go."""
 
-    wandb: Literal["disabled", "offline", "online"] = "offline"
-    project: str = "megatron-quads"
+    wandb: Literal["disabled", "offline", "online"] = Field("offline", description="metrics also go to wandb")
+    project: str = Field("megatron-quads", description="wandb project")
 
 
 class RunConfig(_Strict):
     """Everything one GRPO run needs."""
 
-    run_dir: str = "runs/embedded_default"
-    seed: int = 0
+    run_dir: str = Field("runs/embedded_default", description="metrics, plots, config.yaml and checkpoints go here")
+    seed: int = Field(0, description="seeds sampling, the prompt stream and the trainer")
     model: ModelSection = ModelSection()
     parallel: ParallelConfig = ParallelConfig()
-    trainer_world_size: int = Field(1, ge=1)
+    trainer_world_size: int = Field(1, ge=1, description="trainer ranks (data parallel = world / (TP x PP))")
     precision: PrecisionSection = PrecisionSection()
     rollout: RolloutSection = RolloutSection()
     placement: PlacementSection = PlacementSection()
     grpo: GRPOSection = GRPOSection()
-    task: TaskSection | None = None
+    task: TaskSection | None = Field(None, description="unset: the embedded arithmetic task and character tokenizer")
     checkpoint: CheckpointSection = CheckpointSection()
     logging: LoggingSection = LoggingSection()
 

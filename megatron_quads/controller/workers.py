@@ -172,7 +172,8 @@ class RolloutWorker:
     def load_weights(self, buckets: list, version: int, calibration_prompts: list[list[int]]) -> tuple[int, dict]:
         """Fetch the buckets, check and swap in the weights; in quads mode re-choose the RAC channels.
 
-        Returns (the weight version now held, seconds spent receiving / loading / calibrating).
+        Returns (the weight version now held, seconds spent waking up (colocated: weights back on the
+        GPU) / receiving / loading / calibrating).
         """
         import ray
 
@@ -180,6 +181,8 @@ class RolloutWorker:
 
         start = time.perf_counter()
         self.wake_up()
+        wake_s = _elapsed(start)
+        start = time.perf_counter()
         received = [ray.get(b) if isinstance(b, ray.ObjectRef) else b for b in buckets]
         weights, sent_version = from_buckets(received, device=self.device)
         if sent_version != version:
@@ -190,7 +193,8 @@ class RolloutWorker:
         load_s = _elapsed(start) - receive_s
         if self.engine.precision == "quads":
             self.engine.calibrate(calibration_prompts)
-        timing = {"receive_s": receive_s, "load_s": load_s, "calibrate_s": _elapsed(start) - receive_s - load_s}
+        timing = {"wake_s": wake_s, "receive_s": receive_s, "load_s": load_s,
+                  "calibrate_s": _elapsed(start) - receive_s - load_s}
         return self.engine.weight_version, timing
 
     def generate(self, prompts: list[list[int]], params) -> list:
