@@ -33,5 +33,13 @@ def kernel_device() -> str:
 
 
 @pytest.fixture(autouse=True)
+def _reference_numerics_in_kernel_tests(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kernel tests call the kernels directly and compare them with the PyTorch reference, which
+    would otherwise dispatch to the same kernels on CUDA."""
+    if request.path.name.startswith("test_kernels_"):
+        monkeypatch.setenv("MEGATRON_QUADS_KERNELS", "0")
+
+
+@pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)

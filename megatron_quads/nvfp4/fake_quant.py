@@ -11,11 +11,11 @@ class _FakeQuantSTE(torch.autograd.Function):
     """Forward ``dequantize(quantize(x))``; backward passes the gradient through unchanged."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, global_amax: AmaxLike, block_2d: bool) -> torch.Tensor:  # noqa: D102
+    def forward(ctx, x: torch.Tensor, global_amax: AmaxLike, block_2d: bool) -> torch.Tensor:
         return quantize_dequantize(x, global_amax=global_amax, block_2d=block_2d)
 
     @staticmethod
-    def backward(ctx, grad_output: torch.Tensor):  # noqa: D102
+    def backward(ctx, grad_output: torch.Tensor):
         return grad_output, None, None
 
 

@@ -20,6 +20,7 @@ from megatron_quads.nvfp4.format import (
     e2m1_lut,
     magnitude_index,
 )
+from megatron_quads.nvfp4.kernels import use_kernels
 from megatron_quads.nvfp4.quantize import decode_scale_from_amax
 
 
@@ -54,4 +55,8 @@ def fake_quant_values(x: torch.Tensor, global_amax: torch.Tensor) -> torch.Tenso
     ``global_amax`` is fp32, a scalar or one value per leading index (broadcast against
     ``x.shape[:-1]``). Inputs are not validated: pass finite values whose last dim is a multiple of 16.
     """
+    if use_kernels(x):  # one Triton kernel, same bits (tests/test_kernels_quantize.py)
+        from megatron_quads.nvfp4.kernels.quantize import fake_quant_kernel
+
+        return fake_quant_kernel(x, global_amax)
     return _fake_quant_math(x, global_amax)

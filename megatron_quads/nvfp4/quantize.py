@@ -21,6 +21,7 @@ from megatron_quads.nvfp4.format import (
     round_to_e2m1_codes,
     unpack_codes,
 )
+from megatron_quads.nvfp4.kernels import use_kernels
 from megatron_quads.nvfp4.tensor import NVFP4Tensor
 
 AmaxLike = float | torch.Tensor | None
@@ -123,6 +124,10 @@ def quantize(
     expert's gate and up projections must); it may also hold one amax per leading index, e.g. per
     token, broadcastable against ``x.shape[:-1]``.
     """
+    if use_kernels(x) and block_size == BLOCK_SIZE:  # the Triton kernel: same bytes (tests/test_kernels_quantize.py)
+        from megatron_quads.nvfp4.kernels.quantize import quantize_kernel
+
+        return quantize_kernel(x, global_amax, block_2d)
     validate_input(x, block_size, block_2d)
     amax = _as_amax_tensor(global_amax, x)
     blocks = x.unflatten(-1, (-1, block_size))  # [..., K/16, 16]

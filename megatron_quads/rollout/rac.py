@@ -25,6 +25,7 @@ from enum import Enum
 import torch
 
 from megatron_quads.nvfp4 import BLOCK_SIZE, NVFP4Tensor, quantize
+from megatron_quads.nvfp4.kernels import use_kernels
 from megatron_quads.rollout.w4a4 import (
     ActivationScale,
     activation_amax,
@@ -122,7 +123,13 @@ def rac_linear(
     static_amax: float | torch.Tensor | None = None,
     accumulate_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """W4A4 linear with Residual Activation Compensation, as one augmented-K GEMM; output in x.dtype."""
+    """W4A4 linear with Residual Activation Compensation, as one augmented-K GEMM; output in x.dtype.
+
+    On CUDA this runs the Triton kernels (fused activation prologue + one GEMM over K + |S|)."""
+    if use_kernels(x) and accumulate_dtype == torch.float32:
+        from megatron_quads.nvfp4.kernels.w4a4 import rac_linear_kernel
+
+        return rac_linear_kernel(x, weight, channels, residual_weight, mode, static_amax)
 
     def gemm(x2: torch.Tensor) -> torch.Tensor:
         a_values, a_decode, w_values = rac_operands(x2, weight, channels, residual_weight, mode, static_amax)

@@ -20,6 +20,7 @@ from megatron_quads.nvfp4 import (
     quantize,
     unpack_codes,
 )
+from megatron_quads.nvfp4.kernels import use_kernels
 
 
 class ActivationScale(str, Enum):
@@ -94,7 +95,14 @@ def w4a4_linear(
     static_amax: float | torch.Tensor | None = None,
     accumulate_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """``y = q(x) @ q(W).T``: activations quantized online to NVFP4, output in ``x.dtype``."""
+    """``y = q(x) @ q(W).T``: activations quantized online to NVFP4, output in ``x.dtype``.
+
+    On CUDA this runs the Triton kernel (fp32 accumulation; ``accumulate_dtype`` applies to the
+    PyTorch path only)."""
+    if use_kernels(x) and accumulate_dtype == torch.float32:
+        from megatron_quads.nvfp4.kernels.w4a4 import rac_linear_kernel
+
+        return rac_linear_kernel(x, weight, None, None, mode, static_amax)
 
     def gemm(x2: torch.Tensor) -> torch.Tensor:
         xq = quantize(x2, global_amax=activation_amax(x2, mode, static_amax))
@@ -104,6 +112,13 @@ def w4a4_linear(
 
 
 def w4a16_linear(x: torch.Tensor, weight: NVFP4Tensor) -> torch.Tensor:
-    """``y = x @ dq(q(W)).T`` in fp32 (weight-only NVFP4), output in ``x.dtype``."""
+    """``y = x @ dq(q(W)).T`` in fp32 (weight-only NVFP4), output in ``x.dtype``.
+
+    On CUDA with bf16 activations this runs the Triton kernel (the same products, summed in
+    another order)."""
+    if use_kernels(x) and x.dtype == torch.bfloat16:
+        from megatron_quads.nvfp4.kernels.w4a16 import w4a16_linear_kernel
+
+        return w4a16_linear_kernel(x, weight)
     w = weight.dequantize(torch.float32)
     return (x.to(torch.float32) @ w.t()).to(x.dtype)

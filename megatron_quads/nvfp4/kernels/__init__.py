@@ -8,6 +8,7 @@ this package directly. Triton is optional: without it, or on CPU, or with
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -25,6 +26,20 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+@contextlib.contextmanager
+def reference_path():
+    """Within this block the PyTorch reference runs on CUDA too (tests compare kernels against it)."""
+    previous = os.environ.get(ENV_DISABLE)
+    os.environ[ENV_DISABLE] = "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[ENV_DISABLE]
+        else:
+            os.environ[ENV_DISABLE] = previous
 
 
 def use_kernels(*tensors: torch.Tensor) -> bool:

@@ -1,0 +1,640 @@
+"""Triton NVFP4 quantize and fake-quant kernels, bit-identical to :mod:`megatron_quads.nvfp4.quantize`.
+
+Every kernel follows the reference's fp32 operation order (which is Transformer Engine's):
+
+* ``S_enc = min(2688 / amax, FLT_MAX)`` (1 where it is 0) and ``S_dec = 1 / S_enc``, both IEEE
+  divisions (``div_rn``: Triton's ``/`` is approximate on the GPU);
+* ``scale = e4m3(min(block_amax * (S_enc * fp32(1/6)), 448))``, rounded to nearest even with bit
+  arithmetic (the interpreter's fp8 casts do not round like the GPU's);
+* ``element_encode = min(1 / (scale * S_dec), FLT_MAX)`` and ``code = e2m1(x * element_encode)``
+  with the ties of :mod:`megatron_quads.nvfp4.format`.
+
+Every rounding step is a single IEEE operation or exact bit arithmetic, identical in the
+interpreter and on the GPU, fused multiply-adds included. The kernels read rows as words of two
+elements (int32 for 16-bit dtypes, int64 for fp32): a tile of ROWS rows by NB blocks of 16 is
+``[ROWS, NB, 8]`` words, and the even / odd elements of a word are the low / high nibbles of one code
+byte, at the same offset. On the GPU, 16-bit outputs are converted with ``cvt.rn`` (round to nearest
+even) instead of the bit arithmetic the interpreter needs.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from megatron_quads.nvfp4.format import BLOCK_SIZE, SUPPORTED_DTYPES
+from megatron_quads.nvfp4.quantize import (
+    AmaxLike,
+    _as_amax_tensor,
+    decode_scale_from_amax,
+    validate_input,
+)
+from megatron_quads.nvfp4.tensor import NVFP4Tensor
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRETED: tl.constexpr = tl.constexpr(_INTERPRET)
+
+_FLT_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)
+_RCP_6: tl.constexpr = tl.constexpr(0.1666666716337204)  # fp32(1/6), what torch.reciprocal(6.0) gives
+_E4M3_MAX: tl.constexpr = tl.constexpr(448.0)
+_AMAX_BLOCK = 4096
+_M_BUCKET_CAP = 1 << 14
+
+
+# ----------------------------------------------------------------------------------------- device math
+
+
+@triton.jit
+def _encode_scale(amax):
+    """``S_enc``: ``min(2688 / amax, FLT_MAX)``, 1 where the quotient is 0 (amax = inf)."""
+    enc = tl.math.div_rn(tl.full(amax.shape, 2688.0, tl.float32), amax)
+    enc = tl.minimum(enc, _FLT_MAX)
+    return tl.where(enc == 0.0, 1.0, enc)
+
+
+@triton.jit
+def _global_scales(amax):
+    """``(S_enc, S_dec, weight_scale_2)`` of fp32 ``amax`` (a scalar or a tensor)."""
+    enc = _encode_scale(amax)
+    dec = tl.math.div_rn(tl.full(enc.shape, 1.0, tl.float32), enc)
+    decode = tl.math.div_rn(amax, tl.full(amax.shape, 2688.0, tl.float32))
+    return enc, dec, decode
+
+
+@triton.jit
+def _row_scales(amax_ptr, rows, row_mask, amax_div, ROWS: tl.constexpr):
+    """Per-row ``(S_enc, S_dec, weight_scale_2)`` ``[ROWS]`` from an amax table: one amax for every
+    row when ``amax_div`` is 0 (decoded once), else row ``r`` uses ``amax[r // amax_div]``."""
+    if amax_div == 0:
+        enc_s, dec_s, decode_s = _global_scales(tl.load(amax_ptr))
+        zeros = tl.zeros([ROWS], tl.float32)  # all three are > 0 or +0, so adding +0 keeps every bit
+        enc = enc_s + zeros
+        dec = dec_s + zeros
+        decode = decode_s + zeros
+    else:
+        if amax_div == 1:
+            index = rows
+        else:
+            index = rows // amax_div
+        enc, dec, decode = _global_scales(tl.load(amax_ptr + index, mask=row_mask, other=1.0))
+    return enc, dec, decode
+
+
+@triton.jit
+def _e4m3_round(s):
+    """fp32 ``s`` in ``[0, 448]`` to float8_e4m3fn, round to nearest even: ``(byte int32, value fp32)``.
+
+    From 2^-6 up the fp32 mantissa is rounded to 3 bits on the bits (a carry may bump the exponent).
+    Below, values are ``k * 2^-9`` with ``k = rne(s * 2^9)`` in 0..8, read off the bits of
+    ``s * 2^9 + 2^23`` (exact product, one rounding); byte ``k`` encodes exactly that value.
+    """
+    b = s.to(tl.int32, bitcast=True)
+    normal_bits = (b + 0x7FFFF + ((b >> 20) & 1)) & -1048576  # clear the 20 dropped mantissa bits
+    magic = s * 512.0 + 8388608.0
+    is_normal = b >= 0x3C800000  # 2^-6
+    byte = tl.where(is_normal, (normal_bits >> 20) - 960, magic.to(tl.int32, bitcast=True) - 0x4B000000)
+    value = tl.where(is_normal, normal_bits.to(tl.float32, bitcast=True), (magic - 8388608.0) * 0.001953125)
+    return byte, value  # 960 = (127 - 7) << 3 rebiases the exponent
+
+
+@triton.jit
+def _e2m1_round(v):
+    """Round fp32 ``v`` to E2M1 (nearest even, saturating at 6): ``(t, negative)`` with
+    ``t = 2^23 + magnitude index`` (fp32) and ``negative = v < 0`` (the sign bit of the code).
+
+    On ``a = min(|v|, 6)`` the index is ``rne(f(a))`` for the concave piecewise-linear
+    ``f(a) = min(2a, a + 2, a/2 + 4)`` (the grid is evenly spaced below 2, from 2 to 4 and above 4);
+    index parity follows code parity, so half-even rounding reproduces the format's ties (0.25,
+    1.25, 2.5, 5 round down; 0.75, 1.75, 3.5 up). Each piece is rounded once, at 2^23 where the fp32
+    spacing is 1 (``a * m`` is exact, so fused or not the add rounds once); ``rne`` is monotone, so
+    it commutes with ``min``.
+    """
+    a = tl.minimum(tl.abs(v), 6.0)
+    t = tl.minimum(tl.minimum(a * 2.0 + 8388608.0, a + 8388610.0), a * 0.5 + 8388612.0)
+    return t, v < 0.0
+
+
+@triton.jit
+def _e2m1_code(v):
+    """E2M1 code (int32, 0..15, bit 3 = sign) of fp32 ``v``, as in :func:`_e2m1_round`."""
+    t, negative = _e2m1_round(v)
+    return t.to(tl.int32, bitcast=True) - tl.where(negative, 0x4B000000 - 8, 0x4B000000)  # 2^23's bits
+
+
+@triton.jit
+def _e2m1_magnitude(v):
+    """The E2M1 magnitude (fp32) that ``|v|`` rounds to (nearest even, saturating at 6).
+
+    On ``a = min(|v|, 6)`` the grid spacing is 0.5 below 2, 1 from 2 to 4 and 2 from 4, the fp32
+    spacing at ``M = 2^22, 2^23, 2^24``: ``(a + M) - M`` rounds ``a`` to the grid in one IEEE add,
+    half to even (the ties land as in :func:`_e2m1_round`): ``M = 2^22 * max(2^floor(log2 a), 1)``.
+    """
+    a = tl.minimum(tl.abs(v), 6.0)
+    m = (tl.maximum(a.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000) + (22 << 23)).to(tl.float32, bitcast=True)
+    return (a + m) - m
+
+
+@triton.jit
+def _words_to_f32(w, IS_BF16: tl.constexpr):
+    """Words of two elements to fp32 ``(even, odd)``: int64 words hold two fp32, int32 words two
+    bf16 (``IS_BF16``) or two fp16. Bit arithmetic where it matters: the interpreter's own bf16
+    conversion mishandles subnormals."""
+    if w.dtype == tl.int64:
+        even = w.to(tl.int32).to(tl.float32, bitcast=True)
+        odd = (w >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    elif IS_BF16:
+        even = (w << 16).to(tl.float32, bitcast=True)
+        odd = (w & -65536).to(tl.float32, bitcast=True)
+    else:
+        even = w.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        odd = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return even, odd
+
+
+@triton.jit
+def _f32_bits16(v, IS_BF16: tl.constexpr):
+    """fp32 to bf16 / fp16 bits in the low half of an int32, round to nearest even (finite ``v``).
+
+    The interpreter's path: its bf16 conversion truncates, so bf16 rounds on the bits here.
+    """
+    if IS_BF16:
+        b = v.to(tl.int32, bitcast=True)
+        bits = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    else:
+        bits = v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    return bits & 0xFFFF
+
+
+@triton.jit
+def _f32_to_words(even, odd, WORD: tl.constexpr, IS_BF16: tl.constexpr):
+    """Inverse of :func:`_words_to_f32`, rounding to the 16-bit dtype when the words are int32."""
+    if WORD == tl.int64:
+        lo = even.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+        words = lo | (odd.to(tl.int32, bitcast=True).to(tl.int64) << 32)
+    elif not _INTERPRETED:
+        # one packing conversion per word (Triton would emit a slower scalar cvt per element); the
+        # first source goes to the high half
+        cvt: tl.constexpr = "cvt.rn.bf16x2.f32 $0, $1, $2;" if IS_BF16 else "cvt.rn.f16x2.f32 $0, $1, $2;"
+        words = tl.inline_asm_elementwise(cvt, "=r,f,f", [odd, even], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        words = _f32_bits16(even, IS_BF16) | (_f32_bits16(odd, IS_BF16) << 16)
+    return words
+
+
+@triton.jit
+def _to_f32(x):
+    """Loaded values to fp32; int16 holds bf16 bits (see :func:`_words_to_f32`)."""
+    if x.dtype == tl.int16:
+        return (x.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _load_words(w_ptr, rows, row_mask, blocks, KB, EVICT: tl.constexpr):
+    """Words ``[ROWS, NB, 8]`` of ``blocks`` (16-element blocks) of ``rows``, zeros outside, with their
+    offsets and mask. ``KB`` is the number of blocks per row (K / 16): a row is ``8 * KB`` words,
+    which also tells the compiler that every block starts 32-byte aligned.
+    """
+    offsets = (rows.to(tl.int64) * (KB * 8))[:, None, None] + (blocks * 8)[None, :, None] + tl.arange(0, 8)[None, None, :]
+    mask = (row_mask[:, None] & (blocks < KB)[None, :])[:, :, None]
+    return tl.load(w_ptr + offsets, mask=mask, other=0, eviction_policy=EVICT), offsets, mask
+
+
+@triton.jit
+def _scale_pairs(even, odd, enc, dec, ROWS: tl.constexpr, NB: tl.constexpr, BLOCK_2D: tl.constexpr):
+    """Scale fp32 element pairs ``[ROWS, NB, 8]`` (16-element blocks) with per-row ``S_enc`` and
+    ``S_dec`` ``[ROWS]``: the even and odd elements times their block's element encode scale (ready
+    for E2M1 rounding), scale bytes and fp32 scales ``[ROWS, NB]``. With ``BLOCK_2D`` the block amax
+    is taken over 16-row groups (ROWS % 16 == 0).
+    """
+    block_amax = tl.max(tl.maximum(tl.abs(even), tl.abs(odd)), axis=2)
+    if BLOCK_2D:
+        tile_amax = tl.max(tl.reshape(block_amax, [ROWS // 16, 16, NB]), axis=1)
+        block_amax = tl.reshape(tl.broadcast_to(tile_amax[:, None, :], [ROWS // 16, 16, NB]), [ROWS, NB])
+    # block_amax >= 0 and S_enc > 0, so the reference's lower clamp at -448 never acts
+    scale_f32 = tl.minimum(block_amax * (enc * _RCP_6)[:, None], _E4M3_MAX)
+    byte, scale = _e4m3_round(scale_f32)
+    prod = scale * dec[:, None]
+    element_encode = tl.minimum(tl.math.div_rn(tl.full(prod.shape, 1.0, tl.float32), prod), _FLT_MAX)[:, :, None]
+    return even * element_encode, odd * element_encode, byte, scale
+
+
+@triton.jit
+def _quantize_pairs(even, odd, enc, dec, ROWS: tl.constexpr, NB: tl.constexpr, BLOCK_2D: tl.constexpr):
+    """:func:`_scale_pairs` then E2M1 codes: ``(code_even, code_odd, scale bytes)``."""
+    scaled_even, scaled_odd, byte, _ = _scale_pairs(even, odd, enc, dec, ROWS, NB, BLOCK_2D)
+    return _e2m1_code(scaled_even), _e2m1_code(scaled_odd), byte
+
+
+@triton.jit
+def _store_quantized(codes_ptr, scales_ptr, code_even, code_odd, byte, offsets, mask, rows, row_mask, blocks, KB):
+    """Packed codes at the words' offsets (a code byte per word) and scale bytes at ``rows * KB + blocks``."""
+    tl.store(codes_ptr + offsets, (code_even | (code_odd << 4)).to(tl.uint8), mask=mask)
+    smask = row_mask[:, None] & (blocks < KB)[None, :]
+    tl.store(scales_ptr + rows.to(tl.int64)[:, None] * KB + blocks[None, :], byte.to(tl.uint8), mask=smask)
+
+
+# ----------------------------------------------------------------------------------------- kernels
+#
+# Integer arguments that vary from call to call are not specialized (each value of 1, or multiple of
+# 16, would otherwise compile a new variant); alignment comes from ``KB * 8`` instead.
+
+_NO_SPECIALIZE = ["mat_rows", "amax_div", "R", "KB", "m_bucket"]
+
+
+@triton.jit(do_not_specialize=["n_blocks", "n_iter"])
+def _amax_kernel(x_ptr, out_ptr, n_blocks, n_iter, BLOCK: tl.constexpr):
+    """``max|x|`` over ``16 * n_blocks`` elements into ``out_ptr`` (int32 bits of a zeroed fp32;
+    amax >= 0). The size as a multiple of 16 keeps the masked loads vectorized."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for i in range(n_iter):
+        offs = (pid + i * nprog).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < n_blocks * 16, other=0, eviction_policy="evict_last")
+        acc = tl.maximum(acc, tl.abs(_to_f32(x)))
+    # non-negative floats order like their int32 bit patterns
+    tl.atomic_max(out_ptr, tl.max(acc, axis=0).to(tl.int32, bitcast=True))
+
+
+@triton.jit(do_not_specialize=_NO_SPECIALIZE)
+def _quantize_kernel(w_ptr, amax_ptr, codes_ptr, scales_ptr, mat_rows, amax_div, KB, m_bucket,
+                     BLOCK_2D: tl.constexpr, IS_BF16: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr):
+    """One ``[ROWS, NB * 16]`` tile per program; with ``BLOCK_2D`` tiles stay inside one matrix of
+    ``mat_rows`` rows (the matrices of a stack are quantized independently). ``m_bucket`` is only an
+    autotune key."""
+    pid = tl.program_id(0)
+    if BLOCK_2D:
+        tiles_per_mat = tl.cdiv(mat_rows, ROWS)
+        local = (pid % tiles_per_mat) * ROWS + tl.arange(0, ROWS)
+        row_mask = local < mat_rows
+        rows = (pid // tiles_per_mat) * mat_rows + local
+    else:
+        rows = pid * ROWS + tl.arange(0, ROWS)
+        row_mask = rows < mat_rows
+    blocks = tl.program_id(1) * NB + tl.arange(0, NB)
+    words, offsets, mask = _load_words(w_ptr, rows, row_mask, blocks, KB, "evict_first")
+    even, odd = _words_to_f32(words, IS_BF16)
+    enc, dec, _ = _row_scales(amax_ptr, rows, row_mask, amax_div, ROWS)
+    code_even, code_odd, byte = _quantize_pairs(even, odd, enc, dec, ROWS, NB, BLOCK_2D)
+    _store_quantized(codes_ptr, scales_ptr, code_even, code_odd, byte, offsets, mask, rows, row_mask, blocks, KB)
+
+
+@triton.jit(do_not_specialize=_NO_SPECIALIZE)
+def _fake_quant_kernel(w_ptr, amax_ptr, y_ptr, R, amax_div, KB, m_bucket,
+                       IS_BF16: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr):
+    """``((e2m1 * scale) * (amax / 2688))`` in the input dtype, written as words like the input's."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_mask = rows < R
+    blocks = tl.program_id(1) * NB + tl.arange(0, NB)
+    words, offsets, mask = _load_words(w_ptr, rows, row_mask, blocks, KB, "evict_first")
+    even, odd = _words_to_f32(words, IS_BF16)
+    enc, dec, decode = _row_scales(amax_ptr, rows, row_mask, amax_div, ROWS)
+    scaled_even, scaled_odd, _, scale = _scale_pairs(even, odd, enc, dec, ROWS, NB, False)
+    # the reference multiplies the signed E2M1 value (-0.0 for code 8) by the scale: taking the sign
+    # from the scale instead gives the same product, bit for bit
+    scale = scale[:, :, None]
+    neg_scale = scale * -1.0  # Triton's unary minus is 0 - x, which gives +0 for x = 0
+    decode = decode[:, None, None]
+    y_even = (_e2m1_magnitude(scaled_even) * tl.where(scaled_even < 0.0, neg_scale, scale)) * decode
+    y_odd = (_e2m1_magnitude(scaled_odd) * tl.where(scaled_odd < 0.0, neg_scale, scale)) * decode
+    tl.store(y_ptr + offsets, _f32_to_words(y_even, y_odd, words.dtype, IS_BF16), mask=mask)
+
+
+@triton.jit(do_not_specialize=_NO_SPECIALIZE)
+def _row_amax_quantize_kernel(w_ptr, codes_ptr, scales_ptr, amax_ptr, decode_ptr, R, KB, m_bucket,
+                              IS_BF16: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr):
+    """Whole rows per program: a pass over K for the row amax, a second one to quantize."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_mask = rows < R
+    amax = tl.zeros([ROWS], tl.float32)
+    for b0 in range(0, KB, NB):
+        words, _, _ = _load_words(w_ptr, rows, row_mask, b0 + tl.arange(0, NB), KB, "evict_last")
+        even, odd = _words_to_f32(words, IS_BF16)
+        amax = tl.maximum(amax, tl.max(tl.max(tl.maximum(tl.abs(even), tl.abs(odd)), axis=2), axis=1))
+    enc, dec, decode = _global_scales(amax)
+    for b0 in range(0, KB, NB):
+        blocks = b0 + tl.arange(0, NB)
+        words, offsets, mask = _load_words(w_ptr, rows, row_mask, blocks, KB, "evict_first")
+        even, odd = _words_to_f32(words, IS_BF16)
+        code_even, code_odd, byte = _quantize_pairs(even, odd, enc, dec, ROWS, NB, False)
+        _store_quantized(codes_ptr, scales_ptr, code_even, code_odd, byte, offsets, mask, rows, row_mask, blocks, KB)
+    tl.store(amax_ptr + rows, amax, mask=row_mask)
+    tl.store(decode_ptr + rows, decode, mask=row_mask)
+
+
+# ----------------------------------------------------------------------------------------- launch configs
+#
+# A config is ``(ROWS, NB, num_warps)``: tiles of ROWS rows by NB blocks of 16 (the row kernel loops
+# over K in steps of NB blocks). The compiler gives each thread whole blocks where it can (two 16-byte
+# loads of a 16-bit row segment); a tile should hold at least one block per thread. By default a
+# shape heuristic picks the config; with MEGATRON_QUADS_AUTOTUNE=1 ``triton.autotune`` times the
+# candidates once per (row-count bucket, K, ...) key: slow first calls, for benchmarking.
+
+ENV_AUTOTUNE = "MEGATRON_QUADS_AUTOTUNE"
+_TILE_CONFIGS = [(1, 128, 4), (8, 16, 4), (16, 16, 4), (32, 16, 4), (16, 32, 4), (64, 16, 8)]
+_ROW_CONFIGS = [(1, 128, 4), (1, 256, 8), (2, 128, 8), (4, 32, 4), (4, 64, 8)]
+_M_BUCKET_CAP = 1 << 14
+
+
+def _tile_config(rows: int, block_2d: bool) -> tuple[int, int, int]:
+    """Default tile for the quantize / fake-quant kernels: 32 x 256 for large inputs (64 elements a
+    thread), fewer rows for short inputs; 2D scaling needs whole 16-row tiles."""
+    if rows >= 32:
+        return 32, 16, 4
+    if rows >= 16 or block_2d:
+        return 16, 16, 4
+    if rows >= 8:
+        return 8, 16, 4
+    return 1, 128, 4
+
+
+def _row_config(rows: int) -> tuple[int, int, int]:
+    """Default for the row-amax kernel (one program per ROWS rows): enough programs to fill the GPU."""
+    return (4, 32, 4) if rows >= 2048 else (1, 128, 4)
+
+
+def _autotune_enabled() -> bool:
+    return os.environ.get(ENV_AUTOTUNE, "0") == "1" and not _INTERPRET
+
+
+def _prune_for_2d(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """16x16 tiles need whole tiles per program: keep configs with ROWS % 16 == 0."""
+    if not kwargs.get("BLOCK_2D", False):
+        return configs
+    return [c for c in configs if c.kwargs["ROWS"] % 16 == 0]
+
+
+def _quick_bench(kernel_call: object, quantiles: tuple[float, ...]) -> list[float]:
+    return triton.testing.do_bench(kernel_call, warmup=10, rep=40, quantiles=quantiles)
+
+
+def _autotuned(kernel: triton.runtime.JITFunction, configs: list[tuple[int, int, int]], key: list[str],
+               **kwargs: object) -> triton.runtime.Autotuner:
+    """``kernel`` autotuned over ``configs``; the kernels are idempotent, so timing them on the real
+    outputs is harmless."""
+    tuning = [triton.Config({"ROWS": r, "NB": nb}, num_warps=w) for r, nb, w in configs]
+    return triton.autotune(configs=tuning, key=["m_bucket", *key], do_bench=_quick_bench, **kwargs)(kernel)
+
+
+_QUANTIZE_TUNED = _autotuned(_quantize_kernel, _TILE_CONFIGS, ["KB", "BLOCK_2D", "IS_BF16"],
+                             prune_configs_by={"early_config_prune": _prune_for_2d})
+_FAKE_QUANT_TUNED = _autotuned(_fake_quant_kernel, _TILE_CONFIGS, ["KB", "IS_BF16"])
+_ROW_AMAX_TUNED = _autotuned(_row_amax_quantize_kernel, _ROW_CONFIGS, ["KB", "IS_BF16"])
+
+
+def _launch(kernel: triton.runtime.JITFunction, tuned: triton.runtime.Autotuner, config: tuple[int, int, int],
+            grid: object, args: tuple, **constexprs: object) -> None:
+    """Run ``kernel`` with ``config``, or its autotuned twin when autotuning is on.
+
+    ``grid(rows_per_tile, blocks_per_tile)`` gives the launch grid; ``args`` ends with the row count
+    (mapped to its ``m_bucket`` autotune key).
+    """
+    *args, rows = args
+    args = (*args, min(triton.next_power_of_2(max(rows, 1)), _M_BUCKET_CAP))
+    if _autotune_enabled():
+        tuned[lambda meta: grid(meta["ROWS"], meta["NB"])](*args, **constexprs)
+    else:
+        rows_per_tile, blocks_per_tile, num_warps = config
+        kernel[grid(rows_per_tile, blocks_per_tile)](
+            *args, **constexprs, ROWS=rows_per_tile, NB=blocks_per_tile, num_warps=num_warps
+        )
+
+
+# ----------------------------------------------------------------------------------------- host side
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _bits_view(x: torch.Tensor) -> torch.Tensor:
+    """What :func:`_amax_kernel` loads: bf16 as its int16 bits (see :func:`_to_f32`), others as they are."""
+    return x.view(torch.int16) if x.dtype == torch.bfloat16 else x
+
+
+def _words_view(x: torch.Tensor) -> torch.Tensor:
+    """Contiguous ``x`` as words of two elements ``[..., K/2]``: int64 for fp32, int32 for 16-bit dtypes."""
+    if x.storage_offset() % 2:
+        x = x.clone()  # a word must not straddle two elements of different pairs
+    return x.view(torch.int64 if x.dtype == torch.float32 else torch.int32)
+
+
+def _check_out(t: torch.Tensor, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...], device: torch.device, name: str) -> None:
+    if tuple(t.shape) != shape or t.dtype not in dtypes or t.device != device or not t.is_contiguous():
+        raise ValueError(
+            f"out {name} must be a contiguous {dtypes[0]} tensor of shape {shape} on {device}, got "
+            f"{t.dtype} {tuple(t.shape)} on {t.device} (contiguous={t.is_contiguous()})"
+        )
+
+
+def _code_buffers(x: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed-code and scale-byte (uint8) buffers for ``x``: ``out`` checked, or new ones."""
+    lead, k = tuple(x.shape[:-1]), x.shape[-1]
+    if out is None:
+        return (torch.empty(lead + (k // 2,), dtype=torch.uint8, device=x.device),
+                torch.empty(lead + (k // BLOCK_SIZE,), dtype=torch.uint8, device=x.device))
+    codes, scales = out
+    _check_out(codes, lead + (k // 2,), (torch.uint8,), x.device, "codes")
+    _check_out(scales, lead + (k // BLOCK_SIZE,), (torch.float8_e4m3fn, torch.uint8), x.device, "scales")
+    return codes, scales.view(torch.uint8)
+
+
+def _amax_rows(amax: torch.Tensor, lead: tuple[int, ...]) -> tuple[torch.Tensor, int]:
+    """The amax of each row of ``x.reshape(-1, K)`` as ``(table, div)``: row ``r`` uses
+    ``table[r // div]``, and ``div = 0`` means one amax for all rows (the kernels' ``amax_div``).
+
+    Trailing leading dims over which ``amax`` is broadcast fold into ``div`` (a scalar, or ``[E, 1]``
+    for ``[E, N, K]``, needs no copy); other broadcasts are materialized.
+    """
+    if torch.broadcast_shapes(amax.shape, lead) != torch.Size(lead):
+        raise ValueError(f"global_amax of shape {tuple(amax.shape)} must broadcast to the leading dims {lead}")
+    expanded = torch.broadcast_to(amax.to(torch.float32), lead)
+    kept, div = len(lead), 1
+    while kept and (expanded.stride(kept - 1) == 0 or lead[kept - 1] == 1):
+        kept -= 1
+        div *= lead[kept]
+    table = expanded[(...,) + (0,) * (len(lead) - kept)].contiguous().reshape(-1)
+    return table, 0 if table.numel() == 1 else div
+
+
+def _check_shape(x: torch.Tensor, block_2d: bool) -> None:
+    """The checks of :func:`validate_input` that need no look at the values (so no host sync)."""
+    if x.dtype not in SUPPORTED_DTYPES or x.ndim == 0 or x.shape[-1] % BLOCK_SIZE or (block_2d and x.ndim < 2):
+        raise ValueError(
+            f"NVFP4 quantize needs a bf16/fp16/fp32 tensor whose last dim is a multiple of {BLOCK_SIZE} "
+            f"(and 2 dims for 2D blocks), got {x.dtype} of shape {tuple(x.shape)}"
+        )
+
+
+def _num_rows(x: torch.Tensor) -> int:
+    """Rows of ``x.reshape(-1, K)``; the kernels index rows with int32."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows >= 2**31:
+        raise ValueError(f"NVFP4 kernels support fewer than 2^31 rows, got {rows} for shape {tuple(x.shape)}")
+    return rows
+
+
+def amax_kernel(x: torch.Tensor) -> torch.Tensor:
+    """Per-tensor ``max(|x|)`` as a 0-dim fp32 tensor on ``x``'s device, without a host sync."""
+    x = x.contiguous()
+    bits = torch.zeros(1, dtype=torch.int32, device=x.device)
+    n = x.numel()
+    if n:
+        if n % BLOCK_SIZE:
+            raise ValueError(f"amax_kernel needs a multiple of {BLOCK_SIZE} elements, got {tuple(x.shape)}")
+        n_chunks = triton.cdiv(n, _AMAX_BLOCK)
+        grid = min(n_chunks, 4 * _num_sms(x.device))
+        _amax_kernel[(grid,)](_bits_view(x), bits, n // BLOCK_SIZE, triton.cdiv(n_chunks, grid),
+                              BLOCK=_AMAX_BLOCK, num_warps=8)
+    return bits.view(torch.float32).reshape(())
+
+
+def _launch_quantize(x: torch.Tensor, amax_rows: tuple[torch.Tensor, int], codes: torch.Tensor,
+                     scales: torch.Tensor, block_2d: bool) -> None:
+    """Run :func:`_quantize_kernel` on contiguous ``x`` (rows of length K; 16-row tiles per matrix if 2D)."""
+    kb = x.shape[-1] // BLOCK_SIZE
+    rows = _num_rows(x)
+    mat_rows = x.shape[-2] if block_2d else rows
+    n_mats = rows // mat_rows
+
+    def grid(rows_per_tile: int, blocks_per_tile: int) -> tuple[int, int]:
+        return (n_mats * triton.cdiv(mat_rows, rows_per_tile), triton.cdiv(kb, blocks_per_tile))
+
+    table, div = amax_rows
+    _launch(_quantize_kernel, _QUANTIZE_TUNED, _tile_config(rows, block_2d), grid,
+            (_words_view(x), table, codes, scales, mat_rows, div, kb, rows),
+            BLOCK_2D=block_2d, IS_BF16=x.dtype == torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------------------- public API
+
+
+def quantize_kernel(
+    x: torch.Tensor,
+    global_amax: AmaxLike = None,
+    block_2d: bool = False,
+    *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    validate: bool = True,
+) -> NVFP4Tensor:
+    """Triton twin of :func:`megatron_quads.nvfp4.quantize.quantize`: the same fields, byte for byte.
+
+    ``global_amax`` is ``None`` (per-tensor amax, reduced on the device), a scalar, or one amax per
+    leading index (broadcastable to ``x.shape[:-1]``). ``out`` optionally gives the ``(codes uint8
+    [..., K/2], scales uint8 or float8_e4m3fn [..., K/16])`` buffers to write. Validation is the
+    reference's: it reads all of ``x`` for NaN / Inf and waits for the result on the host.
+    ``validate=False`` keeps only the shape and dtype checks (no sync; garbage in, garbage out).
+    """
+    if validate:
+        validate_input(x, BLOCK_SIZE, block_2d)
+    else:
+        _check_shape(x, block_2d)
+    x = x.contiguous()
+    lead = tuple(x.shape[:-1])
+    if global_amax is None:
+        amax = amax_kernel(x)
+        amax_rows = (amax.reshape(1), 0)
+    else:
+        if validate:
+            amax = _as_amax_tensor(global_amax, x)
+        else:
+            amax = torch.as_tensor(global_amax, dtype=torch.float32, device=x.device)
+        amax_rows = _amax_rows(amax, lead)
+    codes, scales = _code_buffers(x, out)
+    if x.numel():
+        _launch_quantize(x, amax_rows, codes, scales, block_2d)
+    return NVFP4Tensor(
+        codes=codes,
+        scales=scales.view(torch.float8_e4m3fn),
+        weight_scale_2=decode_scale_from_amax(amax),
+        shape=x.shape,
+        dtype=x.dtype,
+        global_amax=amax,
+        block_2d=block_2d,
+    )
+
+
+def fake_quant_kernel(
+    x: torch.Tensor, global_amax: torch.Tensor | float, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Triton twin of :func:`megatron_quads.nvfp4.fused.fake_quant_values` (1x16 blocks), bit for bit.
+
+    One launch, no validation and no host sync: pass finite values whose last dim is a multiple of 16
+    and an fp32 amax on ``x``'s device, a scalar or broadcastable to ``x.shape[:-1]`` (a Python float
+    is copied to the device first). ``out`` (contiguous, ``x``'s shape and dtype) receives the result
+    if given. No autograd: the result has no gradient function.
+    """
+    x = x.contiguous()
+    amax = torch.as_tensor(global_amax, dtype=torch.float32, device=x.device)
+    table, div = _amax_rows(amax, tuple(x.shape[:-1]))
+    if out is None:
+        out = torch.empty_like(x)
+    else:
+        _check_out(out, tuple(x.shape), (x.dtype,), x.device, "values")
+    kb = x.shape[-1] // BLOCK_SIZE
+    rows = _num_rows(x)
+    if rows and kb:
+        target = out if out.storage_offset() % 2 == 0 else torch.empty_like(x)
+
+        def grid(rows_per_tile: int, blocks_per_tile: int) -> tuple[int, int]:
+            return (triton.cdiv(rows, rows_per_tile), triton.cdiv(kb, blocks_per_tile))
+
+        _launch(_fake_quant_kernel, _FAKE_QUANT_TUNED, _tile_config(rows, False), grid,
+                (_words_view(x), table, _words_view(target), rows, div, kb, rows), IS_BF16=x.dtype == torch.bfloat16)
+        if target is not out:
+            out.copy_(target)
+    return out
+
+
+def row_amax_quantize_kernel(
+    x2d: torch.Tensor,
+    *,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> NVFP4Tensor:
+    """Per-row (per-token) dynamic NVFP4: ``quantize(x, global_amax=x.abs().amax(-1).float())``.
+
+    One kernel computes each row's amax and quantizes the row with it; ``global_amax`` and
+    ``weight_scale_2`` of the result are fp32 ``x.shape[:-1]``. No host sync, and no NaN / Inf check.
+    ``out`` optionally gives ``(codes, scales, global_amax, weight_scale_2)`` buffers.
+    """
+    if x2d.dtype not in SUPPORTED_DTYPES or x2d.ndim == 0 or x2d.shape[-1] == 0 or x2d.shape[-1] % BLOCK_SIZE:
+        raise ValueError(
+            f"row_amax_quantize_kernel needs a bf16/fp16/fp32 tensor whose last dim is a non-zero multiple "
+            f"of {BLOCK_SIZE}, got {x2d.dtype} of shape {tuple(x2d.shape)}"
+        )
+    x = x2d.contiguous()
+    lead, k = tuple(x.shape[:-1]), x.shape[-1]
+    codes, scales = _code_buffers(x, None if out is None else out[:2])
+    if out is None:
+        amax = torch.empty(lead, dtype=torch.float32, device=x.device)
+        decode = torch.empty(lead, dtype=torch.float32, device=x.device)
+    else:
+        amax, decode = out[2], out[3]
+        _check_out(amax, lead, (torch.float32,), x.device, "global_amax")
+        _check_out(decode, lead, (torch.float32,), x.device, "weight_scale_2")
+    rows = _num_rows(x)
+    if rows:
+
+        def grid(rows_per_tile: int, blocks_per_tile: int) -> tuple[int]:
+            return (triton.cdiv(rows, rows_per_tile),)
+
+        _launch(_row_amax_quantize_kernel, _ROW_AMAX_TUNED, _row_config(rows), grid,
+                (_words_view(x), codes, scales, amax, decode, rows, k // BLOCK_SIZE, rows),
+                IS_BF16=x.dtype == torch.bfloat16)
+    return NVFP4Tensor(
+        codes=codes,
+        scales=scales.view(torch.float8_e4m3fn),
+        weight_scale_2=decode,
+        shape=x.shape,
+        dtype=x.dtype,
+        global_amax=amax,
+        block_2d=False,
+    )

@@ -1,0 +1,104 @@
+"""Grouped (MoE) NVFP4 linears over tokens sorted by expert: the reference the Triton kernels match.
+
+An MoE layer's routed tokens are sorted by expert and expert ``e`` owns rows
+``expert_offsets[e]:expert_offsets[e + 1]`` of ``x [T, K]``. Expert weights are one stacked
+:class:`NVFP4Tensor` with codes ``[E, N, K/2]``, scales ``[E, N, K/16]`` and one decode scale per
+expert (``weight_scale_2`` of shape ``[E]`` or ``[E, 1]``). RAC channel sets are ``[E, S]`` (the same
+count for every expert: ``S = ratio * K``) with residual weights ``W_S`` stacked as ``[E, N, S]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_quads.nvfp4 import NVFP4Tensor
+from megatron_quads.nvfp4.kernels import use_kernels
+from megatron_quads.rollout.rac import rac_linear
+from megatron_quads.rollout.w4a4 import ActivationScale, w4a16_linear
+
+
+def expert_offsets_from_counts(counts: torch.Tensor) -> torch.Tensor:
+    """int32 ``[E + 1]`` row offsets of each expert's tokens from per-expert token counts ``[E]``."""
+    zero = torch.zeros(1, dtype=torch.int64, device=counts.device)
+    return torch.cat([zero, torch.cumsum(counts.to(torch.int64), 0)]).to(torch.int32)
+
+
+def expert_weight(weight: NVFP4Tensor, expert: int) -> NVFP4Tensor:
+    """Expert ``expert``'s ``[N, K]`` weight out of a stacked ``[E, N, K]`` NVFP4 tensor."""
+    ws2 = weight.weight_scale_2.reshape(-1)
+    decode = ws2[expert] if ws2.numel() > 1 else ws2[0]
+    return NVFP4Tensor(
+        codes=weight.codes[expert],
+        scales=weight.scales[expert],
+        weight_scale_2=decode,
+        shape=torch.Size(weight.shape[1:]),
+        dtype=weight.dtype,
+    )
+
+
+def validate_grouped(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets: torch.Tensor) -> None:
+    """Raise a clear error unless ``x``, the stacked ``weight`` and ``expert_offsets`` fit together."""
+    if len(weight.shape) != 3:
+        raise ValueError(f"grouped linears need a stacked [E, N, K] weight, got shape {tuple(weight.shape)}")
+    num_experts, _, in_features = weight.shape
+    if x.ndim != 2 or x.shape[1] != in_features:
+        raise ValueError(f"x must be [tokens, {in_features}], got shape {tuple(x.shape)}")
+    if expert_offsets.shape != (num_experts + 1,):
+        raise ValueError(f"expert_offsets must have shape [{num_experts + 1}] (E + 1), got {tuple(expert_offsets.shape)}")
+    bounds = expert_offsets.tolist()
+    if bounds[0] != 0 or bounds[-1] != x.shape[0] or any(b > a for a, b in zip(bounds[1:], bounds[:-1])):
+        raise ValueError(f"expert_offsets must rise from 0 to the token count {x.shape[0]}, got {bounds}")
+
+
+def grouped_w4a16_linear(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets: torch.Tensor) -> torch.Tensor:
+    """``y[rows of e] = x[rows of e] @ dq(W_e).T`` for every expert (weight-only NVFP4), ``[T, N]``.
+
+    On CUDA with bf16 activations: one Triton kernel launch, no host synchronisation."""
+    if use_kernels(x) and x.dtype == torch.bfloat16:
+        from megatron_quads.nvfp4.kernels.w4a16 import grouped_w4a16_kernel
+
+        return grouped_w4a16_kernel(x, weight, expert_offsets)
+    validate_grouped(x, weight, expert_offsets)
+    out = x.new_empty(x.shape[0], weight.shape[1])
+    bounds = expert_offsets.tolist()
+    for e in range(weight.shape[0]):
+        lo, hi = bounds[e], bounds[e + 1]
+        if hi > lo:
+            out[lo:hi] = w4a16_linear(x[lo:hi], expert_weight(weight, e))
+    return out
+
+
+def grouped_rac_linear(
+    x: torch.Tensor,
+    weight: NVFP4Tensor,
+    expert_offsets: torch.Tensor,
+    channels: torch.Tensor | None = None,
+    residual_weight: NVFP4Tensor | None = None,
+    mode: ActivationScale = ActivationScale.PER_TOKEN,
+    static_amax: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """W4A4 (+ RAC when ``channels [E, S]`` and ``residual_weight [E, N, S]`` are given) per expert.
+
+    On CUDA: the Triton prologue and one grouped GEMM, no host synchronisation."""
+    if (channels is None) != (residual_weight is None):
+        raise ValueError("grouped RAC needs both channels [E, S] and residual_weight [E, N, S], or neither")
+    if use_kernels(x):
+        from megatron_quads.nvfp4.kernels.w4a4 import grouped_rac_kernel
+
+        return grouped_rac_kernel(x, weight, expert_offsets, channels, residual_weight, mode, static_amax)
+    validate_grouped(x, weight, expert_offsets)
+    out = x.new_empty(x.shape[0], weight.shape[1])
+    no_channels = torch.zeros(0, dtype=torch.int32, device=x.device)
+    bounds = expert_offsets.tolist()
+    for e in range(weight.shape[0]):
+        lo, hi = bounds[e], bounds[e + 1]
+        if hi == lo:
+            continue
+        if channels is None or channels.shape[1] == 0:
+            out[lo:hi] = rac_linear(x[lo:hi], expert_weight(weight, e), no_channels, None, mode, static_amax)
+        else:
+            assert residual_weight is not None
+            out[lo:hi] = rac_linear(
+                x[lo:hi], expert_weight(weight, e), channels[e], expert_weight(residual_weight, e), mode, static_amax
+            )
+    return out
