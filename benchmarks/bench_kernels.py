@@ -1,0 +1,260 @@
+"""NVFP4 Triton kernels on the GPU, side by side with BF16 and FP8 in one run.
+
+    python benchmarks/bench_kernels.py [--quick]
+
+Cases (each row: time, bytes moved, FLOPs, and the fraction of the limit reached):
+1. Quantize (1x16 given amax, 1x16 with the amax pass, 16x16, fake quant) of an 8192 x 8192 bf16
+   tensor: GB/s against the device-to-device copy bandwidth measured in the same run (target >= 70%).
+2. W4A16 linear at decode shapes (M = 1..64; K, N = 2048..8192) against BF16 ``torch.matmul`` and
+   FP8 ``torch._scaled_mm`` (M padded to 16 for cuBLAS FP8), all timed by CUDA-graph replay; the FP4
+   byte floor is (packed weights + scales + activations + output) / copy bandwidth. Targets at
+   K, N >= 4096, M <= 16: >= 1.6x faster than FP8 and >= 75% of the byte floor; faster than FP8 to M = 64.
+3. Grouped MoE W4A16 at Qwen3-30B-A3B expert shapes (128 experts, hidden 2048, expert ffn 768, top-8;
+   gate+up N = 1536 and down) for 64..512 decode tokens against BF16 ``torch._grouped_mm``
+   (target >= 2.5x faster).
+4. W4A4 + RAC: the cost of the residual channels against plain (emulated) W4A4 per ratio; no target.
+Results: benchmarks/results/kernels_gpu.json (appended) and kernels_gpu.md.
+"""
+
+# ruff: noqa: B023 -- every lambda is timed (and its graph replayed) before the loop moves on
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from results_io import append_record
+
+from megatron_quads.nvfp4 import quantize
+from megatron_quads.rollout.grouped import expert_offsets_from_counts, expert_weight
+from megatron_quads.rollout.rac import (
+    num_residual_channels,
+    reblock_columns,
+    select_channels,
+)
+
+DEV = "cuda"
+EAGER_TIMED: set[str] = set()
+
+
+def time_graph(fn: Callable[[], object], calls: int = 20, repeats: int = 10) -> float:
+    """Median microseconds per call, replaying a CUDA graph of ``calls`` calls (events if capture fails)."""
+    for _ in range(3):
+        fn()  # warm-up: Triton autotuning and compilation happen outside the capture
+    torch.cuda.synchronize()
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.cuda.graph(graph):
+                for _ in range(calls):
+                    fn()
+        if any("empty" in str(w.message) for w in caught):
+            raise RuntimeError("the captured CUDA graph is empty (work launched outside the capture stream)")
+        run = graph.replay
+    except RuntimeError as err:
+        EAGER_TIMED.add(f"{getattr(fn, '__qualname__', fn)}: {str(err).splitlines()[0][:80]}")
+
+        def run() -> None:
+            for _ in range(calls):
+                fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write): the best of a few ways to copy 1 GiB."""
+    src = torch.empty(2**28, dtype=torch.float32, device=DEV).uniform_()
+    dst = torch.empty_like(src)
+    best = min(
+        time_graph(lambda: dst.copy_(src), calls=5),
+        time_graph(lambda: torch.mul(src, 1.0, out=dst), calls=5),
+        time_graph(lambda: dst.copy_(src), calls=20),
+    )
+    return 2 * src.numel() * 4 / (best * 1e-6)
+
+
+def row(case: str, us: float, nbytes: float, flops: float, bandwidth: float, **extra) -> dict:
+    """One result row with the achieved rates and the fraction of the byte floor."""
+    return {"case": case, "us": round(us, 2), "MB": round(nbytes / 1e6, 3), "GFLOP": round(flops / 1e9, 4),
+            "GBps": round(nbytes / (us * 1e-6) / 1e9, 1), "TFLOPs": round(flops / (us * 1e-6) / 1e12, 2),
+            "floor_us": round(nbytes / bandwidth * 1e6, 2), "frac_of_floor": round(nbytes / bandwidth / (us * 1e-6), 3),
+            **extra}
+
+
+def bench_quantize(bandwidth: float, size: int) -> list[dict]:
+    """Quantize / fake-quant throughput of a size x size bf16 tensor."""
+    from megatron_quads.nvfp4.kernels.quantize import fake_quant_kernel, quantize_kernel
+
+    x = torch.randn(size, size, device=DEV, dtype=torch.bfloat16)
+    amax = x.abs().amax().float()
+    n = x.numel()
+    q_bytes = n * 2 + n // 2 + n // 16
+    rows = [  # validate=False: the NaN scan syncs with the host and cannot be graph-captured
+        row("quantize 1x16, amax given", time_graph(lambda: quantize_kernel(x, amax, validate=False), calls=5), q_bytes, 0, bandwidth),
+        row("quantize 1x16, amax pass", time_graph(lambda: quantize_kernel(x, validate=False), calls=5), q_bytes + n * 2, 0, bandwidth),
+        row("quantize 16x16, amax given", time_graph(lambda: quantize_kernel(x, amax, block_2d=True, validate=False), calls=5),
+            q_bytes, 0, bandwidth),
+        row("fake quant 1x16", time_graph(lambda: fake_quant_kernel(x, amax), calls=5), n * 4, 0, bandwidth),
+    ]
+    from megatron_quads.nvfp4.fused import fake_quant_values
+    from megatron_quads.nvfp4.kernels import reference_path
+
+    with reference_path():
+        rows.append(row("fake quant 1x16, torch reference", time_graph(lambda: fake_quant_values(x, amax), calls=2), n * 4, 0, bandwidth))
+        rows.append(row("quantize 1x16, torch reference (validated)", time_graph(lambda: quantize(x, global_amax=amax), calls=2),
+                        q_bytes, 0, bandwidth))
+    return rows
+
+
+def _weight(n: int, k: int, experts: int | None = None):
+    shape = (n, k) if experts is None else (experts, n, k)
+    w = torch.randn(shape, device=DEV, dtype=torch.bfloat16) * 0.02
+    amax = w.abs().amax() if experts is None else w.abs().amax(dim=(1, 2)).unsqueeze(1)
+    return w, quantize(w, global_amax=amax.float())
+
+
+def bench_w4a16(bandwidth: float, quick: bool) -> list[dict]:
+    """Dense decode GEMMs: W4A16 kernel vs cuBLAS BF16 and FP8."""
+    from megatron_quads.nvfp4.kernels.w4a16 import w4a16_linear_kernel
+
+    rows = []
+    shapes = [(4096, 4096), (8192, 8192)] if quick else [(2048, 2048), (4096, 4096), (8192, 8192), (2048, 8192), (8192, 2048)]
+    for k, n in shapes:
+        w, qw = _weight(n, k)
+        w8 = w.to(torch.float8_e4m3fn)
+        one = torch.ones((), device=DEV)
+        for m in (1, 16, 64) if quick else (1, 4, 16, 32, 64):
+            x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+            x8 = torch.randn(max(m, 16), k, device=DEV).to(torch.float8_e4m3fn)
+            fp4_bytes = n * k // 2 + n * k // 16 + m * k * 2 + m * n * 2
+            flops = 2 * m * n * k
+            t4 = time_graph(lambda: w4a16_linear_kernel(x, qw))
+            tb = time_graph(lambda: x @ w.t())
+            t8 = time_graph(lambda: torch._scaled_mm(x8, w8.t(), one, one, out_dtype=torch.bfloat16))
+            rows.append(row(f"w4a16 M={m} K={k} N={n}", t4, fp4_bytes, flops, bandwidth, bf16_us=round(tb, 2),
+                            fp8_us=round(t8, 2), speedup_vs_fp8=round(t8 / t4, 2), speedup_vs_bf16=round(tb / t4, 2)))
+    return rows
+
+
+def _routing(tokens: int, experts: int, topk: int) -> torch.Tensor:
+    choice = torch.rand(tokens, experts, device=DEV).topk(topk, dim=1).indices.flatten()
+    return torch.bincount(choice, minlength=experts)
+
+
+def bench_grouped(bandwidth: float, quick: bool) -> list[dict]:
+    """Grouped MoE W4A16 at Qwen3-30B-A3B expert shapes vs BF16 torch._grouped_mm."""
+    from megatron_quads.nvfp4.kernels.w4a16 import grouped_w4a16_kernel
+
+    experts, topk, rows = 128, 8, []
+    for proj, (n, k) in {"gate_up": (1536, 2048), "down": (2048, 768)}.items():
+        w, qw = _weight(n, k, experts)
+        w_t = w.transpose(1, 2)  # [E, K, N] column-major view, what grouped_mm's B expects
+        for tokens in (64, 512) if quick else (64, 128, 256, 512):
+            counts = _routing(tokens, experts, topk)
+            offsets = expert_offsets_from_counts(counts)
+            x = torch.randn(tokens * topk, k, device=DEV, dtype=torch.bfloat16)
+            ends = offsets[1:].contiguous()
+            active = int((counts > 0).sum())
+            fp4_bytes = active * (n * k // 2 + n * k // 16) + x.numel() * 2 + x.shape[0] * n * 2
+            flops = 2 * x.shape[0] * n * k
+            t4 = time_graph(lambda: grouped_w4a16_kernel(x, qw, offsets))
+            tb = time_graph(lambda: torch._grouped_mm(x, w_t, offs=ends))
+            rows.append(row(f"grouped w4a16 {proj} tokens={tokens} (rows {x.shape[0]}, {active} experts)", t4, fp4_bytes,
+                            flops, bandwidth, bf16_grouped_us=round(tb, 2), speedup_vs_bf16=round(tb / t4, 2)))
+    return rows
+
+
+def bench_rac(bandwidth: float, quick: bool) -> list[dict]:
+    """W4A4 + RAC against plain emulated W4A4, dense and grouped, per residual ratio."""
+    from megatron_quads.nvfp4.kernels.w4a4 import grouped_rac_kernel, rac_linear_kernel
+
+    rows = []
+    for m, k, n in ((16, 4096, 4096), (2048, 4096, 4096)):
+        _, qw = _weight(n, k)
+        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+        base = None
+        for ratio in (0.0, 0.125, 0.25, 0.5, 1.0):
+            channels = select_channels(torch.rand(k, device=DEV), ratio).to(DEV)
+            residual = reblock_columns(qw, channels) if channels.numel() else None
+            t = time_graph(lambda: rac_linear_kernel(x, qw, channels, residual), calls=10)
+            base = base or t
+            s = num_residual_channels(k, ratio)
+            nbytes = (n * (k + s)) // 2 + n * (k + s) // 16 + m * k * 2 + m * n * 2
+            rows.append(row(f"w4a4+rac M={m} K={k} N={n} ratio={ratio}", t, nbytes, 2 * m * n * (k + s), bandwidth,
+                            overhead_vs_w4a4=round(t / base - 1, 3)))
+    experts, topk, k, n = 128, 8, 2048, 1536
+    _, qw = _weight(n, k, experts)
+    counts = _routing(256, experts, topk)
+    offsets = expert_offsets_from_counts(counts)
+    x = torch.randn(256 * topk, k, device=DEV, dtype=torch.bfloat16)
+    base = None
+    for ratio in (0.0, 0.25, 0.5):
+        s = num_residual_channels(k, ratio)
+        if s:
+            channels = torch.stack([select_channels(torch.rand(k, device=DEV), ratio) for _ in range(experts)]).to(DEV)
+            parts = [reblock_columns(expert_weight(qw, e), channels[e]) for e in range(experts)]
+            residual = type(qw)(codes=torch.stack([p.codes for p in parts]), scales=torch.stack([p.scales for p in parts]),
+                                weight_scale_2=qw.weight_scale_2, shape=torch.Size((experts, n, s)), dtype=qw.dtype)
+        else:
+            channels = residual = None
+        t = time_graph(lambda: grouped_rac_kernel(x, qw, offsets, channels, residual), calls=10)
+        base = base or t
+        rows.append(row(f"grouped w4a4+rac gate_up tokens=256 ratio={ratio}", t, 0, 2 * x.shape[0] * n * (k + s),
+                        bandwidth, overhead_vs_w4a4=round(t / base - 1, 3)))
+    return rows
+
+
+def main() -> None:
+    """All cases, one record."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    parser.add_argument("--only", nargs="*", default=["quantize", "w4a16", "grouped", "rac"])
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    bandwidth = copy_bandwidth()
+    sections = {"quantize": lambda: bench_quantize(bandwidth, 8192), "w4a16": lambda: bench_w4a16(bandwidth, args.quick),
+                "grouped": lambda: bench_grouped(bandwidth, args.quick), "rac": lambda: bench_rac(bandwidth, args.quick)}
+    results = {}
+    for name in args.only:
+        results[name] = sections[name]()
+        for r in results[name]:
+            print(r, flush=True)
+    record = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(), "command": "python benchmarks/bench_kernels.py"
+        + (" --quick" if args.quick else "") + (f" --only {' '.join(args.only)}" if len(args.only) < 4 else ""),
+        "copy_GBps": round(bandwidth / 1e9, 1), "results": results, "eager_timed": sorted(EAGER_TIMED),
+    }
+    lines = [f"# NVFP4 kernels on {record['device']} ({record['date']})", "", f"Command: `{record['command']}`", "",
+             (f"Device-to-device copy: {record['copy_GBps']} GB/s (read + write), measured in this run. "
+              "`floor_us`: bytes / that bandwidth; `frac_of_floor`: floor_us / us. GEMMs timed by CUDA-graph "
+              f"replay. Capture failures fell back to eager timing: {record['eager_timed'] or 'none'}."), ""]
+    for name, rows in results.items():
+        keys = list(rows[0].keys())
+        lines += [f"## {name}", "", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+        lines += ["| " + " | ".join(str(r.get(k_, "")) for k_ in keys) + " |" for r in rows]
+        lines.append("")
+    out = Path(__file__).parent / "results" / "kernels_gpu.json"
+    append_record(out, record, out.with_suffix(".md"), "\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
