@@ -57,8 +57,9 @@ class RolloutSection(_Strict):
     timeout_s: float = Field(300.0, gt=0, description="an engine call slower than this counts as a hang")
     max_retries: int = Field(2, ge=0, description="restarts of a failed engine per generation before the run stops")
     sync_bucket_mb: float = Field(256.0, gt=0, description="weight-sync bucket size bound")
-    weight_transfer: Literal["auto", "object_store", "cuda_ipc"] = Field(
-        "auto", description="auto: CUDA IPC when colocated on GPUs, else Ray's object store"
+    weight_transfer: Literal["auto", "object_store", "cuda_ipc", "collective"] = Field(
+        "auto", description="auto: CUDA IPC when colocated on GPUs, else Ray's object store; collective: "
+        "broadcast from trainer rank 0 over a gloo (CPU) / NCCL (GPU) group, disaggregated only",
     )
     release_memory_during_training: bool = Field(
         True, description="colocated: engines move their weights and caches off the GPU while the trainer trains"
@@ -165,6 +166,14 @@ class RunConfig(_Strict):
                 "rollout.weight_transfer=cuda_ipc works between processes on one GPU: it needs "
                 "placement.mode=colocated and placement.trainer_gpus_per_worker=1 (or use object_store / auto)"
             )
+
+        if roll.weight_transfer == "collective":
+            if place.mode != "disaggregated":
+                raise ValueError("rollout.weight_transfer=collective needs placement.mode=disaggregated "
+                                 "(colocated engines share a device with the sender: use cuda_ipc or auto)")
+            if (place.trainer_gpus_per_worker > 0) != (roll.num_gpus_per_worker > 0):
+                raise ValueError("rollout.weight_transfer=collective needs the trainer and the engines on the same kind "
+                                 "of device (NCCL for GPUs, gloo for CPUs); use object_store across CPU and GPU")
 
     def rollout_on_gpu(self) -> bool:
         """Whether the engines are given GPUs (colocated: the trainers'; disaggregated: their own)."""

@@ -102,6 +102,7 @@ class Rollouts:
         self.factories = [actor.options(**options) for options in slots_options]
         self.workers = [factory.remote(cfg) for factory in self.factories]
         self.trainers: Trainers | None = None
+        self.group_generation = 0  # 0: no weight-broadcast group yet (collective transport)
         self.version = -1
         self.calibration: list[list[int]] = []
         self.restarts = 0
@@ -110,18 +111,37 @@ class Rollouts:
         """Colocated engines release their GPU memory for the trainer; returns bytes freed."""
         return sum(ray.get([w.sleep.remote() for w in self.workers], timeout=self.cfg.rollout.timeout_s))
 
-    def sync(self, trainers: Trainers, version: int, calibration: list[list[int]]) -> dict[str, float]:
-        """Export the trainer's weights once and load them into every engine (each checks names,
-        shapes and the version); CUDA IPC buffers are freed after. Returns payload bytes and the
-        trainer's export seconds plus the slowest engine's receive / load / calibrate seconds."""
-        self.trainers, self.version, self.calibration = trainers, version, calibration
+    def _form_sync_group(self, trainers: Trainers) -> None:
+        """(Re)build the weight-broadcast group: trainer rank 0 (the store host) and every engine."""
+        self.group_generation += 1
+        address, port = ray.get(trainers.actors[0].rendezvous_address.remote())
+        world = len(self.workers) + 1
+        joins = [trainers.actors[0].join_sync_group.remote(address, port, world, self.group_generation)]
+        joins += [w.join_sync_group.remote(address, port, i + 1, world, self.group_generation) for i, w in enumerate(self.workers)]
+        ray.get(joins, timeout=self.cfg.rollout.timeout_s)
+
+    def _load(self, trainers: Trainers, workers: list, version: int, calibration: list[list[int]]) -> tuple[list, dict]:
+        """Export once and load into ``workers``; returns their (version, timing) and the export stats."""
+        collective = self.cfg.weight_transport() == "collective"
+        if collective and self.group_generation == 0:
+            self._form_sync_group(trainers)
         buckets, stats = trainers.export_rollout_weights(version)
         try:
-            loaded = ray.get([w.load_weights.remote(buckets, version, calibration) for w in self.workers],
-                             timeout=self.cfg.rollout.timeout_s)
+            loads = [w.load_weights.remote(buckets, version, calibration) for w in workers]
+            if collective:  # the sender's broadcast runs while the engines receive
+                loads.append(trainers.actors[0].broadcast_sync_buffers.remote())
+            loaded = ray.get(loads, timeout=self.cfg.rollout.timeout_s)
         finally:
-            if self.cfg.weight_transport() == "cuda_ipc":
+            if self.cfg.weight_transport() != "object_store":
                 trainers.release_sync_buffers()
+        return loaded[: len(workers)], stats
+
+    def sync(self, trainers: Trainers, version: int, calibration: list[list[int]]) -> dict[str, float]:
+        """Export the trainer's weights once and load them into every engine (each checks names,
+        shapes and the version); CUDA IPC / broadcast buffers are freed after. Returns payload bytes
+        and the trainer's export seconds plus the slowest engine's wake / receive / load / calibrate."""
+        self.trainers, self.version, self.calibration = trainers, version, calibration
+        loaded, stats = self._load(trainers, self.workers, version, calibration)
         held = [v for v, _ in loaded]
         if any(v != version for v in held):
             raise RuntimeError(f"rollout engines hold weight versions {held}, expected {version}")
@@ -131,13 +151,12 @@ class Rollouts:
     def _restart(self, index: int) -> None:
         ray.kill(self.workers[index], no_restart=True)
         self.workers[index] = self.factories[index].remote(self.cfg)
-        buckets, _ = self.trainers.export_rollout_weights(self.version)  # re-export: IPC buffers are freed after a sync
-        try:
-            ray.get(self.workers[index].load_weights.remote(buckets, self.version, self.calibration),
-                    timeout=self.cfg.rollout.timeout_s)
-        finally:
-            if self.cfg.weight_transport() == "cuda_ipc":
-                self.trainers.release_sync_buffers()
+        if self.cfg.weight_transport() == "collective":
+            # a broadcast needs every member: rebuild the group and re-send to all engines
+            self._form_sync_group(self.trainers)
+            self._load(self.trainers, self.workers, self.version, self.calibration)
+        else:  # re-export: IPC buffers are not kept between syncs
+            self._load(self.trainers, [self.workers[index]], self.version, self.calibration)
         self.restarts += 1
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list:

@@ -13,6 +13,9 @@ Transports (``Bucket.payload``):
 - ``cuda_ipc``: a CUDA IPC handle of the sender's GPU buffer; the receiver maps it and copies once.
   Only between processes on the same GPU (the colocated placement). The sender must keep the
   buffer alive until every receiver has copied it (:meth:`IpcKeepAlive.release`).
+- ``collective``: no payload; the sender broadcasts the buffers, in bucket order, over a
+  :class:`~megatron_quads.controller.sync_group.WeightSyncGroup` (gloo on CPU, NCCL on GPUs) while
+  every receiver allocates ``buffer_bytes`` and receives them (disaggregated placements).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 
 from megatron_quads.rollout.weights import QuantizedModelWeights
 
-Transport = Literal["object_store", "cuda_ipc"]
+Transport = Literal["object_store", "cuda_ipc", "collective"]
 _ALIGN = 16  # bytes: every tensor starts at an offset any dtype may view
 
 
@@ -51,6 +54,7 @@ class Bucket:
     specs: list[TensorSpec]
     transport: Transport
     payload: Any = field(repr=False)
+    buffer_bytes: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -90,8 +94,8 @@ def unpack(buffer: torch.Tensor, specs: list[TensorSpec]) -> dict[str, torch.Ten
     return out
 
 
-class IpcKeepAlive:
-    """The sender's GPU buffers behind CUDA IPC handles, held until the receivers have copied them."""
+class BufferKeeper:
+    """The sender's bucket buffers, held until the receivers have them (CUDA IPC, collective)."""
 
     def __init__(self) -> None:
         self._buffers: list[torch.Tensor] = []
@@ -109,17 +113,24 @@ class IpcKeepAlive:
         """Bytes currently held."""
         return sum(b.numel() for b in self._buffers)
 
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """The held buffers, in bucket order."""
+        return list(self._buffers)
+
+
 
 def to_buckets(
     weights: QuantizedModelWeights | dict[str, torch.Tensor],
     version: int,
     bucket_bytes: int = 256 * 2**20,
     transport: Transport = "object_store",
-    keep_alive: IpcKeepAlive | None = None,
+    keep_alive: BufferKeeper | None = None,
 ) -> list[Bucket]:
     """Split weights into buckets of bounded size, packed for ``transport``.
 
-    ``cuda_ipc`` needs the weights on a CUDA device and a ``keep_alive`` to hold the buffers.
+    ``cuda_ipc`` needs the weights on a CUDA device and a ``keep_alive`` to hold the buffers;
+    ``collective`` a ``keep_alive`` too (the sender broadcasts its buffers afterwards).
     """
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -141,13 +152,18 @@ def to_buckets(
             payload = _ipc_handle(buffer, keep_alive)
         elif transport == "object_store":
             payload = buffer.cpu()
+        elif transport == "collective":
+            if keep_alive is None:
+                raise ValueError("collective weight transport needs a BufferKeeper to hold the buffers until the broadcast")
+            keep_alive.hold(buffer)
+            payload = None
         else:
-            raise ValueError(f"unknown weight transport {transport!r}: use 'object_store' or 'cuda_ipc'")
-        buckets.append(Bucket(version, index, len(groups), quantized, config, specs, transport, payload))
+            raise ValueError(f"unknown weight transport {transport!r}: use 'object_store', 'cuda_ipc' or 'collective'")
+        buckets.append(Bucket(version, index, len(groups), quantized, config, specs, transport, payload, buffer.numel()))
     return buckets
 
 
-def _ipc_handle(buffer: torch.Tensor, keep_alive: IpcKeepAlive | None) -> tuple:
+def _ipc_handle(buffer: torch.Tensor, keep_alive: BufferKeeper | None) -> tuple:
     if not buffer.is_cuda:
         raise ValueError("cuda_ipc weight transport needs the weights on a CUDA device; use object_store on CPU")
     if keep_alive is None:
@@ -158,8 +174,14 @@ def _ipc_handle(buffer: torch.Tensor, keep_alive: IpcKeepAlive | None) -> tuple:
     return reduce_tensor(buffer)
 
 
-def _receive(bucket: Bucket, device: torch.device | str | None) -> dict[str, torch.Tensor]:
-    if bucket.transport == "cuda_ipc":
+def _receive(bucket: Bucket, device: torch.device | str | None, group=None) -> dict[str, torch.Tensor]:
+    if bucket.transport == "collective":
+        if group is None:
+            raise ValueError("collective weight buckets need the receiver's WeightSyncGroup")
+        buffer = group.broadcast(torch.empty(bucket.buffer_bytes, dtype=torch.uint8, device=group.device))
+        if device is not None:
+            buffer = buffer.to(device)
+    elif bucket.transport == "cuda_ipc":
         rebuild, args = bucket.payload
         shared = rebuild(*args)  # maps the sender's memory: copy out before the sender releases it
         buffer = shared.clone() if device is None else shared.to(device, copy=True)
@@ -170,9 +192,12 @@ def _receive(bucket: Bucket, device: torch.device | str | None) -> dict[str, tor
 
 
 def from_buckets(
-    buckets: list[Bucket], device: torch.device | str | None = None
+    buckets: list[Bucket], device: torch.device | str | None = None, group=None
 ) -> tuple[QuantizedModelWeights | dict[str, torch.Tensor], int]:
-    """Inverse of :func:`to_buckets`: (weights, version), on ``device`` if given; a bad set raises."""
+    """Inverse of :func:`to_buckets`: (weights, version), on ``device`` if given; a bad set raises.
+
+    ``collective`` buckets are received over ``group`` in index order (the order the sender broadcasts).
+    """
     if not buckets:
         raise ValueError("received no weight buckets")
     first = buckets[0]
@@ -184,7 +209,7 @@ def from_buckets(
         raise ValueError(f"weight buckets from different versions {sorted(versions)}")
     tensors: dict[str, torch.Tensor] = {}
     for b in sorted(buckets, key=lambda b: b.index):
-        for name, t in _receive(b, device).items():
+        for name, t in _receive(b, device, group).items():
             if name in tensors:
                 raise ValueError(f"tensor {name!r} arrived in two buckets")
             tensors[name] = t

@@ -54,7 +54,8 @@ class TrainerWorker:
 
     def __init__(self, cfg: RunConfig, rank: int, world_size: int) -> None:
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
-        self._ipc_buffers = None
+        self._sync_buffers = None
+        self.sync_group = None
 
     def rendezvous_address(self) -> tuple[str, int]:
         """(this node's IP address, a free TCP port on it) for the process group's rendezvous."""
@@ -117,7 +118,7 @@ class TrainerWorker:
         import ray
 
         from megatron_quads.controller.weight_sync import (
-            IpcKeepAlive,
+            BufferKeeper,
             buckets_bytes,
             to_buckets,
         )
@@ -137,19 +138,35 @@ class TrainerWorker:
                                           weight_version=version, unquantized_dtype=dtype)
         bucket_bytes = int(self.cfg.rollout.sync_bucket_mb * 2**20)
         transport = self.cfg.weight_transport()
-        if transport == "cuda_ipc":
-            self._ipc_buffers = IpcKeepAlive()
-            buckets = to_buckets(weights, version, bucket_bytes, "cuda_ipc", self._ipc_buffers)
+        if transport in ("cuda_ipc", "collective"):  # buckets carry handles / sizes; this rank keeps the buffers
+            self._sync_buffers = BufferKeeper()
+            buckets = to_buckets(weights, version, bucket_bytes, transport, self._sync_buffers)
             return buckets, {"bytes": buckets_bytes(buckets), "export_s": _elapsed(start)}
         buckets = to_buckets(weights, version, bucket_bytes)
         refs = [ray.put(bucket) for bucket in buckets]
         return refs, {"bytes": buckets_bytes(buckets), "export_s": _elapsed(start)}
 
     def release_sync_buffers(self) -> int:
-        """Free the GPU buffers behind the last CUDA IPC export (every engine has copied them)."""
-        held = 0 if self._ipc_buffers is None else self._ipc_buffers.nbytes
-        self._ipc_buffers = None
+        """Free the buffers behind the last CUDA IPC / collective export (every engine has them)."""
+        held = 0 if self._sync_buffers is None else self._sync_buffers.nbytes
+        self._sync_buffers = None
         return held
+
+    def join_sync_group(self, address: str, port: int, world: int, generation: int) -> None:
+        """Rank 0 of the weight-broadcast group (it hosts the group's store at ``address:port``)."""
+        from megatron_quads.controller.sync_group import WeightSyncGroup
+
+        on_gpu = self.cfg.placement.trainer_gpus_per_worker > 0
+        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        self.sync_group = WeightSyncGroup(address, port, 0, world, generation, device, self.cfg.rollout.timeout_s)
+
+    def broadcast_sync_buffers(self) -> int:
+        """Broadcast the last collective export's buffers in bucket order, then free them; returns bytes."""
+        if self.sync_group is None or self._sync_buffers is None:
+            raise RuntimeError("broadcast_sync_buffers needs join_sync_group and a collective export first")
+        for buffer in self._sync_buffers.buffers:
+            self.sync_group.broadcast(buffer)
+        return self.release_sync_buffers()
 
 
 class RolloutWorker:
@@ -162,12 +179,21 @@ class RolloutWorker:
         if cfg.rollout.engine != "torch":
             raise NotImplementedError("only the built-in torch engine is wired into the controller so far")
         model = policy_model_config(cfg)
+        self.cfg = cfg
         self.device = torch.device("cuda" if cfg.rollout_on_gpu() else "cpu")
         self.engine = TorchRolloutEngine(
             qwen3_moe_config(model), precision=cfg.engine_precision(),
             ratio=cfg.precision.rac_ratio, device=self.device, dtype=model.torch_dtype,
         )
         self.asleep = False
+        self.sync_group = None
+
+    def join_sync_group(self, address: str, port: int, rank: int, world: int, generation: int) -> None:
+        """Join the weight-broadcast group as receiver ``rank`` (>= 1)."""
+        from megatron_quads.controller.sync_group import WeightSyncGroup
+
+        device = torch.device("cuda", torch.cuda.current_device()) if self.device.type == "cuda" else self.device
+        self.sync_group = WeightSyncGroup(address, port, rank, world, generation, device, self.cfg.rollout.timeout_s)
 
     def load_weights(self, buckets: list, version: int, calibration_prompts: list[list[int]]) -> tuple[int, dict]:
         """Fetch the buckets, check and swap in the weights; in quads mode re-choose the RAC channels.
@@ -184,7 +210,7 @@ class RolloutWorker:
         wake_s = _elapsed(start)
         start = time.perf_counter()
         received = [ray.get(b) if isinstance(b, ray.ObjectRef) else b for b in buckets]
-        weights, sent_version = from_buckets(received, device=self.device)
+        weights, sent_version = from_buckets(received, device=self.device, group=self.sync_group)
         if sent_version != version:
             raise ValueError(f"weight buckets have version {sent_version}, the controller expected {version}")
         receive_s = _elapsed(start)
