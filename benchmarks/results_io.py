@@ -3,17 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
+from megatron_quads.atomic_io import write_text_atomic
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same directory and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
-        tmp.write(text)
-    os.replace(tmp.name, path)
+__all__ = ["append_record", "write_text_atomic"]
 
 
 def append_record(json_path: Path, record: dict, markdown_path: Path | None = None, markdown: str = "") -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import ray
 
+from megatron_quads.atomic_io import save_figure_atomic
 from megatron_quads.controller.config import load_config
 from megatron_quads.controller.run import run
 
@@ -40,7 +41,7 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
     ax_reward.legend()
     ax_gap.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure_atomic(fig, path)
     plt.close(fig)
 
 

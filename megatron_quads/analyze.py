@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
-import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from megatron_quads.atomic_io import save_figure_atomic, write_text_atomic
 from megatron_quads.rollout.analysis import QuantAnalysis, default_pairs, run_pairs
 from megatron_quads.rollout.rac import ChannelStatistic
 
@@ -158,10 +157,8 @@ def plot(report: dict, path: Path) -> None:
     ax_ratio.set_title("QUADS gap vs RAC ratio")
     ax_ratio.legend()
     fig.tight_layout()
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=100)
+    save_figure_atomic(fig, path)
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def run(
@@ -193,10 +190,7 @@ def run(
             if r.label.startswith("aqat vs quads"):
                 r.label = f"{r.label} ({statistic.value})"
             report["pairs"][r.label] = asdict(r)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=out_dir, delete=False, suffix=".tmp") as tmp:
-        json.dump(report, tmp, indent=1)
-    os.replace(tmp.name, out_dir / "analysis.json")
+    write_text_atomic(out_dir / "analysis.json", json.dumps(report, indent=1))
     plot(report, out_dir / "analysis.png")
     return report
 

@@ -271,5 +271,5 @@ def test_collective_weight_broadcast_survives_an_engine_restart(tmp_path: Path) 
     assert [g.token_ids for g in after] == [g.token_ids for g in before]  # same weights, greedy
     rollouts.sync(trainers, 4, prompts)
     assert ray.get([w.ping.remote() for w in rollouts.workers]) == [4, 4]
-    for actor in [*trainers.actors, *rollouts.workers]:
-        ray.kill(actor, no_restart=True)
+    trainers.kill()
+    rollouts.kill()

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
+from megatron_quads.atomic_io import save_figure_atomic
 from megatron_quads.controller.config import RunConfig
 
 
@@ -57,8 +57,6 @@ def plot_run(metrics_path: Path, out_path: Path) -> Path:
     ax_gap.set_title("rollout vs trainer gap")
     ax_gap.legend()
     fig.tight_layout()
-    tmp = out_path.with_name(out_path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=100)
+    save_figure_atomic(fig, out_path)
     plt.close(fig)
-    os.replace(tmp, out_path)
     return out_path

@@ -14,6 +14,7 @@ import ray
 import torch
 from tqdm import tqdm
 
+from megatron_quads.atomic_io import write_atomic, write_text_atomic
 from megatron_quads.controller.config import RunConfig, check_runnable
 from megatron_quads.controller.placement import Placement, Slot
 from megatron_quads.controller.report import MetricsSink, plot_run
@@ -80,6 +81,11 @@ class Trainers:
         """Free rank 0's CUDA IPC buffers once every engine has copied them."""
         _trainer_get(self.actors[0].release_sync_buffers.remote())
 
+    def kill(self) -> None:
+        """End every rank's actor."""
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+
     def load(self, path: str, with_optimizer: bool) -> int:
         """Load a checkpoint on every rank."""
         return _trainer_get([a.load.remote(path, with_optimizer) for a in self.actors])[0]
@@ -107,6 +113,11 @@ class Rollouts:
         self.calibration: list[list[int]] = []
         self.restarts = 0
 
+    def kill(self) -> None:
+        """End every engine's actor."""
+        for worker in self.workers:
+            ray.kill(worker, no_restart=True)
+
     def sleep(self) -> int:
         """Colocated engines release their GPU memory for the trainer; returns bytes freed."""
         return sum(ray.get([w.sleep.remote() for w in self.workers], timeout=self.cfg.rollout.timeout_s))
@@ -126,14 +137,18 @@ class Rollouts:
         if collective and self.group_generation == 0:
             self._form_sync_group(trainers)
         buckets, stats = trainers.export_rollout_weights(version)
+        held_by_sender = self.cfg.weight_transport() != "object_store"
         try:
             loads = [w.load_weights.remote(buckets, version, calibration) for w in workers]
-            if collective:  # the sender's broadcast runs while the engines receive
+            if collective:  # the sender's broadcast runs while the engines receive, then frees its buffers
                 loads.append(trainers.actors[0].broadcast_sync_buffers.remote())
             loaded = ray.get(loads, timeout=self.cfg.rollout.timeout_s)
-        finally:
-            if self.cfg.weight_transport() != "object_store":
+        except BaseException:
+            if held_by_sender:
                 trainers.release_sync_buffers()
+            raise
+        if held_by_sender and not collective:  # CUDA IPC: every engine has copied
+            trainers.release_sync_buffers()
         return loaded[: len(workers)], stats
 
     def sync(self, trainers: Trainers, version: int, calibration: list[list[int]]) -> dict[str, float]:
@@ -209,20 +224,14 @@ def decode_response(tok, ids: list[int]) -> str:
     return "".join(pieces)
 
 
-def _write_json_atomic(path: Path, obj: object) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
-
-
 def save_checkpoint(cfg: RunConfig, trainers: Trainers, step: int, stream) -> Path:
     """Trainer state + controller state, made visible by writing the manifest last; keeps the last K."""
     root = Path(cfg.run_dir) / "checkpoints" / f"step_{step}"
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     trainers.save(str(root / "trainer"))
-    _write_json_atomic(root / "controller.json", {"step": step, "stream": stream.state_dict()})
-    _write_json_atomic(root / "manifest.json", {"step": step, "complete": True})
+    write_text_atomic(root / "controller.json", json.dumps({"step": step, "stream": stream.state_dict()}, indent=1))
+    write_text_atomic(root / "manifest.json", json.dumps({"step": step, "complete": True}, indent=1))
     for old in checkpoint_dirs(cfg.run_dir)[: -cfg.checkpoint.keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return root
@@ -274,8 +283,8 @@ def run(cfg: RunConfig) -> Path:
         raise TrainerFailure(f"{err}\n{_resume_hint(cfg)}") from err.__cause__
     finally:
         for group in (trainers, rollouts):
-            for actor in getattr(group, "actors", None) or getattr(group, "workers", None) or []:
-                ray.kill(actor, no_restart=True)
+            if group is not None:
+                group.kill()
         placement.remove()
 
 
@@ -283,9 +292,7 @@ def save_config(cfg: RunConfig, path: Path) -> None:
     """The resolved config as YAML (what the resume command reads), written atomically."""
     from omegaconf import OmegaConf
 
-    tmp = path.with_name(path.name + ".tmp")
-    OmegaConf.save(OmegaConf.create(cfg.model_dump(mode="json")), tmp)
-    os.replace(tmp, path)
+    write_atomic(path, lambda tmp: OmegaConf.save(OmegaConf.create(cfg.model_dump(mode="json")), tmp))
 
 
 def task_and_tokenizer(cfg: RunConfig):

@@ -111,9 +111,9 @@ class TrainerWorker:
         """Weights for the rollout engines, quantized once, as (bounded buckets, {bytes, export_s})
         on rank 0 (None on the others); export_s covers the gathers, quantization and packing.
 
-        With the ``object_store`` transport the buckets are Ray object refs; with ``cuda_ipc`` they
-        are bucket objects holding IPC handles of GPU buffers this rank keeps until
-        :meth:`release_sync_buffers`.
+        With the ``object_store`` transport the buckets are Ray object refs; with ``cuda_ipc`` or
+        ``collective`` they are bucket objects (IPC handles, or buffer sizes for the broadcast) whose
+        buffers this rank keeps until :meth:`release_sync_buffers` / :meth:`broadcast_sync_buffers`.
         """
         import ray
 
@@ -138,13 +138,11 @@ class TrainerWorker:
                                           weight_version=version, unquantized_dtype=dtype)
         bucket_bytes = int(self.cfg.rollout.sync_bucket_mb * 2**20)
         transport = self.cfg.weight_transport()
-        if transport in ("cuda_ipc", "collective"):  # buckets carry handles / sizes; this rank keeps the buffers
-            self._sync_buffers = BufferKeeper()
-            buckets = to_buckets(weights, version, bucket_bytes, transport, self._sync_buffers)
-            return buckets, {"bytes": buckets_bytes(buckets), "export_s": _elapsed(start)}
-        buckets = to_buckets(weights, version, bucket_bytes)
-        refs = [ray.put(bucket) for bucket in buckets]
-        return refs, {"bytes": buckets_bytes(buckets), "export_s": _elapsed(start)}
+        # CUDA IPC handles / collective sizes travel in the buckets; this rank keeps the buffers meanwhile
+        self._sync_buffers = None if transport == "object_store" else BufferKeeper()
+        buckets = to_buckets(weights, version, bucket_bytes, transport, self._sync_buffers)
+        sent = [ray.put(bucket) for bucket in buckets] if transport == "object_store" else buckets
+        return sent, {"bytes": buckets_bytes(buckets), "export_s": _elapsed(start)}
 
     def release_sync_buffers(self) -> int:
         """Free the buffers behind the last CUDA IPC / collective export (every engine has them)."""
