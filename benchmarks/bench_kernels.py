@@ -41,12 +41,18 @@ DEV = "cuda"
 EAGER_TIMED: set[str] = set()
 
 
-def time_graph(fn: Callable[[], object], calls: int = 20, repeats: int = 10) -> float:
-    """Median microseconds per call, replaying a CUDA graph of ``calls`` calls (events if capture fails)."""
+def time_graph(fn: Callable[[], object], calls: int = 20, repeats: int = 10, eager_reason: str | None = None) -> float:
+    """Median microseconds per call, replaying a CUDA graph of ``calls`` calls (events if capture fails).
+
+    ``eager_reason`` skips the capture for work that cannot be captured (a host sync): a failed
+    capture can leave the CUDA RNG unusable for the rest of the process.
+    """
     for _ in range(3):
         fn()  # warm-up: Triton autotuning and compilation happen outside the capture
     torch.cuda.synchronize()
     try:
+        if eager_reason is not None:
+            raise RuntimeError(eager_reason)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -114,8 +120,31 @@ def bench_quantize(bandwidth: float, size: int) -> list[dict]:
 
     with reference_path():
         rows.append(row("fake quant 1x16, torch reference", time_graph(lambda: fake_quant_values(x, amax), calls=2), n * 4, 0, bandwidth))
-        rows.append(row("quantize 1x16, torch reference (validated)", time_graph(lambda: quantize(x, global_amax=amax), calls=2),
+        rows.append(row("quantize 1x16, torch reference (validated)", time_graph(lambda: quantize(x, global_amax=amax), calls=2,
+                                                                                 eager_reason="validation syncs with the host"),
                         q_bytes, 0, bandwidth))
+    return rows
+
+
+def bench_quantize_tiles(bandwidth: float, size: int) -> list[dict]:
+    """Quantize / fake quant of a size x size bf16 tensor with each tile config (the default's evidence)."""
+    import megatron_quads.nvfp4.kernels.quantize as kq
+
+    x = torch.randn(size, size, device=DEV, dtype=torch.bfloat16)
+    amax = x.abs().amax().float()
+    n = x.numel()
+    q_bytes = n * 2 + n // 2 + n // 16
+    default = kq._tile_config
+    rows = []
+    try:
+        for config in [(1, 128, 4), (2, 64, 4), (4, 16, 4), (8, 16, 4), (16, 8, 4), (16, 16, 4), (32, 16, 4), (16, 32, 8), (64, 16, 8)]:
+            kq._tile_config = lambda rows, block_2d, blocks, config=config: config
+            tq = time_graph(lambda: kq.quantize_kernel(x, amax, validate=False), calls=5)
+            tf = time_graph(lambda: kq.fake_quant_kernel(x, amax), calls=5)
+            rows.append(row(f"quantize 1x16 tile {config[0]}x{config[1] * 16} ({config[2]} warps)", tq, q_bytes, 0, bandwidth,
+                            fake_quant_us=round(tf, 2), fake_quant_frac=round(n * 4 / bandwidth / (tf * 1e-6), 3)))
+    finally:
+        kq._tile_config = default
     return rows
 
 
@@ -221,11 +250,13 @@ def main() -> None:
     """All cases, one record."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
-    parser.add_argument("--only", nargs="*", default=["quantize", "w4a16", "grouped", "rac"])
+    parser.add_argument("--only", nargs="*", default=["quantize", "w4a16", "grouped", "rac"],
+                        help="sections; quantize_tiles (each quantize tile config) is extra")
     args = parser.parse_args()
     torch.manual_seed(0)
     bandwidth = copy_bandwidth()
-    sections = {"quantize": lambda: bench_quantize(bandwidth, 8192), "w4a16": lambda: bench_w4a16(bandwidth, args.quick),
+    sections = {"quantize": lambda: bench_quantize(bandwidth, 8192), "quantize_tiles": lambda: bench_quantize_tiles(bandwidth, 8192),
+                "w4a16": lambda: bench_w4a16(bandwidth, args.quick),
                 "grouped": lambda: bench_grouped(bandwidth, args.quick), "rac": lambda: bench_rac(bandwidth, args.quick)}
     results = {}
     for name in args.only:
@@ -235,7 +266,7 @@ def main() -> None:
     record = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(), "command": "python benchmarks/bench_kernels.py"
-        + (" --quick" if args.quick else "") + (f" --only {' '.join(args.only)}" if len(args.only) < 4 else ""),
+        + (" --quick" if args.quick else "") + (f" --only {' '.join(args.only)}" if args.only != parser.get_default("only") else ""),
         "copy_GBps": round(bandwidth / 1e9, 1), "results": results, "eager_timed": sorted(EAGER_TIMED),
     }
     lines = [f"# NVFP4 kernels on {record['device']} ({record['date']})", "", f"Command: `{record['command']}`", "",

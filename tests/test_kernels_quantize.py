@@ -6,6 +6,7 @@ reference always runs on CPU (the TE-exact path). Under ``TRITON_INTERPRET=1`` t
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -89,10 +90,16 @@ def _cpu_amax(amax: object) -> object:
     return amax.cpu() if isinstance(amax, torch.Tensor) else amax
 
 
-def _check_quantize(x: torch.Tensor, amax: object = None, block_2d: bool = False) -> NVFP4Tensor:
+def _poisoned_codes(shape: tuple[int, ...], device: torch.device, offset: int = 0) -> torch.Tensor:
+    """0xFF-filled uint8 codes; ``offset`` bytes into a larger buffer (the kernels store 8-byte words)."""
+    n = math.prod(shape)
+    return torch.full((n + offset,), 0xFF, dtype=torch.uint8, device=device)[offset:].view(shape)
+
+
+def _check_quantize(x: torch.Tensor, amax: object = None, block_2d: bool = False, codes_offset: int = 0) -> NVFP4Tensor:
     """quantize_kernel into 0xFF-poisoned buffers equals the CPU reference, field for field."""
     lead, k = tuple(x.shape[:-1]), x.shape[-1]
-    codes = torch.full(lead + (k // 2,), 0xFF, dtype=torch.uint8, device=x.device)
+    codes = _poisoned_codes(lead + (k // 2,), x.device, codes_offset)
     scales = torch.full(lead + (k // 16,), 0xFF, dtype=torch.uint8, device=x.device)
     got = quantize_kernel(x, global_amax=amax, block_2d=block_2d, out=(codes, scales))
     assert got.codes.data_ptr() == codes.data_ptr() and got.scales.data_ptr() == scales.data_ptr()
@@ -112,10 +119,10 @@ def _check_fake_quant(x: torch.Tensor, amax: torch.Tensor, out: torch.Tensor | N
     assert _same_bits(got, ref), f"{n} bytes differ"
 
 
-def _check_row_amax(x: torch.Tensor) -> None:
+def _check_row_amax(x: torch.Tensor, codes_offset: int = 0) -> None:
     lead, k = tuple(x.shape[:-1]), x.shape[-1]
     out = (
-        torch.full(lead + (k // 2,), 0xFF, dtype=torch.uint8, device=x.device),
+        _poisoned_codes(lead + (k // 2,), x.device, codes_offset),
         torch.full(lead + (k // 16,), 0xFF, dtype=torch.uint8, device=x.device),
         torch.full(lead, float("nan"), device=x.device),
         torch.full(lead, float("nan"), device=x.device),
@@ -329,6 +336,19 @@ def test_odd_storage_offsets_and_strided_inputs(dtype: torch.dtype, kernel_devic
     _check_quantize(xt, block_2d=True)
 
 
+@pytest.mark.parametrize("codes_offset", [1, 4])
+def test_code_buffers_not_8_byte_aligned(codes_offset: int, kernel_device: str) -> None:
+    """``out`` codes inside a larger buffer: the kernels store 8-byte words, so a misaligned buffer is
+    written through an aligned one, with the same bytes and nothing outside it touched."""
+    m, k = (64, 256) if _big(kernel_device) else (6, 64)
+    x = _randn((m, k), 1.0, torch.bfloat16, kernel_device)
+    _check_quantize(x, codes_offset=codes_offset)
+    _check_row_amax(x, codes_offset=codes_offset)
+    lead = torch.full((m * k // 2 + codes_offset,), 0xFF, dtype=torch.uint8, device=kernel_device)
+    quantize_kernel(x, out=(lead[codes_offset:].view(m, k // 2), torch.empty(m, k // 16, dtype=torch.uint8, device=kernel_device)))
+    assert bool((lead[:codes_offset] == 0xFF).all())
+
+
 def test_quantize_empty_and_errors(kernel_device: str) -> None:
     _check_quantize(torch.zeros(0, 32, device=kernel_device))
     _check_quantize(torch.zeros(2, 0, 32, device=kernel_device), block_2d=True)
@@ -434,7 +454,7 @@ def test_row_amax_quantize(dtype: torch.dtype, kernel_device: str) -> None:
 @pytest.mark.parametrize("config", kq._TILE_CONFIGS, ids=str)
 def test_every_tile_config(config: tuple[int, int, int], kernel_device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each autotune candidate (a different tiling and thread layout) is exact, 2D scaling included."""
-    monkeypatch.setattr(kq, "_tile_config", lambda rows, block_2d: config)
+    monkeypatch.setattr(kq, "_tile_config", lambda rows, block_2d, blocks: config)
     m, k = (200, 2064) if _big(kernel_device) else (37, 2064)  # partial tiles in both directions
     x = _randn((m, k), 1.0, torch.bfloat16, kernel_device)
     x[3, 100] = 300.0

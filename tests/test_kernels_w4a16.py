@@ -57,14 +57,14 @@ if ON_CUDA:
 else:
     DENSE_CONFIGS = [
         None,  # the autotuned path (a single small config under the interpreter)
-        {"BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 1},
-        {"BLOCK_N": 16, "BLOCK_K": 16, "SPLIT_K": 3},
-        {"BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 2},
+        {"BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 1},
+        {"BLOCK_N": 16, "BLOCK_K": 64, "SPLIT_K": 3},
+        {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2},
     ]
     GROUPED_CONFIGS = [
         None,
-        {"BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_M": 16},
-        {"BLOCK_N": 32, "BLOCK_K": 64, "BLOCK_M": 32},
+        {"BLOCK_N": 16, "BLOCK_K": 64, "BLOCK_M": 16},
+        {"BLOCK_N": 32, "BLOCK_K": 128, "BLOCK_M": 32},
     ]
 
 
@@ -316,6 +316,10 @@ def test_dense_rejects_fp32_and_handles_empty(kernel_device: str) -> None:
         w4a16.w4a16_linear_kernel(torch.randn(3, 32, device=kernel_device).bfloat16(), weight)
     y = w4a16.w4a16_linear_kernel(torch.randn(0, 48, device=kernel_device).bfloat16(), weight)
     assert y.shape == (0, 40)
+    x = torch.randn(3, 48, device=kernel_device).bfloat16()
+    with pytest.raises(ValueError, match="BLOCK_K must be a multiple of 64"):
+        w4a16.w4a16_linear_into(x, weight, torch.empty(3, 40, device=kernel_device, dtype=torch.bfloat16),
+                                {"BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 1})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -419,6 +423,9 @@ def test_grouped_validation_and_empty(kernel_device: str) -> None:
         w4a16.grouped_w4a16_kernel(x.bfloat16(), _gaussian_weight((40, 48), kernel_device), offsets)
     empty = torch.zeros(4, dtype=torch.int32, device=kernel_device)
     assert w4a16.grouped_w4a16_kernel(x[:0].bfloat16(), weight, empty).shape == (0, 40)
+    with pytest.raises(ValueError, match="BLOCK_K must be a multiple of 64"):
+        w4a16.grouped_w4a16_into(x.bfloat16(), weight, offsets, torch.empty(3, 40, device=kernel_device, dtype=torch.bfloat16),
+                                 {"BLOCK_N": 32, "BLOCK_K": 96})
 
 
 @pytest.mark.gpu

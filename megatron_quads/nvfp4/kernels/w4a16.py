@@ -1,16 +1,17 @@
-"""Triton W4A16 NVFP4 linears (dense and grouped MoE): bf16/fp16 activations times NVFP4 weights.
+"""Triton W4A16 NVFP4 linears (dense and grouped MoE): bf16 activations times NVFP4 weights.
 
-The weight operand ``e2m1(code) * e4m3(block scale)`` is exact in bf16 and fp16 (at most 6
-significant bits, magnitudes in ``[2^-10, 2688]``), so the kernels dequantize it in registers into
-``x.dtype``, run ``tl.dot`` with fp32 accumulation and multiply the accumulator by the per-tensor (or
-per-expert) ``weight_scale_2`` in the epilogue. Results equal the PyTorch references
+The weight operand ``e2m1(code) * e4m3(block scale)`` is exact in bf16 (at most 6 significant bits,
+magnitudes in ``[2^-10, 2688]``), so the kernels dequantize it in registers (two weights per 32-bit
+operation, :data:`_DEQUANT_WORD_PTX`), run ``tl.dot`` with fp32 accumulation and multiply the
+accumulator by the per-tensor (or per-expert) ``weight_scale_2`` in the epilogue. Results equal the PyTorch references
 (:func:`megatron_quads.rollout.w4a4.w4a16_linear`, :func:`megatron_quads.rollout.grouped.grouped_w4a16_linear`)
 up to fp32 summation order.
 
 Layout (decode-shaped, weight-byte bound): swap-AB, so a program computes a ``y^T`` tile
 ``W[BLOCK_N, K] @ x[BLOCK_M, K]^T`` with the large N on the MMA's M side and the few tokens on its
-N side. Codes are loaded as int32 words and the K order inside a tile is permuted (x with it) so
-that each thread's MMA operand comes from contiguous bytes (:func:`mma_k_order`). The dense kernel splits K over ``SPLIT_K`` programs per output tile; each writes an fp32
+N side. Codes are loaded as int32 words and the K order inside a tile is permuted (x with it, in
+registers) so that each MMA operand register comes from one word (:func:`dequant_mma_tile`). The
+dense kernel splits K over ``SPLIT_K`` programs per output tile; each writes an fp32
 partial tile and bumps a per-tile arrival counter, and the last one to arrive sums the partials in
 split order (deterministic), applies the epilogue and resets the counter to 0 for the next launch
 (one launch, no memset). The grouped kernel runs one program per (N tile, expert) that walks the
@@ -30,10 +31,10 @@ import triton.language as tl
 from megatron_quads.nvfp4.tensor import NVFP4Tensor
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRET = tl.constexpr(_INTERPRET)
 _KERNEL_DTYPES = (torch.bfloat16,)
-"""fp16 is written (``operand_log2_scale``) but off: on the H200 (2026-11-29) 9 fp16 cases of the
-fp32-accumulation-error tests failed (raw weights with every scale byte); bf16 passed. Until that is
-understood, fp16 activations take the reference path."""
+"""bf16 only: the dequantization builds bf16x2 operands. fp16 activations take the reference path (an
+earlier fp32-path kernel's fp16 variant failed 9 accumulation-error cases on the H200, 2026-11-29)."""
 _SPLIT_WINDOW = (0.9, 6.0)
 """Split-K aims for between 0.9x and 6x as many programs as the GPU has SMs."""
 _MAX_SPLIT_M = 64
@@ -58,83 +59,148 @@ def e4m3_bytes_to_f32(scale_bytes, LOG2_FACTOR: tl.constexpr):
     return bits.to(tl.float16, bitcast=True).to(tl.float32) * (2.0 ** (LOG2_FACTOR + 8))
 
 
-@triton.constexpr_function
-def operand_log2_scale(dtype: tl.dtype) -> int:
-    """``log2`` of the factor :func:`dequant_tile` leaves on its operand (the epilogue undoes it)."""
-    return -8 if dtype == tl.bfloat16 else 0
+OPERAND_LOG2_SCALE = tl.constexpr(-8)
+"""``log2`` of the factor :func:`dequant_mma_tile` leaves on its operand (the epilogue undoes it)."""
+
+# Per word of 8 codes and a bf16x2 pair (s, s) with s = block scale * 2^118: four bf16x2 results.
+# Pair q holds nibbles q (low half) and q + 4 (high half), 16 bits apart in the word. One and
+# isolates the two nibbles, one integer multiply by 2^a + 2^(a+6) makes two shifted copies that do
+# not overlap (so no carries): the first puts e1 e0 m on bf16 bits 8..6, the second the sign on bit
+# 15 (and 31 for the high half), and one and keeps exactly those bits. That is the bf16 code * 2^-126
+# (exponent field e, mantissa m; code 1 is a subnormal, which the bf16x2 multiply keeps). One
+# mul.rn.bf16x2 by the scale pair gives code * scale * 2^-8 exactly (at most 6 significant bits,
+# normal range), signed zeros included. 4 instructions per 2 weights, plus one shift per word.
+_DEQUANT_WORD_PTX = tl.constexpr("""
+{
+.reg .b32 a, b, r;
+and.b32 a, $8, 0x000F000F;
+mul.lo.u32 a, a, 4160;
+and.b32 a, a, 0x81C081C0;
+mul.rn.bf16x2 r, a, $9;
+mov.b32 {$0, $1}, r;
+and.b32 a, $8, 0x00F000F0;
+mul.lo.u32 a, a, 260;
+and.b32 a, a, 0x81C081C0;
+mul.rn.bf16x2 r, a, $9;
+mov.b32 {$2, $3}, r;
+shr.u32 b, $8, 8;
+and.b32 a, b, 0x000F000F;
+mul.lo.u32 a, a, 4160;
+and.b32 a, a, 0x81C081C0;
+mul.rn.bf16x2 r, a, $9;
+mov.b32 {$4, $5}, r;
+and.b32 a, b, 0x00F000F0;
+mul.lo.u32 a, a, 260;
+and.b32 a, a, 0x81C081C0;
+mul.rn.bf16x2 r, a, $9;
+mov.b32 {$6, $7}, r;
+}
+""")
+
+# Four E4M3 scale bytes (one register) to four bf16x2 pairs (s, s), s = scale * 2^118. Two bytes at a
+# time go to the low byte of each half; (magnitude << 4) | (sign << 8) is the bf16 scale * 2^-120
+# (E4M3 subnormals land on bf16 subnormals, exactly), and two exact multiplies by 2^119 (bf16
+# 0x7B00) give scale * 2^118 (at most 448 * 2^118 < 2^127). prmt then copies each half to both.
+_SCALE_HALF_PTX = """
+prmt.b32 v, $4, 0, {select};
+shl.b32 t, v, 4;
+and.b32 t, t, 0x07F007F0;
+shl.b32 u, v, 8;
+lop3.b32 t, u, 0x80008000, t, 0xEA;
+mul.rn.bf16x2 t, t, c;
+mul.rn.bf16x2 t, t, c;
+prmt.b32 ${lo}, t, 0, 0x1010;
+prmt.b32 ${hi}, t, 0, 0x3232;
+"""
+_SCALE_PAIRS_PTX = tl.constexpr(
+    "{\n.reg .b32 v, t, u, c;\nmov.b32 c, 0x7B007B00;"
+    + _SCALE_HALF_PTX.format(select="0x4140", lo=0, hi=1)  # bytes 0, 1
+    + _SCALE_HALF_PTX.format(select="0x4342", lo=2, hi=3)  # bytes 2, 3
+    + "}\n"
+)
 
 
 @triton.jit
-def _nibble_values(words, scale, Q: tl.constexpr, DTYPE: tl.constexpr):
-    """Nibble ``Q`` of every word times its block scale, as the operand (see :func:`dequant_tile`)."""
-    if Q == 7:
-        top = words
+def _scale_pairs(scale_bytes):
+    """Block-scale bytes to int32 words holding the bf16 ``scale * 2^118`` in both halves (exact)."""
+    if INTERPRET:
+        half = e4m3_bytes_to_f32(scale_bytes, 118).to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32)
+        pair = ((half << 16) | half).to(tl.int32, bitcast=True)
     else:
-        top = words << (28 - 4 * Q)  # the nibble's sign on bit 31, its e1 e0 m on bits 30..28
-    bits = (top >> 6) & -0x7E400000  # arithmetic shift; mask 0x81C00000: sign, bits 24..22
-    v = bits.to(tl.float32, bitcast=True) * scale
-    if operand_log2_scale(DTYPE) == 0:
-        v = v * 256.0  # exact: value * scale
-    return v.to(DTYPE)
+        pair = tl.inline_asm_elementwise(
+            _SCALE_PAIRS_PTX, "=r,=r,=r,=r,r", [scale_bytes], dtype=tl.int32, is_pure=True, pack=4
+        )
+    return pair
 
 
 @triton.jit
-def dequant_tile(words, scale_bytes, DTYPE: tl.constexpr):
-    """Packed codes as int32 words (``[BN, BK/8]``, 8 codes each) and scale bytes (uint8
-    ``[BN, BK/16]``) to the exact operand ``e2m1 * e4m3 * 2^operand_log2_scale(DTYPE)``, ``[BN, BK]``
-    in ``DTYPE`` and in storage order (element ``2i`` is the low nibble of byte ``i``).
+def _code_value(words, pairs, NIBBLE: tl.constexpr):
+    """Interpreter stand-in for one output of :data:`_DEQUANT_WORD_PTX` (same values, fp32 math)."""
+    code = (words >> (4 * NIBBLE)) & 0xF
+    bits = ((code & 0x8) << 28) | ((code & 0x7) << 22)  # fp32 code * 2^-126
+    scale = (pairs & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True).to(tl.float32)
+    return (bits.to(tl.float32, bitcast=True) * scale).to(tl.bfloat16)
 
-    Per element: one shift left puts the nibble's sign on bit 31 and its ``e1 e0 m`` bits below it;
-    an arithmetic shift right by 6 and a mask leave the sign, exponent bits 24..23 and mantissa bit
-    22: the fp32 ``code value * 2^-126`` (code 1 is an fp32 subnormal, so the multiply must not
-    flush denormals; Triton's plain fp32 multiply does not). One fp32 multiply by the block scale
-    (``scale * 2^118``, below FLT_MAX) gives ``value * scale * 2^-8``, exact in bf16 (the epilogue
-    multiplies by 2^8); fp16's normal range is too narrow for the 2^-8, so it takes a second
-    multiply by 2^8. The casts are exact. Swap this function for an inline-PTX one.
+
+@triton.jit
+def _dequant_words(words, pairs):
+    """The 8 codes of every word times its block scale: ``(q, h) -> nibble q + 4h`` as 8 bf16 tensors."""
+    if INTERPRET:
+        out = (
+            _code_value(words, pairs, 0), _code_value(words, pairs, 4),
+            _code_value(words, pairs, 1), _code_value(words, pairs, 5),
+            _code_value(words, pairs, 2), _code_value(words, pairs, 6),
+            _code_value(words, pairs, 3), _code_value(words, pairs, 7),
+        )
+    else:
+        out = tl.inline_asm_elementwise(
+            _DEQUANT_WORD_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, pairs],
+            dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1,
+        )
+    return out
+
+
+@triton.jit
+def dequant_mma_tile(words, scale_bytes):
+    """Packed codes as int32 words (``[BN, BK/8]``) and scale bytes (uint8 ``[BN, BK/16]``) to the
+    operand ``e2m1 * e4m3 * 2^OPERAND_LOG2_SCALE`` (exact in bf16), ``[BN, BK]`` in MMA K order.
+
+    MMA K order (x is put in it by :func:`mma_k_order_x`): an MMA A-operand thread ``t`` (lane % 4)
+    holds the pairs ``8 q0 + 2t + (0, 1)`` of each 16-wide K slice. Here thread ``t`` takes the
+    ``I = BK/32`` consecutive words ``I t .. I t + I - 1`` of a row (one vector load), and word ``i``'s
+    pair ``q = 2 q1 + q0`` (nibbles ``q`` and ``q + 4``) becomes logical column
+    ``32 i + 16 q1 + 8 q0 + 2 t + h``: every operand register comes from one word, no data moves
+    between threads.
     """
     BN: tl.constexpr = words.shape[0]
     NW: tl.constexpr = words.shape[1]
-    scale = e4m3_bytes_to_f32(scale_bytes, 118)  # 448 * 2^118 < 2^128
-    scale = tl.reshape(tl.broadcast_to(tl.expand_dims(scale, 2), (BN, NW // 2, 2)), (BN, NW))  # per word
-    # nested joins give [BN, NW, q2, q1, q0] with nibble q = 4 q2 + 2 q1 + q0 (q = 2 * byte + nibble)
-    even = tl.join(
-        tl.join(_nibble_values(words, scale, 0, DTYPE), _nibble_values(words, scale, 4, DTYPE)),
-        tl.join(_nibble_values(words, scale, 2, DTYPE), _nibble_values(words, scale, 6, DTYPE)),
+    I: tl.constexpr = NW // 4
+    tl.static_assert(I % 2 == 0, "dequant_mma_tile needs BLOCK_K to be a multiple of 64")
+    pairs = _scale_pairs(tl.reshape(scale_bytes, (BN, 4, I // 2)))
+    pairs = tl.reshape(tl.broadcast_to(tl.expand_dims(pairs, 3), (BN, 4, I // 2, 2)), (BN, 4, I))
+    o = _dequant_words(tl.reshape(words, (BN, 4, I)), pairs)
+    # dims after the joins: (BN, t, i, h, q0, q1)
+    v = tl.join(
+        tl.join(tl.join(o[0], o[1]), tl.join(o[2], o[3])),
+        tl.join(tl.join(o[4], o[5]), tl.join(o[6], o[7])),
     )
-    odd = tl.join(
-        tl.join(_nibble_values(words, scale, 1, DTYPE), _nibble_values(words, scale, 5, DTYPE)),
-        tl.join(_nibble_values(words, scale, 3, DTYPE), _nibble_values(words, scale, 7, DTYPE)),
-    )
-    return tl.reshape(tl.join(even, odd), (BN, NW * 8))
+    v = tl.permute(v, (0, 2, 5, 4, 1, 3))  # (BN, i, q1, q0, t, h)
+    return tl.reshape(v, (BN, NW * 8))
 
 
 @triton.jit
-def mma_k_order(w):
-    """Reorder the K columns of a dequantized ``[BN, BK]`` tile so that MMA operand registers map
-    to contiguous weight bytes (x is loaded with :func:`mma_k_offsets`, the same permutation).
+def mma_k_order_x(xt):
+    """Rows of a naturally ordered ``x^T`` tile ``[BK, BM]`` into the K order of :func:`dequant_mma_tile`.
 
-    An MMA A-operand thread holds the element pairs ``2t, 2t+1`` and ``2t+8, 2t+9`` of every 16-wide
-    K slice (``t`` = lane % 4), i.e. bytes ``t`` and ``t + 4`` of each 8-byte group: in the natural
-    order its bytes are 4 apart and the tile is read from shared memory one byte at a time. Logical
-    byte ``8j + 4h + t`` is physical byte ``t * BK/8 + 2j + h`` here, so each thread's bytes of a row
-    are one contiguous run of ``BK/8``.
+    x is loaded contiguously (16-byte async copies into shared memory) and reordered in registers:
+    physical row ``8 (I t + i) + 4 h + 2 q1 + q0`` becomes logical row ``32 i + 16 q1 + 8 q0 + 2 t + h``.
     """
-    BN: tl.constexpr = w.shape[0]
-    BK: tl.constexpr = w.shape[1]
-    w = tl.reshape(w, (BN, 4, BK // 16, 2, 2))  # physical byte t * BK/8 + 2j + h, nibble e
-    w = tl.permute(w, (0, 2, 3, 1, 4))  # (j, h, t, e)
-    return tl.reshape(w, (BN, BK))
-
-
-@triton.jit
-def mma_k_offsets(BLOCK_K: tl.constexpr):
-    """Physical K offset of each logical column of :func:`mma_k_order`."""
-    c = tl.arange(0, BLOCK_K)
-    byte = c // 2
-    t = byte % 4
-    h = (byte // 4) % 2
-    j = byte // 8
-    return 2 * (t * (BLOCK_K // 8) + 2 * j + h) + c % 2
+    BK: tl.constexpr = xt.shape[0]
+    BM: tl.constexpr = xt.shape[1]
+    I: tl.constexpr = BK // 32
+    xt = tl.reshape(xt, (4, I, 2, 2, 2, BM))  # (t, i, h, q1, q0, m)
+    xt = tl.permute(xt, (1, 3, 4, 0, 2, 5))  # (i, q1, q0, t, h, m)
+    return tl.reshape(xt, (BK, BM))
 
 
 @triton.jit
@@ -147,8 +213,7 @@ def _accumulate(acc, x_rows, x_live, w_rows, s_rows, stride_xk, kt_lo, kt_hi, K,
     ``x_live [1, BM]`` load zeros without touching memory (one token must not cost 16 rows of
     traffic); out-of-range K is masked to 0 on both operands.
     """
-    dtype: tl.constexpr = x_rows.dtype.element_ty
-    offs_k = mma_k_offsets(BLOCK_K)
+    offs_k = tl.arange(0, BLOCK_K)
     offs_w = tl.arange(0, BLOCK_K // 8)
     offs_s = tl.arange(0, BLOCK_K // 16)
     for kt in range(kt_lo, kt_hi):
@@ -164,7 +229,8 @@ def _accumulate(acc, x_rows, x_live, w_rows, s_rows, stride_xk, kt_lo, kt_hi, K,
             xt = tl.load(x_ptrs, mask=x_live & ((k0 + offs_k)[:, None] < K), other=0.0)
             packed = tl.load(w_ptrs, mask=(k0 // 8 + offs_w)[None, :] < K // 8, other=0)
             sb = tl.load(s_ptrs, mask=(k0 // 16 + offs_s)[None, :] < K // 16, other=0)
-        w = mma_k_order(dequant_tile(packed, sb, dtype))
+        w = dequant_mma_tile(packed, sb)
+        xt = mma_k_order_x(xt)
         if DOT_F32:  # the interpreter's bf16 tl.dot multiplies raw bit patterns; fp32 is exact here
             acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
         else:
@@ -191,7 +257,7 @@ def round_f32_to(v, DTYPE: tl.constexpr):
 def _store_output(acc, ws2_ptr, y_ptr, offs_n, offs_m, N, m_end, stride_yn, stride_ym):
     """Epilogue: ``y[m, n] = cast(acc[n, m] * weight_scale_2)`` for ``n < N`` and ``m < m_end``."""
     DTYPE: tl.constexpr = y_ptr.dtype.element_ty
-    decode = tl.load(ws2_ptr) * (2.0 ** -operand_log2_scale(DTYPE))  # exact power-of-two rescale
+    decode = tl.load(ws2_ptr) * (2.0 ** -OPERAND_LOG2_SCALE)  # exact power-of-two rescale
     y = round_f32_to(acc * decode, DTYPE)
     ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None] * stride_yn
     tl.store(ptrs, y, mask=(offs_n[:, None] < N) & (offs_m[None, :] < m_end))
@@ -291,14 +357,14 @@ def _config(block_n: int, block_k: int, split_k: int | None, num_warps: int, num
 
 def _dense_configs(splits: tuple[int, ...]) -> list[triton.Config]:
     if _INTERPRET:
-        return [_config(32, 32, max(splits[:2]), 4, 1)]
-    tiles = ((64, 128, 4), (128, 128, 4), (128, 128, 8), (128, 256, 8), (256, 128, 8))
+        return [_config(32, 64, max(splits[:2]), 4, 1)]
+    tiles = ((64, 128, 4), (64, 256, 4), (128, 128, 4), (128, 128, 8), (128, 256, 8), (256, 128, 8))
     return [_config(bn, bk, s, w, 4) for bn, bk, w in tiles for s in splits]
 
 
 def _grouped_configs() -> list[triton.Config]:
     if _INTERPRET:
-        return [_config(32, 32, None, 4, 1)]
+        return [_config(32, 64, None, 4, 1)]
     tiles = ((64, 128, 4, 4), (128, 128, 4, 4), (128, 128, 8, 4), (128, 256, 8, 3), (256, 64, 8, 4))
     return [_config(bn, bk, None, w, st) for bn, bk, w, st in tiles]
 
@@ -391,6 +457,11 @@ def _code_words(codes: torch.Tensor) -> torch.Tensor:
     return codes.view(torch.int32)
 
 
+def _check_config(config: dict[str, int] | None) -> None:
+    if config is not None and (config["BLOCK_K"] < 64 or config["BLOCK_K"] % 64):
+        raise ValueError(f"BLOCK_K must be a multiple of 64 (each thread dequantizes pairs of 32-code runs), got {config['BLOCK_K']}")
+
+
 def _check_out(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
     if tuple(out.shape) != shape or out.dtype != dtype or out.device != device:
         raise ValueError(f"out must be a {dtype} tensor of shape {shape} on {device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
@@ -464,6 +535,7 @@ def w4a16_linear_into(
     n, k = weight.shape
     _check_weight_parts(x, weight, k)
     _check_out(out, (*x.shape[:-1], n), x.dtype, x.device)
+    _check_config(config)
     if out.numel() == 0:
         return out
     x2 = _rows_contiguous(x.reshape(-1, k))
@@ -473,7 +545,7 @@ def w4a16_linear_into(
 
 
 def w4a16_linear_kernel(x: torch.Tensor, weight: NVFP4Tensor) -> torch.Tensor:
-    """``y = x @ dq(W).T`` for bf16/fp16 ``x [..., K]`` and an NVFP4 ``[N, K]`` weight: ``[..., N]``.
+    """``y = x @ dq(W).T`` for bf16 ``x [..., K]`` and an NVFP4 ``[N, K]`` weight: ``[..., N]``.
 
     Matches :func:`megatron_quads.rollout.w4a4.w4a16_linear` up to fp32 summation order. Raises
     ``TypeError`` for other activation dtypes (the caller falls back to the reference).
@@ -512,6 +584,7 @@ def grouped_w4a16_into(
     if weight.weight_scale_2.numel() not in (1, num_experts):
         raise ValueError(f"weight_scale_2 must hold 1 or {num_experts} values, got shape {tuple(weight.weight_scale_2.shape)}")
     _check_out(out, (x.shape[0], n), x.dtype, x.device)
+    _check_config(config)
     if out.numel() == 0:
         return out
     x = _rows_contiguous(x)
@@ -541,7 +614,7 @@ def grouped_w4a16_into(
 def grouped_w4a16_kernel(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets: torch.Tensor) -> torch.Tensor:
     """Grouped MoE W4A16: ``y[rows of e] = x[rows of e] @ dq(W_e).T`` for every expert, ``[T, N]``.
 
-    ``x [T, K]`` bf16/fp16 sorted by expert, ``weight`` stacked ``[E, N, K]`` with ``weight_scale_2``
+    ``x [T, K]`` bf16 sorted by expert, ``weight`` stacked ``[E, N, K]`` with ``weight_scale_2``
     ``[E]``, ``[E, 1]`` or one shared value, ``expert_offsets`` int32 ``[E + 1]``. Launches without a
     host sync; matches :func:`megatron_quads.rollout.grouped.grouped_w4a16_linear` up to fp32 summation order.
     """
