@@ -207,3 +207,33 @@ def test_an_expert_without_tokens_gets_an_empty_output() -> None:
     assert w4a4_linear(empty, wq).shape == (0, N)
     assert w4a4_linear(empty, wq, mode=ActivationScale.PER_TENSOR).shape == (0, N)
     assert rac_linear(empty, wq, channels, reblock_columns(wq, channels)).shape == (0, N)
+
+
+def test_unseen_modules_take_the_channels_of_their_pool() -> None:
+    """Experts nothing was routed to get channels from their group's token-weighted statistics."""
+    torch.manual_seed(0)
+    k = 64
+    layers = {name: torch.nn.Linear(k, 8, bias=False) for name in ("e0", "e1", "e2", "other")}
+    calibrator = RacCalibrator(layers, {name: k for name in layers})
+    x0 = torch.randn(5, k)
+    x0[:, 3] *= 40  # e0's inputs: channel 3 dominates
+    x1 = torch.randn(15, k)
+    x1[:, 7] *= 60  # e1's (three times as many tokens): channel 7 dominates
+    layers["e0"](x0)
+    layers["e1"](x1)
+    calibrator.detach()
+    pools = {"e0": "layer", "e1": "layer", "e2": "layer"}
+    plain = calibrator.select(0.25, ChannelStatistic.RESIDUAL_ENERGY)
+    assert set(plain) == {"e0", "e1"}
+    chosen = calibrator.select(0.25, ChannelStatistic.RESIDUAL_ENERGY, pools=pools)
+    assert set(chosen) == {"e0", "e1", "e2"} and torch.equal(chosen["e0"], plain["e0"])
+    pooled = (5 * calibrator.stats["e0"].residual_sq + 15 * calibrator.stats["e1"].residual_sq) / 20
+    assert torch.equal(chosen["e2"], select_channels(pooled, 0.25))
+    assert {3, 7} <= set(chosen["e2"].tolist())
+    narrow = torch.nn.Linear(32, 8, bias=False)
+    bad = RacCalibrator({"a": layers["e0"], "b": narrow}, {"a": k, "b": 32})
+    layers["e0"](x0)
+    narrow(torch.randn(2, 32))
+    bad.detach()
+    with pytest.raises(ValueError, match="mixes modules"):
+        bad.select(0.25, ChannelStatistic.RESIDUAL_ENERGY, pools={"a": "p", "b": "p"})

@@ -9,6 +9,8 @@ quantization analysis and calibration can hook like any other.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -32,9 +34,14 @@ class PerExpertLinears(nn.Module):
                 self.gate_up[e].weight.copy_(fused.gate_up_proj[e])
                 self.down[e].weight.copy_(fused.down_proj[e])
         self.to(device=fused.gate_up_proj.device, dtype=fused.gate_up_proj.dtype)
+        self.grouped: Callable[..., torch.Tensor] | None = None
+        """A grouped forward (:class:`~megatron_quads.rollout.grouped_experts.GroupedExperts`) to use
+        instead of the per-expert loop; the per-expert linears (and their hooks) are then not called."""
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """Weighted sum over each token's selected experts of ``down(act(gate) * up)``."""
+        if self.grouped is not None:
+            return self.grouped(hidden_states, top_k_index, top_k_weights, self.act_fn)
         out = torch.zeros_like(hidden_states)
         for e in range(len(self.gate_up)):
             token_idx, slot = torch.where(top_k_index == e)

@@ -18,6 +18,7 @@ import torch
 from megatron_quads.nvfp4 import NVFP4Tensor, quantize
 from megatron_quads.rollout.calibration import RacCalibrator
 from megatron_quads.rollout.engine import ENGINE_PRECISIONS, Generation, SamplingParams
+from megatron_quads.rollout.grouped_experts import GroupedExperts
 from megatron_quads.rollout.hf_experts import split_experts
 from megatron_quads.rollout.precision import (
     LinearState,
@@ -50,13 +51,14 @@ class TorchRolloutEngine:
     """Built-in rollout engine (see module docstring). ``config`` is a transformers Qwen3MoeConfig."""
 
     def __init__(self, config, precision: str = "quads", ratio: float = DEFAULT_RATIO,
-                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16) -> None:
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16, grouped: bool = True) -> None:
         from transformers import Qwen3MoeForCausalLM
 
         if precision not in ENGINE_PRECISIONS:
             raise ValueError(f"unknown precision {precision!r}; the built-in engine serves {ENGINE_PRECISIONS}")
         self.precision = precision
         self.ratio = ratio
+        self.grouped = grouped  # grouped NVFP4 expert GEMMs per layer; False: the per-expert loop with hooks
         self.device = torch.device(device)
         self.dtype = dtype
         self.weight_version = -1
@@ -65,6 +67,7 @@ class TorchRolloutEngine:
         self.experts = {name: m for name, m in self.model.named_modules() if _ENGINE_EXPERT.match(name)}
         self.states: dict[str, LinearState] = {}
         self._hooks = []
+        self._grouped_layers: list[torch.nn.Module] = []
         # transformers 5 renamed the KV-cache argument from past_key_values to cache
         self._cache_arg = "cache" if "cache" in inspect.signature(type(self.model).forward).parameters else "past_key_values"
 
@@ -78,6 +81,7 @@ class TorchRolloutEngine:
             state.channels = {r: c.to(device) for r, c in state.channels.items()}
             state.residual = {r: None if w is None else w.to(device) for r, w in state.residual.items()}
         self.device = device
+        self._install_hooks()  # the grouped layers stack the moved weights again
 
     # ------------------------------------------------------------------ weights
     def _engine_name(self, module: str) -> tuple[str, str] | None:
@@ -148,7 +152,10 @@ class TorchRolloutEngine:
                 self.model(**self._batch(prompts))
         finally:
             calibrator.detach()
-        chosen = calibrator.select(self.ratio, statistic, {n: s.quantized for n, s in self.states.items()})
+        # an expert nothing was routed to takes the channels of its layer's pooled statistics (same
+        # projection), so every expert of a layer has the same channel count and the layer can be grouped
+        pools = {name: ".".join(_ENGINE_EXPERT.match(name).groups()[:2]) for name in self.states}
+        chosen = calibrator.select(self.ratio, statistic, {n: s.quantized for n, s in self.states.items()}, pools)
         for name, state in self.states.items():
             channels = chosen.get(name, torch.zeros(0, dtype=torch.int32))
             state.channels[self.ratio] = channels
@@ -156,24 +163,46 @@ class TorchRolloutEngine:
         self._install_hooks()
 
     def _install_hooks(self) -> None:
+        """Apply the engine's precision to the routed experts: each MoE layer gets a grouped forward
+        (:mod:`.grouped_experts`: one grouped NVFP4 call per projection); a layer whose experts cannot
+        be grouped (RAC channel counts that differ) keeps the per-expert loop with output hooks."""
         self._remove_hooks()
-        if self.precision == "bf16":
+        if self.precision == "bf16" or not self.states:
             return
         precision = Precision(_PRECISION_KIND[self.precision], self.ratio if self.precision == "quads" else 0.0)
-        for name, module in self.experts.items():
-            state = self.states[name]
-            if precision.kind == "quads" and self.ratio not in state.channels:
-                state.channels[self.ratio] = torch.zeros(0, dtype=torch.int32)  # until calibrated: plain W4A4
+        layers: dict[str, dict[str, dict[int, str]]] = {}
+        for name in self.experts:
+            base, kind, expert = _ENGINE_EXPERT.match(name).groups()
+            layers.setdefault(base, {}).setdefault(kind, {})[int(expert)] = name
+        for base, kinds in layers.items():
+            names = {kind: [by_expert[e] for e in sorted(by_expert)] for kind, by_expert in kinds.items()}
+            for name in names["gate_up"] + names["down"]:
+                state = self.states[name]
+                if precision.kind == "quads" and self.ratio not in state.channels:
+                    state.channels[self.ratio] = torch.zeros(0, dtype=torch.int32, device=state.quantized.codes.device)  # until calibrated: plain W4A4
+            layer = self.model.get_submodule(base)
+            grouped = None
+            if self.grouped:
+                grouped = GroupedExperts.from_states([self.states[n] for n in names["gate_up"]],
+                                                     [self.states[n] for n in names["down"]], precision)
+            if grouped is not None:
+                layer.grouped = grouped
+                self._grouped_layers.append(layer)
+                continue
+            for name in names["gate_up"] + names["down"]:
 
-            def hook(mod, args, result, state=state):
-                return replace_output(result, linear_output(args[0], state, precision))
+                def hook(mod, args, result, state=self.states[name]):
+                    return replace_output(result, linear_output(args[0], state, precision))
 
-            self._hooks.append(module.register_forward_hook(hook))
+                self._hooks.append(self.experts[name].register_forward_hook(hook))
 
     def _remove_hooks(self) -> None:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        for layer in self._grouped_layers:
+            layer.grouped = None
+        self._grouped_layers = []
 
     # ------------------------------------------------------------------ generation
     def _batch(self, prompts: Sequence[Sequence[int]], pad_id: int = 0) -> dict[str, torch.Tensor]:

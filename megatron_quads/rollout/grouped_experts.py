@@ -1,0 +1,110 @@
+"""An MoE layer's routed experts as grouped NVFP4 GEMMs: tokens sorted by expert, one call per projection.
+
+:class:`~megatron_quads.rollout.hf_experts.PerExpertLinears` loops over experts (one gather, two
+linears and a host-synchronising ``torch.where`` each), which is what hooks and calibration need.
+For generation in an NVFP4 precision the built-in engine attaches a :class:`GroupedExperts` instead:
+the routed copies of the tokens are sorted by expert once, and each projection is one
+:func:`~megatron_quads.rollout.grouped.grouped_w4a16_linear` (``aqat``, served as W4A16) or
+:func:`~megatron_quads.rollout.grouped.grouped_rac_linear` (``w4a4``, ``quads``) call, which on CUDA
+is one Triton launch. Per expert the arithmetic is the per-expert path's (the same reference
+functions), and each token's expert outputs are summed in the same (expert) order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megatron_quads.nvfp4 import NVFP4Tensor
+from megatron_quads.rollout.grouped import (
+    expert_offsets_from_counts,
+    expert_weight,
+    grouped_rac_linear,
+    grouped_w4a16_linear,
+)
+from megatron_quads.rollout.precision import LinearState, Precision
+
+
+def stack_experts(parts: Sequence[NVFP4Tensor]) -> NVFP4Tensor:
+    """Per-expert ``[N, K]`` NVFP4 weights stacked to ``[E, N, K]`` with ``weight_scale_2`` ``[E]``."""
+    shapes = {tuple(p.shape) for p in parts}
+    if len(shapes) != 1:
+        raise ValueError(f"experts of one projection must share a shape to be grouped, got {sorted(shapes)}")
+    return NVFP4Tensor(
+        codes=torch.stack([p.codes for p in parts]),
+        scales=torch.stack([p.scales for p in parts]),
+        weight_scale_2=torch.stack([p.weight_scale_2.reshape(()) for p in parts]),
+        shape=torch.Size((len(parts), *parts[0].shape)),
+        dtype=parts[0].dtype,
+    )
+
+
+@dataclass
+class GroupedProjection:
+    """One projection (gate_up or down) of every expert of a layer, under one precision."""
+
+    precision: Precision
+    weight: NVFP4Tensor
+    channels: torch.Tensor | None = None
+    residual: NVFP4Tensor | None = None
+
+    def __call__(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """The projection of ``x [T, K]``, rows sorted by expert as ``offsets [E + 1]`` says."""
+        if self.precision.kind == "aqat":
+            return grouped_w4a16_linear(x, self.weight, offsets)
+        return grouped_rac_linear(x, self.weight, offsets, self.channels, self.residual)
+
+    @classmethod
+    def from_states(cls, states: Sequence[LinearState], precision: Precision) -> GroupedProjection | None:
+        """Stack the experts' states (their quantized weights become views of the stack, so the
+        weights are held once); ``None`` where the experts' RAC channel counts differ."""
+        weight = stack_experts([s.quantized for s in states])
+        channels = residual = None
+        if precision.kind == "quads":
+            chosen = [s.channels.get(precision.ratio) for s in states]
+            counts = {0 if c is None else c.numel() for c in chosen}
+            if len(counts) != 1:
+                return None
+            if counts.pop():
+                channels = torch.stack([c.to(torch.int32) for c in chosen]).to(weight.codes.device)
+                residual = stack_experts([s.residual[precision.ratio] for s in states])
+                for e, s in enumerate(states):
+                    s.residual[precision.ratio] = expert_weight(residual, e)
+        for e, s in enumerate(states):
+            s.quantized = expert_weight(weight, e)
+        return cls(precision, weight, channels, residual)
+
+
+class GroupedExperts:
+    """Forward of a :class:`PerExpertLinears` layer with grouped projections (see module docstring)."""
+
+    def __init__(self, gate_up: GroupedProjection, down: GroupedProjection) -> None:
+        self.gate_up = gate_up
+        self.down = down
+        self.num_experts = gate_up.weight.shape[0]
+
+    def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                 act_fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Weighted sum over each token's selected experts of ``down(act(gate) * up)``."""
+        top_k = top_k_index.shape[-1]
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # by expert, then token: the per-expert loop's order
+        token_idx = order // top_k
+        offsets = expert_offsets_from_counts(torch.bincount(flat, minlength=self.num_experts))
+        gate, up = self.gate_up(hidden_states[token_idx], offsets).chunk(2, dim=-1)
+        y = self.down(act_fn(gate) * up, offsets) * top_k_weights.reshape(-1)[order, None]
+        out = torch.zeros_like(hidden_states)
+        out.index_add_(0, token_idx, y.to(out.dtype))
+        return out
+
+    @classmethod
+    def from_states(cls, gate_up: Sequence[LinearState], down: Sequence[LinearState],
+                    precision: Precision) -> GroupedExperts | None:
+        """Grouped projections of one layer, or ``None`` if either cannot be grouped."""
+        grouped_gate_up = GroupedProjection.from_states(gate_up, precision)
+        grouped_down = GroupedProjection.from_states(down, precision)
+        if grouped_gate_up is None or grouped_down is None:
+            return None
+        return cls(grouped_gate_up, grouped_down)
