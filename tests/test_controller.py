@@ -273,3 +273,12 @@ def test_collective_weight_broadcast_survives_an_engine_restart(tmp_path: Path) 
     assert ray.get([w.ping.remote() for w in rollouts.workers]) == [4, 4]
     trainers.kill()
     rollouts.kill()
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_rollout_grouped_experts_reaches_the_engine(grouped: bool, tmp_path: Path) -> None:
+    """``rollout.grouped_experts`` picks the engine's MoE path (the worker built in-process, no Ray)."""
+    from megatron_quads.controller.workers import RolloutWorker
+
+    cfg = load_config(EXAMPLE, [f"run_dir={tmp_path}", f"rollout.grouped_experts={str(grouped).lower()}"])
+    assert RolloutWorker(cfg).engine.grouped is grouped

@@ -64,6 +64,9 @@ class RolloutSection(_Strict):
     release_memory_during_training: bool = Field(
         True, description="colocated: engines move their weights and caches off the GPU while the trainer trains"
     )
+    grouped_experts: bool = Field(
+        True, description="built-in engine: each MoE layer's experts as grouped NVFP4 GEMMs (false: a per-expert loop)"
+    )
 
 
 class PlacementSection(_Strict):

@@ -182,6 +182,7 @@ class RolloutWorker:
         self.engine = TorchRolloutEngine(
             qwen3_moe_config(model), precision=cfg.engine_precision(),
             ratio=cfg.precision.rac_ratio, device=self.device, dtype=model.torch_dtype,
+            grouped=cfg.rollout.grouped_experts,
         )
         self.asleep = False
         self.sync_group = None
