@@ -211,3 +211,21 @@ def test_grouped_experts_on_cuda_agree_with_the_per_expert_loop(trainers, precis
     for g, ref in zip(runs[True], runs[False], strict=True):
         assert g.token_ids == ref.token_ids
         assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(ref.logprobs), atol=1e-4)
+
+
+def test_to_device_moves_the_grouped_stacks_and_keeps_the_states_viewing_them(trainers) -> None:
+    """Sleep / wake moves each layer's stacks once; the experts' states stay views of them."""
+    engine = _engine(trainers, "quads", quantized=True)
+    engine.calibrate(PROMPTS)
+    layer = engine._grouped_layers[0]
+    for projection in (layer.grouped.gate_up, layer.grouped.down):
+        for state in projection.states:
+            assert state.quantized.codes.untyped_storage().data_ptr() == projection.weight.codes.untyped_storage().data_ptr()
+            residual = state.residual[engine.ratio]
+            assert residual.codes.untyped_storage().data_ptr() == projection.residual.codes.untyped_storage().data_ptr()
+    engine.to_device("meta")  # a device move without a GPU (the values are gone afterwards)
+    for grouped_layer in engine._grouped_layers:
+        projection = grouped_layer.grouped.down
+        assert projection.weight.codes.is_meta and projection.residual.codes.is_meta and projection.channels.is_meta
+        assert all(s.quantized.codes.is_meta and s.residual[engine.ratio].scales.is_meta for s in grouped_layer.grouped.states)
+    assert all(s.weight.is_meta for s in engine.states.values())

@@ -36,8 +36,9 @@ def expert_weight(weight: NVFP4Tensor, expert: int) -> NVFP4Tensor:
     )
 
 
-def validate_grouped(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets: torch.Tensor) -> None:
-    """Raise a clear error unless ``x``, the stacked ``weight`` and ``expert_offsets`` fit together."""
+def check_grouped_shapes(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets: torch.Tensor) -> None:
+    """Raise a clear error unless the shapes of ``x``, the stacked ``weight`` and ``expert_offsets``
+    fit together (no host synchronisation: the kernels call this too)."""
     if len(weight.shape) != 3:
         raise ValueError(f"grouped linears need a stacked [E, N, K] weight, got shape {tuple(weight.shape)}")
     num_experts, _, in_features = weight.shape
@@ -45,6 +46,11 @@ def validate_grouped(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets: torch
         raise ValueError(f"x must be [tokens, {in_features}], got shape {tuple(x.shape)}")
     if expert_offsets.shape != (num_experts + 1,):
         raise ValueError(f"expert_offsets must have shape [{num_experts + 1}] (E + 1), got {tuple(expert_offsets.shape)}")
+
+
+def validate_grouped(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets: torch.Tensor) -> None:
+    """:func:`check_grouped_shapes`, and ``expert_offsets`` rising from 0 to the token count (reads them on the host)."""
+    check_grouped_shapes(x, weight, expert_offsets)
     bounds = expert_offsets.tolist()
     if bounds[0] != 0 or bounds[-1] != x.shape[0] or any(b > a for a, b in zip(bounds[1:], bounds[:-1])):
         raise ValueError(f"expert_offsets must rise from 0 to the token count {x.shape[0]}, got {bounds}")

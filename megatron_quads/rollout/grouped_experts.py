@@ -43,12 +43,14 @@ def stack_experts(parts: Sequence[NVFP4Tensor]) -> NVFP4Tensor:
 
 @dataclass
 class GroupedProjection:
-    """One projection (gate_up or down) of every expert of a layer, under one precision."""
+    """One projection (gate_up or down) of every expert of a layer, under one precision. ``states``
+    are the experts' states, whose weights are views of the stacks (:meth:`view_states`)."""
 
     precision: Precision
     weight: NVFP4Tensor
     channels: torch.Tensor | None = None
     residual: NVFP4Tensor | None = None
+    states: Sequence[LinearState] = ()
 
     def __call__(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """The projection of ``x [T, K]``, rows sorted by expert as ``offsets [E + 1]`` says."""
@@ -56,11 +58,24 @@ class GroupedProjection:
             return grouped_w4a16_linear(x, self.weight, offsets)
         return grouped_rac_linear(x, self.weight, offsets, self.channels, self.residual)
 
+    def view_states(self) -> None:
+        """Point each expert's state at its slice of the stacks, so the weights are held once."""
+        for e, state in enumerate(self.states):
+            state.quantized = expert_weight(self.weight, e)
+            if self.residual is not None:
+                state.residual[self.precision.ratio] = expert_weight(self.residual, e)
+
+    def to(self, device: torch.device) -> None:
+        """Move the stacks (one copy each, not one per expert) and re-point the states at them."""
+        self.weight = self.weight.to(device)
+        self.channels = None if self.channels is None else self.channels.to(device)
+        self.residual = None if self.residual is None else self.residual.to(device)
+        self.view_states()
+
     @classmethod
     def from_states(cls, states: Sequence[LinearState], precision: Precision) -> GroupedProjection | None:
-        """Stack the experts' states (their quantized weights become views of the stack, so the
-        weights are held once); ``None`` where the experts' RAC channel counts differ."""
-        weight = stack_experts([s.quantized for s in states])
+        """Stack the experts' states (which then view the stacks); ``None`` where the experts' RAC
+        channel counts differ."""
         channels = residual = None
         if precision.kind == "quads":
             chosen = [s.channels.get(precision.ratio) for s in states]
@@ -68,13 +83,11 @@ class GroupedProjection:
             if len(counts) != 1:
                 return None
             if counts.pop():
-                channels = torch.stack([c.to(torch.int32) for c in chosen]).to(weight.codes.device)
+                channels = torch.stack([c.to(torch.int32) for c in chosen]).to(states[0].quantized.codes.device)
                 residual = stack_experts([s.residual[precision.ratio] for s in states])
-                for e, s in enumerate(states):
-                    s.residual[precision.ratio] = expert_weight(residual, e)
-        for e, s in enumerate(states):
-            s.quantized = expert_weight(weight, e)
-        return cls(precision, weight, channels, residual)
+        projection = cls(precision, stack_experts([s.quantized for s in states]), channels, residual, list(states))
+        projection.view_states()
+        return projection
 
 
 class GroupedExperts:
@@ -84,6 +97,16 @@ class GroupedExperts:
         self.gate_up = gate_up
         self.down = down
         self.num_experts = gate_up.weight.shape[0]
+
+    @property
+    def states(self) -> list[LinearState]:
+        """The experts' states of both projections (they view this layer's stacks)."""
+        return [*self.gate_up.states, *self.down.states]
+
+    def to(self, device: torch.device) -> None:
+        """Move both projections' stacks to ``device``."""
+        self.gate_up.to(device)
+        self.down.to(device)
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                  act_fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:

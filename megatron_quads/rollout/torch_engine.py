@@ -72,16 +72,23 @@ class TorchRolloutEngine:
         self._cache_arg = "cache" if "cache" in inspect.signature(type(self.model).forward).parameters else "past_key_values"
 
     def to_device(self, device: str | torch.device) -> None:
-        """Move the model and every linear's quantized state to ``device`` (colocated sleep / wake)."""
+        """Move the model and every linear's quantized state to ``device`` (colocated sleep / wake).
+
+        Grouped layers move their stacks (the experts' states view them); the other states move one
+        by one, mutated in place because the forward hooks hold these objects."""
         device = torch.device(device)
         self.model.to(device)
-        for state in self.states.values():  # mutated in place: the forward hooks hold these objects
+        grouped = set()
+        for layer in self._grouped_layers:
+            layer.grouped.to(device)
+            grouped.update(id(state) for state in layer.grouped.states)
+        for state in self.states.values():
             state.weight = state.weight.to(device)
-            state.quantized = state.quantized.to(device)
             state.channels = {r: c.to(device) for r, c in state.channels.items()}
-            state.residual = {r: None if w is None else w.to(device) for r, w in state.residual.items()}
+            if id(state) not in grouped:
+                state.quantized = state.quantized.to(device)
+                state.residual = {r: None if w is None else w.to(device) for r, w in state.residual.items()}
         self.device = device
-        self._install_hooks()  # the grouped layers stack the moved weights again
 
     # ------------------------------------------------------------------ weights
     def _engine_name(self, module: str) -> tuple[str, str] | None:

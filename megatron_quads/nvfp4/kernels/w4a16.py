@@ -573,14 +573,13 @@ def grouped_w4a16_into(
     Only shapes are checked (no host synchronisation): ``expert_offsets`` must rise from 0 to ``T``.
     ``config`` (``BLOCK_N``, ``BLOCK_K``, optional ``BLOCK_M``/``num_warps``/``num_stages``) skips the autotuner.
     """
-    if len(weight.shape) != 3:
-        raise ValueError(f"grouped W4A16 needs a stacked [E, N, K] weight, got shape {tuple(weight.shape)}")
+    from megatron_quads.rollout.grouped import check_grouped_shapes
+
+    check_grouped_shapes(x, weight, expert_offsets)
     num_experts, n, k = weight.shape
     _check_weight_parts(x, weight, k)
-    if x.ndim != 2:
-        raise ValueError(f"x must be [tokens, {k}], got shape {tuple(x.shape)}")
-    if expert_offsets.shape != (num_experts + 1,) or expert_offsets.dtype != torch.int32:
-        raise ValueError(f"expert_offsets must be int32 [{num_experts + 1}], got {expert_offsets.dtype} {tuple(expert_offsets.shape)}")
+    if expert_offsets.dtype != torch.int32:
+        raise ValueError(f"expert_offsets must be int32, got {expert_offsets.dtype}")
     if weight.weight_scale_2.numel() not in (1, num_experts):
         raise ValueError(f"weight_scale_2 must hold 1 or {num_experts} values, got shape {tuple(weight.weight_scale_2.shape)}")
     _check_out(out, (x.shape[0], n), x.dtype, x.device)

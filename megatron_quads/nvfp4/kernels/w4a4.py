@@ -604,13 +604,10 @@ def grouped_rac_kernel(
     the routed tokens exit at once. Returns ``[T, N]`` in ``x.dtype``; ``config`` as in
     :func:`rac_linear_kernel` (the default picks tiles from the mean rows per expert).
     """
-    if len(weight.shape) != 3:
-        raise ValueError(f"grouped linears need a stacked [E, N, K] weight, got shape {tuple(weight.shape)}")
-    num_experts, n, k = weight.shape
-    if x.ndim != 2 or x.shape[1] != k:
-        raise ValueError(f"x must be [tokens, {k}], got shape {tuple(x.shape)}")
-    if expert_offsets.shape != (num_experts + 1,):
-        raise ValueError(f"expert_offsets must have shape [{num_experts + 1}], got {tuple(expert_offsets.shape)}")
+    from megatron_quads.rollout.grouped import check_grouped_shapes
+
+    check_grouped_shapes(x, weight, expert_offsets)
+    num_experts, n, _ = weight.shape
     if (channels is None) != (residual_weight is None):
         raise ValueError("grouped RAC needs both channels [E, S] and residual_weight [E, N, S], or neither")
     ch = _channels_2d(channels, num_experts, x.device)
