@@ -134,7 +134,7 @@ def bench_quantize_tiles(bandwidth: float, size: int) -> list[dict]:
     amax = x.abs().amax().float()
     n = x.numel()
     q_bytes = n * 2 + n // 2 + n // 16
-    default = kq._tile_config
+    default, loop_default = kq._tile_config, kq._loop_config
     rows = []
     try:
         for config in [(1, 128, 4), (2, 64, 4), (4, 16, 4), (8, 16, 4), (16, 8, 4), (16, 16, 4), (32, 16, 4), (16, 32, 8), (64, 16, 8)]:
@@ -143,8 +143,14 @@ def bench_quantize_tiles(bandwidth: float, size: int) -> list[dict]:
             tf = time_graph(lambda: kq.fake_quant_kernel(x, amax), calls=5)
             rows.append(row(f"quantize 1x16 tile {config[0]}x{config[1] * 16} ({config[2]} warps)", tq, q_bytes, 0, bandwidth,
                             fake_quant_us=round(tf, 2), fake_quant_frac=round(n * 4 / bandwidth / (tf * 1e-6), 3)))
+        kq._tile_config = default
+        for loop in [(16, 0), (32, 0), (16, 1), (32, 1), (64, 1), (1 << 20, 0)]:
+            kq._loop_config = lambda block_2d=False, loop=loop: loop
+            tq = time_graph(lambda: kq.quantize_kernel(x, amax, validate=False), calls=5)
+            rows.append(row(f"quantize 1x16 default tile, {loop[0]} programs/SM, prefetch={loop[1]}", tq, q_bytes, 0, bandwidth))
     finally:
         kq._tile_config = default
+        kq._loop_config = loop_default
     return rows
 
 

@@ -470,3 +470,20 @@ def test_every_row_config(config: tuple[int, int, int], kernel_device: str, monk
     monkeypatch.setattr(kq, "_row_config", lambda rows: config)
     m, k = (300, 16400) if _big(kernel_device) else (9, 2064)
     _check_row_amax(_randn((m, k), 1.0, torch.bfloat16, kernel_device))
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_persistent_programs_loop_over_tiles(prefetch: int, kernel_device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One program per SM and K tile walks many row tiles (then matrices of a stack), loading the
+    next tile ahead or not (fake quant: 1 or 3 async-copy stages); every tile, partial and per-row
+    amax included, stays exact."""
+    monkeypatch.setattr(kq, "_loop_config", lambda block_2d=False: (1, prefetch))
+    monkeypatch.setattr(kq, "_FAKE_QUANT_LOOP", (1, 1 + 2 * prefetch))
+    x = _randn((3, 40, 2064), 1.0, torch.bfloat16, kernel_device)  # partial K and row tiles in every matrix
+    x[1, 7, 5] = -250.0
+    _check_quantize(x)
+    _check_quantize(x, x.abs().amax(-1).float() * 0.9)
+    _check_quantize(x, x.abs().amax(dim=(1, 2)).unsqueeze(1).float())  # one amax per matrix
+    _check_quantize(x, block_2d=True)
+    _check_fake_quant(x, x.abs().amax(-1).float())
+    _check_fake_quant(x, x.abs().amax().float())
