@@ -488,7 +488,8 @@ def _tile_config(rows: int, block_2d: bool, blocks: int) -> tuple[int, int, int]
 
 _LOOP_CONFIG = (32, 1)
 """``(programs per SM, PREFETCH)`` of the persistent quantize kernel with 1x16 blocks. H200 sweep
-(8192 x 8192 bf16, 2026-11-30; ``benchmarks/bench_kernels.py --only quantize_tiles`` re-times it):
+(8192 x 8192 bf16, 2026-11-30; ``benchmarks/bench_kernels.py --only quantize_tiles`` re-times the
+prefetch and programs-per-SM rows; the async-copy variants came from a one-off sweep, since removed):
 32 programs per SM with the next tile prefetched into registers quantized in 61.6 us, against 64.1
 without prefetch, 62.1 / 62.2 with 16 / 64 programs per SM, 65-75 us with 1-3 async-copy stages
 and 74.2 us with one program per tile."""
