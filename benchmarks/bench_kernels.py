@@ -127,7 +127,7 @@ def bench_quantize(bandwidth: float, size: int) -> list[dict]:
 
 
 def bench_quantize_tiles(bandwidth: float, size: int) -> list[dict]:
-    """Quantize / fake quant of a size x size bf16 tensor with each tile config (the default's evidence)."""
+    """Quantize (1x16 and 16x16) / fake quant of a size x size bf16 tensor with each tile and loop config (the defaults' evidence)."""
     import megatron_quads.nvfp4.kernels.quantize as kq
 
     x = torch.randn(size, size, device=DEV, dtype=torch.bfloat16)
@@ -143,11 +143,17 @@ def bench_quantize_tiles(bandwidth: float, size: int) -> list[dict]:
             tf = time_graph(lambda: kq.fake_quant_kernel(x, amax), calls=5)
             rows.append(row(f"quantize 1x16 tile {config[0]}x{config[1] * 16} ({config[2]} warps)", tq, q_bytes, 0, bandwidth,
                             fake_quant_us=round(tf, 2), fake_quant_frac=round(n * 4 / bandwidth / (tf * 1e-6), 3)))
+        for config in [(16, 8, 4), (16, 16, 4), (16, 32, 4), (32, 16, 4), (16, 64, 8)]:
+            kq._tile_config = lambda rows, block_2d, blocks, config=config: config
+            tq = time_graph(lambda: kq.quantize_kernel(x, amax, block_2d=True, validate=False), calls=5)
+            rows.append(row(f"quantize 16x16 tile {config[0]}x{config[1] * 16} ({config[2]} warps)", tq, q_bytes, 0, bandwidth))
         kq._tile_config = default
         for loop in [(16, 0), (32, 0), (16, 1), (32, 1), (64, 1), (1 << 20, 0)]:
             kq._loop_config = lambda block_2d=False, loop=loop: loop
             tq = time_graph(lambda: kq.quantize_kernel(x, amax, validate=False), calls=5)
             rows.append(row(f"quantize 1x16 default tile, {loop[0]} programs/SM, prefetch={loop[1]}", tq, q_bytes, 0, bandwidth))
+            t2 = time_graph(lambda: kq.quantize_kernel(x, amax, block_2d=True, validate=False), calls=5)
+            rows.append(row(f"quantize 16x16 default tile, {loop[0]} programs/SM, prefetch={loop[1]}", t2, q_bytes, 0, bandwidth))
     finally:
         kq._tile_config = default
         kq._loop_config = loop_default

@@ -219,12 +219,40 @@ def _load_words(w_ptr, rows, row_mask, blocks, KB, EVICT: tl.constexpr):
 
 
 @triton.jit
-def _block_encode(even, odd, enc, dec, ROWS: tl.constexpr, NB: tl.constexpr, BLOCK_2D: tl.constexpr):
-    """Block scales of fp32 element pairs ``[ROWS, NB, 8]`` (16-element blocks) with per-row ``S_enc``
-    and ``S_dec`` ``[ROWS]``: ``(element encode scale [ROWS, NB, 1], scale bytes, fp32 scales [ROWS, NB])``.
-    With ``BLOCK_2D`` the block amax is taken over 16-row groups (ROWS % 16 == 0).
+def _load_halves(w_ptr, rows, row_mask, blocks, KB, EVICT: tl.constexpr):
+    """The words of :func:`_load_words` as two ``[ROWS, NB, 4]`` tensors: the first and the second
+    half of each block (elements 0..7 and 8..15).
+
+    Two 16-byte loads a block whose results share one layout, so a thread holds whole blocks: the
+    block amax needs no exchange between lanes and each block's scale (an e4m3 rounding and an IEEE
+    division) is computed once, not once per lane holding a part of it. Both loads touch the same
+    32-byte sectors, so DRAM still reads each byte once.
     """
-    block_amax = tl.max(tl.maximum(tl.abs(even), tl.abs(odd)), axis=2)
+    first = (rows.to(tl.int64) * (KB * 8))[:, None, None] + (blocks * 8)[None, :, None] + tl.arange(0, 4)[None, None, :]
+    mask = (row_mask[:, None] & (blocks < KB)[None, :])[:, :, None]
+    low = tl.load(w_ptr + first, mask=mask, other=0, eviction_policy=EVICT)
+    high = tl.load(w_ptr + (first + 4), mask=mask, other=0, eviction_policy=EVICT)
+    return low, high
+
+
+@triton.jit
+def _pair_amax(even, odd):
+    """``max |x|`` over the last axis of fp32 element pairs ``[ROWS, NB, n]``: ``[ROWS, NB]``."""
+    return tl.max(tl.maximum(tl.abs(even), tl.abs(odd)), axis=2)
+
+
+@triton.jit
+def _block_encode(even, odd, enc, dec, ROWS: tl.constexpr, NB: tl.constexpr, BLOCK_2D: tl.constexpr):
+    """Block scales of fp32 element pairs ``[ROWS, NB, 8]`` (16-element blocks): :func:`_block_scales`."""
+    return _block_scales(_pair_amax(even, odd), enc, dec, ROWS, NB, BLOCK_2D)
+
+
+@triton.jit
+def _block_scales(block_amax, enc, dec, ROWS: tl.constexpr, NB: tl.constexpr, BLOCK_2D: tl.constexpr):
+    """Block scales from the block amax ``[ROWS, NB]`` with per-row ``S_enc`` and ``S_dec`` ``[ROWS]``:
+    ``(element encode scale [ROWS, NB, 1], scale bytes, fp32 scales [ROWS, NB])``. With ``BLOCK_2D``
+    the block amax is taken over 16-row groups (ROWS % 16 == 0).
+    """
     if BLOCK_2D:
         tile_amax = tl.max(tl.reshape(block_amax, [ROWS // 16, 16, NB]), axis=1)
         block_amax = tl.reshape(tl.broadcast_to(tile_amax[:, None, :], [ROWS // 16, 16, NB]), [ROWS, NB])
@@ -258,8 +286,8 @@ min.f32 p, p, q;
 set.lt.f32.f32 s, v, 0f00000000;
 fma.rn.f32 {out}, s, 0f41000000, p;
 """
-# Four words of a block (even elements $4..$7, odd $8..$11, encode scales $12..$15) to one int32 of
-# 8 codes, nibble i = code of element i (even j, odd j = elements 2j, 2j + 1): the code bits are
+# Four words of a half block (even elements $4..$7, odd $8..$11, encode scales $12..$15) to one int32
+# of 8 codes, nibble i = code of element i (even j, odd j = elements 2j, 2j + 1): the code bits are
 # 0x4B000000 + code, so the sum of bits(t_i) * 16^i wraps to the packed codes plus the 0x4B000000
 # of t_0 and 0x4B000000 * 16 = 0xB0000000 of t_1 (mod 2^32; the later ones shift out): one
 # multiply-add per code and one add of 0x05000000 = -(0x4B000000 + 0xB0000000). $1..$3 are unused.
@@ -275,12 +303,12 @@ _CODE_WORD_PTX = tl.constexpr(
 
 @triton.jit
 def _pack_codes(even, odd, element_encode, ROWS: tl.constexpr, NB: tl.constexpr, FAST: tl.constexpr):
-    """E2M1 codes of fp32 element pairs ``[ROWS, NB, 8]`` scaled by ``element_encode [ROWS, NB, 1]``,
-    packed as two int32 words per block ``[ROWS, NB, 2]`` (byte ``j`` of a block holds elements
-    ``2j`` and ``2j + 1``, low nibble first).
+    """E2M1 codes of the fp32 element pairs of half blocks ``[ROWS, NB, 4]`` scaled by
+    ``element_encode [ROWS, NB, 1]``, packed as one int32 word per half block ``[ROWS, NB]`` (byte
+    ``j`` holds elements ``2j`` and ``2j + 1``, low nibble first).
 
-    ``FAST`` (16-bit inputs on the GPU, where a thread's words come in runs of 4 of one block) runs
-    :data:`_CODE_WORD_PTX` on each run; otherwise the codes are built with Triton arithmetic.
+    ``FAST`` (16-bit inputs on the GPU: each thread holds the 4 words of a half block) runs
+    :data:`_CODE_WORD_PTX` on each; otherwise the codes are built with Triton arithmetic.
     """
     if FAST:
         encode = tl.broadcast_to(element_encode, even.shape)
@@ -289,15 +317,14 @@ def _pack_codes(even, odd, element_encode, ROWS: tl.constexpr, NB: tl.constexpr,
             dtype=tl.int32, is_pure=True, pack=4,
         )
         # the word of each run of 4 is its first element
-        first, _ = tl.split(tl.reshape(packed, [ROWS, NB, 2, 2, 2]))
-        words, _ = tl.split(first)
+        first, _ = tl.split(tl.reshape(packed, [ROWS, NB, 2, 2]))
+        word, _ = tl.split(first)
     else:
         code_even = _e2m1_code(even * element_encode)
         code_odd = _e2m1_code(odd * element_encode)
-        codes = tl.reshape(code_even | (code_odd << 4), [ROWS, NB, 2, 4])  # byte 4w + j of the block
-        shifts = (tl.arange(0, 4) * 8)[None, None, None, :]
-        words = tl.sum(codes << shifts, axis=3)  # the bytes do not overlap: the sum is their OR
-    return words
+        shifts = (tl.arange(0, 4) * 8)[None, None, :]
+        word = tl.sum((code_even | (code_odd << 4)) << shifts, axis=2)  # the bytes do not overlap: the sum is their OR
+    return word
 
 
 @triton.jit
@@ -329,16 +356,20 @@ def _store_quantized(code_words_ptr, scales_ptr, words, byte, rows, row_mask, bl
 
 
 @triton.jit
-def _quantize_tile(code_words_ptr, scales_ptr, words, enc, dec, rows, row_mask, blocks, KB,
+def _quantize_tile(code_words_ptr, scales_ptr, low, high, enc, dec, rows, row_mask, blocks, KB,
                    ROWS: tl.constexpr, NB: tl.constexpr, BLOCK_2D: tl.constexpr, IS_BF16: tl.constexpr):
-    """Quantize loaded words ``[ROWS, NB, 8]`` with per-row ``S_enc`` / ``S_dec`` and store codes and scales."""
-    even, odd = _words_to_f32(words, IS_BF16)
-    element_encode, byte, _ = _block_encode(even, odd, enc, dec, ROWS, NB, BLOCK_2D)
-    # tiles of up to 8 rows of one matrix (2 x 1024 and 8 x 256: 63 and 68 us on the H200); taller
-    # tiles, whose threads do not hold runs of one row, measured 2x slower on this path than with
-    # Triton's own arithmetic and store layout (which converts through shared memory)
-    FAST: tl.constexpr = words.dtype == tl.int32 and not _INTERPRETED and not BLOCK_2D and ROWS <= 8
-    code_words = _pack_codes(even, odd, element_encode, ROWS, NB, FAST)
+    """Quantize the half-block words ``[ROWS, NB, 4]`` of :func:`_load_halves` with per-row ``S_enc`` /
+    ``S_dec`` and store codes and scales."""
+    low_even, low_odd = _words_to_f32(low, IS_BF16)
+    high_even, high_odd = _words_to_f32(high, IS_BF16)
+    block_amax = tl.maximum(_pair_amax(low_even, low_odd), _pair_amax(high_even, high_odd))
+    element_encode, byte, _ = _block_scales(block_amax, enc, dec, ROWS, NB, BLOCK_2D)
+    # tiles of up to 8 rows of one matrix. On 16-row tiles (2D included) this path measured 88-101 us
+    # against 69-72 us with Triton's arithmetic and stores (8192^2 bf16, H200), and the PTX codes
+    # with Triton's stores were no faster than Triton's arithmetic (70.1 against 69.7 us for 2D)
+    FAST: tl.constexpr = low.dtype == tl.int32 and not _INTERPRETED and not BLOCK_2D and ROWS <= 8
+    code_words = tl.join(_pack_codes(low_even, low_odd, element_encode, ROWS, NB, FAST),
+                         _pack_codes(high_even, high_odd, element_encode, ROWS, NB, FAST))
     _store_quantized(code_words_ptr, scales_ptr, code_words, byte, rows, row_mask, blocks, KB, FAST)
 
 
@@ -384,24 +415,25 @@ def _quantize_kernel(w_ptr, amax_ptr, codes_ptr, scales_ptr, R, mat_rows, amax_d
     else:
         enc, dec, _unused = _table_scales(amax_ptr, rows, row_mask, amax_div)
     if not PERSISTENT:  # the grid covers every tile
-        words, _, _ = _load_words(w_ptr, rows, row_mask, blocks, KB, "evict_first")
-        _quantize_tile(codes_ptr, scales_ptr, words, enc, dec, rows, row_mask, blocks, KB, ROWS, NB, BLOCK_2D, IS_BF16)
+        low, high = _load_halves(w_ptr, rows, row_mask, blocks, KB, "evict_first")
+        _quantize_tile(codes_ptr, scales_ptr, low, high, enc, dec, rows, row_mask, blocks, KB, ROWS, NB, BLOCK_2D, IS_BF16)
     else:
         step = tl.num_programs(0)
-        words, _, _ = _load_words(w_ptr, rows, row_mask & (row_tile < n_row_tiles), blocks, KB, "evict_first")
+        low, high = _load_halves(w_ptr, rows, row_mask & (row_tile < n_row_tiles), blocks, KB, "evict_first")
         while row_tile < n_row_tiles:
             if PREFETCH:
                 next_rows, next_mask = _tile_rows(row_tile + step, mat_rows, ROWS, BLOCK_2D)
-                next_words, _, _ = _load_words(w_ptr, next_rows, next_mask & (row_tile + step < n_row_tiles), blocks, KB, "evict_first")
+                next_low, next_high = _load_halves(w_ptr, next_rows, next_mask & (row_tile + step < n_row_tiles), blocks, KB,
+                                                   "evict_first")
             if amax_div != 0:
                 enc, dec, _unused = _table_scales(amax_ptr, rows, row_mask, amax_div)
-            _quantize_tile(codes_ptr, scales_ptr, words, enc, dec, rows, row_mask, blocks, KB, ROWS, NB, BLOCK_2D, IS_BF16)
+            _quantize_tile(codes_ptr, scales_ptr, low, high, enc, dec, rows, row_mask, blocks, KB, ROWS, NB, BLOCK_2D, IS_BF16)
             row_tile += step
             if PREFETCH:
-                words, rows, row_mask = next_words, next_rows, next_mask
+                low, high, rows, row_mask = next_low, next_high, next_rows, next_mask
             else:
                 rows, row_mask = _tile_rows(row_tile, mat_rows, ROWS, BLOCK_2D)
-                words, _, _ = _load_words(w_ptr, rows, row_mask & (row_tile < n_row_tiles), blocks, KB, "evict_first")
+                low, high = _load_halves(w_ptr, rows, row_mask & (row_tile < n_row_tiles), blocks, KB, "evict_first")
 
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
@@ -438,14 +470,16 @@ def _row_amax_quantize_kernel(w_ptr, codes_ptr, scales_ptr, amax_ptr, decode_ptr
     row_mask = rows < R
     amax = tl.zeros([ROWS], tl.float32)
     for b0 in range(0, KB, NB):
-        words, _, _ = _load_words(w_ptr, rows, row_mask, b0 + tl.arange(0, NB), KB, "evict_last")
-        even, odd = _words_to_f32(words, IS_BF16)
-        amax = tl.maximum(amax, tl.max(tl.max(tl.maximum(tl.abs(even), tl.abs(odd)), axis=2), axis=1))
+        low, high = _load_halves(w_ptr, rows, row_mask, b0 + tl.arange(0, NB), KB, "evict_last")
+        low_even, low_odd = _words_to_f32(low, IS_BF16)
+        high_even, high_odd = _words_to_f32(high, IS_BF16)
+        block_amax = tl.maximum(_pair_amax(low_even, low_odd), _pair_amax(high_even, high_odd))
+        amax = tl.maximum(amax, tl.max(block_amax, axis=1))
     enc, dec, decode = _global_scales(amax)
     for b0 in range(0, KB, NB):
         blocks = b0 + tl.arange(0, NB)
-        words, _, _ = _load_words(w_ptr, rows, row_mask, blocks, KB, "evict_first")
-        _quantize_tile(codes_ptr, scales_ptr, words, enc, dec, rows, row_mask, blocks, KB, ROWS, NB, False, IS_BF16)
+        low, high = _load_halves(w_ptr, rows, row_mask, blocks, KB, "evict_first")
+        _quantize_tile(codes_ptr, scales_ptr, low, high, enc, dec, rows, row_mask, blocks, KB, ROWS, NB, False, IS_BF16)
     tl.store(amax_ptr + rows, amax, mask=row_mask)
     tl.store(decode_ptr + rows, decode, mask=row_mask)
 
@@ -468,9 +502,10 @@ def _tile_config(rows: int, block_2d: bool, blocks: int) -> tuple[int, int, int]
     """Default tile for the quantize / fake-quant kernels (``blocks``: 16-element blocks per row).
 
     From the tile sweep of ``benchmarks/bench_kernels.py --only quantize_tiles`` on the H200 (8192 x
-    8192 bf16, 2026-11-30): a row segment of 128 blocks per program (1 x 128, 4 warps: 32 elements a
-    thread) quantized in 69 us and fake-quantized in 70 us, against 88 / 83 us for 32-row tiles, whose
-    125 registers a thread cap the occupancy. 2D scaling needs whole 16-row tiles: 16 x 16 blocks (74 us).
+    8192 bf16, 2026-11-30, half-block loads): a row segment of 128 blocks per program (1 x 128, 4
+    warps: one block a thread) quantized in 55.8 us and fake-quantized in 73.1 us, against 92.8 /
+    107.6 us for 32-row tiles. 2D scaling needs whole 16-row tiles: 16 x 16 blocks (69.0 us; 16 x 8
+    71.1, 16 x 32 80.7).
     Short rows keep several rows per program so that a tile still holds one block per thread.
     """
     if block_2d:
@@ -490,13 +525,14 @@ _LOOP_CONFIG = (32, 1)
 """``(programs per SM, PREFETCH)`` of the persistent quantize kernel with 1x16 blocks. H200 sweep
 (8192 x 8192 bf16, 2026-11-30; ``benchmarks/bench_kernels.py --only quantize_tiles`` re-times the
 prefetch and programs-per-SM rows; the async-copy variants came from a one-off sweep, since removed):
-32 programs per SM with the next tile prefetched into registers quantized in 61.6 us, against 64.1
-without prefetch, 62.1 / 62.2 with 16 / 64 programs per SM, 65-75 us with 1-3 async-copy stages
-and 74.2 us with one program per tile."""
+with half-block loads, 32 programs per SM with the next tile prefetched into registers quantized in
+55.0 us, against 56.6 without prefetch, 55.1 / 55.1 with 16 / 64 programs per SM and 58.3 us with
+one program per tile (before the half-block loads: 61.6 / 64.1 / 62.1 / 62.2 / 74.2 us, and 65-75 us
+with 1-3 async-copy stages)."""
 _ONE_PER_TILE = 1 << 20
 _LOOP_CONFIG_2D = (_ONE_PER_TILE, 0)
-"""16x16 blocks: one program per tile, no loop (the persistent loop measured slower there: 78.6-88 us
-against 72.8 us)."""
+"""16x16 blocks: one program per tile, no loop (the persistent loop measured slower there: 74.1-78.6 us
+against 68.9 us with half-block loads)."""
 _FAKE_QUANT_LOOP = (16, 3)
 """``(programs per SM, STAGES)`` of the persistent fake-quant kernel (``STAGES - 1`` tiles of async
 copies in flight)."""
