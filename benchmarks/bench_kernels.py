@@ -218,9 +218,30 @@ def bench_grouped(bandwidth: float, quick: bool) -> list[dict]:
     return rows
 
 
+def _both_rac_paths(call, kind: str) -> tuple[float, float]:
+    """``call`` timed on the W4A16 path (prologue bf16 block values + W4A16 kernel) and on the RAC GEMM
+    (``W4A16_PATH_ROWS[kind]`` forced either way): the evidence for the default thresholds."""
+    import megatron_quads.nvfp4.kernels.w4a4 as kw
+
+    default = kw.W4A16_PATH_ROWS[kind]
+    try:
+        kw.W4A16_PATH_ROWS[kind] = 1 << 62
+        via_w4a16 = time_graph(call, calls=10)
+        kw.W4A16_PATH_ROWS[kind] = 0
+        via_rac_gemm = time_graph(call, calls=10)
+    finally:
+        kw.W4A16_PATH_ROWS[kind] = default
+    return via_w4a16, via_rac_gemm
+
+
 def bench_rac(bandwidth: float, quick: bool) -> list[dict]:
-    """W4A4 + RAC against plain emulated W4A4, dense and grouped, per residual ratio."""
-    from megatron_quads.nvfp4.kernels.w4a4 import grouped_rac_kernel, rac_linear_kernel
+    """W4A4 + RAC against plain emulated W4A4, dense and grouped, per residual ratio; each case on both
+    GEMM paths (``us`` is the one the default ``W4A16_PATH_ROWS`` picks)."""
+    from megatron_quads.nvfp4.kernels.w4a4 import (
+        W4A16_PATH_ROWS,
+        grouped_rac_kernel,
+        rac_linear_kernel,
+    )
 
     rows = []
     for m, k, n in ((16, 4096, 4096), (2048, 4096, 4096)):
@@ -230,12 +251,14 @@ def bench_rac(bandwidth: float, quick: bool) -> list[dict]:
         for ratio in (0.0, 0.125, 0.25, 0.5, 1.0):
             channels = select_channels(torch.rand(k, device=DEV), ratio).to(DEV)
             residual = reblock_columns(qw, channels) if channels.numel() else None
-            t = time_graph(lambda: rac_linear_kernel(x, qw, channels, residual), calls=10)
+            via_w4a16, via_rac_gemm = _both_rac_paths(lambda: rac_linear_kernel(x, qw, channels, residual), "dense")
+            t = via_w4a16 if m <= W4A16_PATH_ROWS["dense"] else via_rac_gemm
             base = base or t
             s = num_residual_channels(k, ratio)
             nbytes = (n * (k + s)) // 2 + n * (k + s) // 16 + m * k * 2 + m * n * 2
             rows.append(row(f"w4a4+rac M={m} K={k} N={n} ratio={ratio}", t, nbytes, 2 * m * n * (k + s), bandwidth,
-                            overhead_vs_w4a4=round(t / base - 1, 3)))
+                            overhead_vs_w4a4=round(t / base - 1, 3), w4a16_path_us=round(via_w4a16, 2),
+                            rac_gemm_us=round(via_rac_gemm, 2)))
     experts, topk, k, n = 128, 8, 2048, 1536
     _, qw = _weight(n, k, experts)
     counts = _routing(256, experts, topk)
@@ -251,10 +274,13 @@ def bench_rac(bandwidth: float, quick: bool) -> list[dict]:
                                 weight_scale_2=qw.weight_scale_2, shape=torch.Size((experts, n, s)), dtype=qw.dtype)
         else:
             channels = residual = None
-        t = time_graph(lambda: grouped_rac_kernel(x, qw, offsets, channels, residual), calls=10)
+        via_w4a16, via_rac_gemm = _both_rac_paths(lambda: grouped_rac_kernel(x, qw, offsets, channels, residual), "grouped")
+        t = via_w4a16 if -(-x.shape[0] // experts) <= W4A16_PATH_ROWS["grouped"] else via_rac_gemm
         base = base or t
-        rows.append(row(f"grouped w4a4+rac gate_up tokens=256 ratio={ratio}", t, 0, 2 * x.shape[0] * n * (k + s),
-                        bandwidth, overhead_vs_w4a4=round(t / base - 1, 3)))
+        nbytes = experts * ((n * (k + s)) // 2 + n * (k + s) // 16) + x.shape[0] * (k * 2 + n * 2)
+        rows.append(row(f"grouped w4a4+rac gate_up tokens=256 ratio={ratio}", t, nbytes, 2 * x.shape[0] * n * (k + s),
+                        bandwidth, overhead_vs_w4a4=round(t / base - 1, 3), w4a16_path_us=round(via_w4a16, 2),
+                        rac_gemm_us=round(via_rac_gemm, 2)))
     return rows
 
 

@@ -12,6 +12,27 @@ TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 tests/test_kernels_*.py``): slow, and a development aid only; the GPU machine is where they count."""
 
 
+def _fix_interpreter_scalar_index() -> None:
+    """Triton 3.6's interpreter turns scalars into ``int(1-element array)``, an error on NumPy >= 2.4,
+    so every ``range(runtime_int)`` in a kernel fails. Read the element instead (test-only shim)."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_scalar_index_fixed", False):
+        return
+
+    def patched(tensor: type, scope: object) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._scalar_index_fixed = True
+    interpreter._patch_lang_tensor = patched
+
+
+if TRITON_INTERPRET:
+    _fix_interpreter_scalar_index()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; run on the GPU machine (`pytest -m gpu`)")
 

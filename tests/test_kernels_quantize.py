@@ -35,27 +35,6 @@ TIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore::RuntimeWarning")]
 
 
-def _fix_interpreter_scalar_index() -> None:
-    """Triton 3.6's interpreter turns scalars into ``int(1-element array)``, an error on NumPy >= 2.4,
-    so every ``range(runtime_int)`` fails. Read the element instead (test-only shim)."""
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "_scalar_index_fixed", False):
-        return
-
-    def patched(tensor: type, scope: object) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._scalar_index_fixed = True
-    interpreter._patch_lang_tensor = patched
-
-
-if INTERPRET:
-    _fix_interpreter_scalar_index()
-
-
 # ----------------------------------------------------------------------------------------- helpers
 
 

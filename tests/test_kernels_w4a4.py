@@ -39,6 +39,23 @@ pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:divide by zero
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MODES = tuple(ActivationScale)
+
+
+@pytest.fixture(autouse=True)
+def _one_w4a16_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The RAC path runs on the autotuned W4A16 kernels; here they keep one tile config each (an
+    autotuner with one config compiles it and does not time it), so every new shape costs one
+    compile instead of a sweep. test_kernels_w4a16.py covers the tile configs themselves."""
+    from megatron_quads.nvfp4.kernels import w4a16
+
+    split_4 = [c for c in w4a16._dense_tuned.configs if c.kwargs["SPLIT_K"] == 4]  # the tail's split-K share too
+    monkeypatch.setattr(w4a16._dense_tuned, "configs", split_4[:1] or w4a16._dense_tuned.configs[:1])
+    for tuner in (w4a16._dense_tuned_large, w4a16._grouped_tuned):
+        monkeypatch.setattr(tuner, "configs", tuner.configs[:1])
+    for tuner in (w4a16._dense_tuned, w4a16._dense_tuned_large, w4a16._grouped_tuned):
+        # choices cached by other tests may be configs outside the list above, which the launcher
+        # sizes its split-K buffers from
+        monkeypatch.setattr(tuner, "cache", {})
 _UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
 _SMALLEST = {torch.bfloat16: 2.0**-133, torch.float16: 2.0**-24, torch.float32: 2.0**-149}
 
@@ -187,7 +204,8 @@ def test_prologue_is_byte_identical_to_the_reference(kernel_device: str, mode: A
         channels = _channels(k, ratio, seed + int(ratio * 8))
         width = k + channels.numel()
         out = _poisoned_prologue(x.shape[0], width, kernel_device)
-        quantize_activations_kernel(x.to(kernel_device), channels.to(kernel_device), mode, static, out=out)
+        values = torch.full((x.shape[0], width), float("nan"), dtype=torch.bfloat16, device=kernel_device)
+        quantize_activations_kernel(x.to(kernel_device), channels.to(kernel_device), mode, static, out=out, values_out=values)
         codes, scales, decode = (t.cpu() for t in out)
         ref_codes, ref_scales, ref_decode = _reference_bytes(x, channels, amax)
         assert torch.equal(codes, ref_codes), f"codes differ (ratio {ratio})"
@@ -196,6 +214,8 @@ def test_prologue_is_byte_identical_to_the_reference(kernel_device: str, mode: A
         # and the values the GEMM multiplies are rac_operands' augmented activations
         a_values, _, _ = rac_operands(x, _weight(16, k, seed), channels, _weight(16, channels.numel(), seed) if channels.numel() else None, mode, static)
         assert torch.equal(_bytes_to_values(codes, scales, width), a_values)
+        # the bf16 block values the W4A16 decode path multiplies: exact, so equal to them
+        assert torch.equal(values.cpu().float(), a_values)
 
 
 def test_prologue_allocates_aligned_buffers_and_handles_no_tokens(kernel_device: str) -> None:
@@ -209,6 +229,8 @@ def test_prologue_allocates_aligned_buffers_and_handles_no_tokens(kernel_device:
     assert torch.equal(codes.cpu(), ref_codes) and torch.equal(scales.cpu(), ref_scales)
     empty = quantize_activations_kernel(x[:0], channels)
     assert [tuple(t.shape) for t in empty] == [(0, (k + 32) // 2), (0, (k + 32) // 16), (0,)]
+    with pytest.raises(ValueError, match="values_out must be a bfloat16"):
+        quantize_activations_kernel(x, channels, values_out=torch.empty(3, k + 32, device=kernel_device))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -248,8 +270,14 @@ def _shapes(device: str) -> list[tuple[int, int, int]]:
     return [(1, 64, 72), (5, 80, 1000), (16, 256, 72), (33, 80, 1000), (33, 2048, 1000), (300, 256, 1000), (1, 2048, 1000)]
 
 
+@pytest.mark.parametrize("w4a16_rows", (1 << 62, 0), ids=("w4a16 path", "rac gemm path"))
 @pytest.mark.parametrize("ratio", (0.0, 0.125, 0.5, 1.0))
-def test_rac_linear_matches_the_fp64_reference(kernel_device: str, ratio: float) -> None:
+def test_rac_linear_matches_the_fp64_reference(
+    kernel_device: str, ratio: float, w4a16_rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import megatron_quads.nvfp4.kernels.w4a4 as w4a4_kernels
+
+    monkeypatch.setitem(w4a4_kernels.W4A16_PATH_ROWS, "dense", w4a16_rows)
     for i, (m, k, n) in enumerate(_shapes(kernel_device)):
         seed = 1000 * i + int(ratio * 64)
         x = _activations(m, k, torch.float32, seed)  # fp32 output: the tolerance is fp32-tight
@@ -339,9 +367,15 @@ def _stacked_residual(weight: NVFP4Tensor, channels: torch.Tensor) -> NVFP4Tenso
     )
 
 
+@pytest.mark.parametrize("w4a16_rows", (1 << 62, 0), ids=("w4a16 path", "rac gemm path"))
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("ratio", (0.0, 0.25))
-def test_grouped_rac_matches_the_per_expert_reference(kernel_device: str, mode: ActivationScale, ratio: float) -> None:
+def test_grouped_rac_matches_the_per_expert_reference(
+    kernel_device: str, mode: ActivationScale, ratio: float, w4a16_rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import megatron_quads.nvfp4.kernels.w4a4 as w4a4_kernels
+
+    monkeypatch.setitem(w4a4_kernels.W4A16_PATH_ROWS, "grouped", w4a16_rows)
     experts, k, n = (5, 64, 40) if kernel_device == "cpu" else (16, 512, 264)
     tokens_list = (1, 13) if kernel_device == "cpu" else (1, 13, 200, 3000)
     for j, tokens in enumerate(tokens_list):

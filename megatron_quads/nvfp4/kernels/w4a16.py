@@ -35,6 +35,8 @@ INTERPRET = tl.constexpr(_INTERPRET)
 _KERNEL_DTYPES = (torch.bfloat16,)
 """bf16 only: the dequantization builds bf16x2 operands. fp16 activations take the reference path (an
 earlier fp32-path kernel's fp16 variant failed 9 accumulation-error cases on the H200, 2026-11-29)."""
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+"""Output dtypes of the W4A4 + RAC path through these kernels (the epilogue rounds fp32 to any of them)."""
 _SPLIT_WINDOW = (0.9, 6.0)
 """Split-K aims for between 0.9x and 6x as many programs as the GPU has SMs."""
 _MAX_SPLIT_M = 64
@@ -254,10 +256,16 @@ def round_f32_to(v, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _store_output(acc, ws2_ptr, y_ptr, offs_n, offs_m, N, m_end, stride_yn, stride_ym):
-    """Epilogue: ``y[m, n] = cast(acc[n, m] * weight_scale_2)`` for ``n < N`` and ``m < m_end``."""
+def _store_output(acc, ws2_ptr, y_ptr, offs_n, offs_m, N, m_end, stride_yn, stride_ym, row_scale_ptr=None,
+                  ROW_SCALE: tl.constexpr = False):
+    """Epilogue: ``y[m, n] = cast(acc[n, m] * weight_scale_2)`` for ``n < N`` and ``m < m_end``; with
+    ``ROW_SCALE`` the factor is ``row_scale[m] * weight_scale_2`` (the W4A4 ``alpha``)."""
     DTYPE: tl.constexpr = y_ptr.dtype.element_ty
-    decode = tl.load(ws2_ptr) * (2.0 ** -OPERAND_LOG2_SCALE)  # exact power-of-two rescale
+    if ROW_SCALE:
+        alpha = tl.load(row_scale_ptr + offs_m, mask=offs_m < m_end, other=0.0) * tl.load(ws2_ptr)
+        decode = (alpha * (2.0 ** -OPERAND_LOG2_SCALE))[None, :]  # exact power-of-two rescale
+    else:
+        decode = tl.load(ws2_ptr) * (2.0 ** -OPERAND_LOG2_SCALE)
     y = round_f32_to(acc * decode, DTYPE)
     ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None] * stride_yn
     tl.store(ptrs, y, mask=(offs_n[:, None] < N) & (offs_m[None, :] < m_end))
@@ -266,12 +274,18 @@ def _store_output(acc, ws2_ptr, y_ptr, offs_n, offs_m, N, m_end, stride_yn, stri
 @triton.jit
 def _dense_kernel(
     x_ptr, codes_ptr, scales_ptr, ws2_ptr, y_ptr, partials_ptr, counters_ptr,
-    M, N, K,
-    stride_xm, stride_xk, stride_cn, stride_sn, stride_ym, stride_yn,
+    tail_codes_ptr, tail_scales_ptr, row_scale_ptr,
+    M, N, K, K2,
+    stride_xm, stride_xk, stride_cn, stride_sn, stride_ym, stride_yn, stride_tcn, stride_tsn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_K2: tl.constexpr, HAS_TAIL: tl.constexpr, DOT_F32: tl.constexpr, ROW_SCALE: tl.constexpr,
 ):
-    """Grid ``(cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M))``: one K slice of one ``y^T`` tile."""
+    """Grid ``(cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M))``: one K slice of one ``y^T`` tile.
+
+    With ``HAS_TAIL`` (``K2 > 0``) the reduction runs over an augmented K: x rows hold ``K + K2`` values and the
+    second weight (``tail_*``, ``[N, K2]``, the same ``weight_scale_2``) covers columns ``K..K+K2``
+    (the RAC residual part); every split takes its share of both ranges.
+    """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -285,17 +299,26 @@ def _dense_kernel(
     kt_lo = pid_k * per_split
     kt_hi = tl.minimum(kt_lo + per_split, k_tiles)
 
+    x_rows = x_ptr + rows_m[None, :] * stride_xm
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc = _accumulate(
-        acc,
-        x_ptr + rows_m[None, :] * stride_xm,
-        offs_m[None, :] < M,
+        acc, x_rows, offs_m[None, :] < M,
         codes_ptr + rows_n[:, None] * stride_cn,
         scales_ptr + rows_n[:, None] * stride_sn,
         stride_xk, kt_lo, kt_hi, K, BLOCK_K, EVEN_K, DOT_F32,
     )
+    if HAS_TAIL:
+        tail_tiles = tl.cdiv(K2, BLOCK_K)
+        tail_per_split = tl.cdiv(tail_tiles, SPLIT_K)
+        acc = _accumulate(
+            acc, x_rows + K * stride_xk, offs_m[None, :] < M,
+            tail_codes_ptr + rows_n[:, None] * stride_tcn,
+            tail_scales_ptr + rows_n[:, None] * stride_tsn,
+            stride_xk, pid_k * tail_per_split, tl.minimum((pid_k + 1) * tail_per_split, tail_tiles), K2,
+            BLOCK_K, EVEN_K2, DOT_F32,
+        )
     if SPLIT_K == 1:
-        _store_output(acc, ws2_ptr, y_ptr, offs_n, offs_m, N, M, stride_yn, stride_ym)
+        _store_output(acc, ws2_ptr, y_ptr, offs_n, offs_m, N, M, stride_yn, stride_ym, row_scale_ptr, ROW_SCALE)
     else:
         tile = pid_m * tl.num_programs(0) + pid_n
         TILE: tl.constexpr = BLOCK_N * BLOCK_M
@@ -309,19 +332,21 @@ def _dense_kernel(
             total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):  # fixed order: the result does not depend on timing
                 total += tl.load(base + s * TILE + local, cache_modifier=".cg")
-            _store_output(total, ws2_ptr, y_ptr, offs_n, offs_m, N, M, stride_yn, stride_ym)
+            _store_output(total, ws2_ptr, y_ptr, offs_n, offs_m, N, M, stride_yn, stride_ym, row_scale_ptr, ROW_SCALE)
             tl.atomic_xchg(counters_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
 def _grouped_kernel(
-    x_ptr, codes_ptr, scales_ptr, ws2_ptr, offsets_ptr, y_ptr,
-    N, K,
+    x_ptr, codes_ptr, scales_ptr, ws2_ptr, offsets_ptr, y_ptr, tail_codes_ptr, tail_scales_ptr, row_scale_ptr,
+    N, K, K2,
     stride_xm, stride_xk, stride_ce, stride_cn, stride_se, stride_sn, stride_w2, stride_ym, stride_yn,
+    stride_tce, stride_tcn, stride_tse, stride_tsn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_K2: tl.constexpr, HAS_TAIL: tl.constexpr, DOT_F32: tl.constexpr, ROW_SCALE: tl.constexpr,
 ):
-    """Grid ``(cdiv(N, BLOCK_N), E)``: expert ``e``'s rows ``offsets[e]:offsets[e+1]``, one N tile."""
+    """Grid ``(cdiv(N, BLOCK_N), E)``: expert ``e``'s rows ``offsets[e]:offsets[e+1]``, one N tile;
+    ``HAS_TAIL`` and ``ROW_SCALE`` as in :func:`_dense_kernel` (the tail weight stacked ``[E, N, K2]``)."""
     pid_n = tl.program_id(0)
     expert = tl.program_id(1)
     lo = tl.load(offsets_ptr + expert)
@@ -336,11 +361,20 @@ def _grouped_kernel(
         offs_m = m0 + tl.arange(0, BLOCK_M)
         rows_m = tl.minimum(offs_m, hi - 1)
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        x_rows = x_ptr + rows_m[None, :] * stride_xm
         acc = _accumulate(
-            acc, x_ptr + rows_m[None, :] * stride_xm, offs_m[None, :] < hi, w_rows, s_rows,
+            acc, x_rows, offs_m[None, :] < hi, w_rows, s_rows,
             stride_xk, 0, k_tiles, K, BLOCK_K, EVEN_K, DOT_F32,
         )
-        _store_output(acc, ws2_ptr + expert * stride_w2, y_ptr, offs_n, offs_m, N, hi, stride_yn, stride_ym)
+        if HAS_TAIL:
+            acc = _accumulate(
+                acc, x_rows + K * stride_xk, offs_m[None, :] < hi,
+                tail_codes_ptr + e64 * stride_tce + rows_n[:, None] * stride_tcn,
+                tail_scales_ptr + e64 * stride_tse + rows_n[:, None] * stride_tsn,
+                stride_xk, 0, tl.cdiv(K2, BLOCK_K), K2, BLOCK_K, EVEN_K2, DOT_F32,
+            )
+        _store_output(acc, ws2_ptr + expert * stride_w2, y_ptr, offs_n, offs_m, N, hi, stride_yn, stride_ym,
+                      row_scale_ptr, ROW_SCALE)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -410,19 +444,27 @@ def _even_k(args: dict[str, Any]) -> bool:
     return args["K"] % args["BLOCK_K"] == 0
 
 
-_dense_heuristic = triton.heuristics({"EVEN_K": _even_k})(_dense_kernel)
+def _even_k2(args: dict[str, Any]) -> bool:
+    return args["K2"] % args["BLOCK_K"] == 0
+
+
+def _has_tail(args: dict[str, Any]) -> bool:
+    return args["K2"] > 0
+
+
+_dense_heuristic = triton.heuristics({"EVEN_K": _even_k, "EVEN_K2": _even_k2, "HAS_TAIL": _has_tail})(_dense_kernel)
 _dense_tuned = triton.autotune(
     configs=_dense_configs((1, 2, 4, 8, 16)),
-    key=["BLOCK_M", "N", "K"],
+    key=["BLOCK_M", "N", "K", "K2"],
     prune_configs_by={"early_config_prune": _prune_dense},
 )(_dense_heuristic)
 _dense_tuned_large = triton.autotune(
     configs=_dense_configs((1,)),
-    key=["BLOCK_M", "N", "K"],
+    key=["BLOCK_M", "N", "K", "K2"],
     prune_configs_by={"early_config_prune": _prune_dense},
 )(_dense_heuristic)
-_grouped_heuristic = triton.heuristics({"EVEN_K": _even_k})(_grouped_kernel)
-_grouped_tuned = triton.autotune(configs=_grouped_configs(), key=["BLOCK_M", "N", "K"])(_grouped_heuristic)
+_grouped_heuristic = triton.heuristics({"EVEN_K": _even_k, "EVEN_K2": _even_k2, "HAS_TAIL": _has_tail})(_grouped_kernel)
+_grouped_tuned = triton.autotune(configs=_grouped_configs(), key=["BLOCK_M", "N", "K", "K2"])(_grouped_heuristic)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -494,15 +536,23 @@ def _new_partials(numel: int, device: torch.device) -> torch.Tensor:
     return torch.empty(numel, dtype=torch.float32, device=device)
 
 
-def _launch_dense(x2: torch.Tensor, weight: NVFP4Tensor, y2: torch.Tensor, config: dict[str, int] | None) -> None:
-    m, k = x2.shape
+def _launch_dense(x2: torch.Tensor, weight: NVFP4Tensor, y2: torch.Tensor, config: dict[str, int] | None,
+                  tail: NVFP4Tensor | None = None, row_scale: torch.Tensor | None = None) -> None:
+    """Launch the dense kernel on ``x2 [M, K (+ K2)]``; ``tail [N, K2]`` extends the reduction over the
+    last ``K2`` columns of x, ``row_scale [M]`` (fp32) multiplies each output row."""
+    m = x2.shape[0]
+    k = weight.shape[1]
     n = weight.shape[0]
     codes = _code_words(weight.codes)
     scales = _rows_contiguous(weight.scales.view(torch.uint8))
+    if tail is None:
+        tail_codes, tail_scales, k2 = codes, scales, 0  # never read
+    else:
+        tail_codes, tail_scales, k2 = _code_words(tail.codes), _rows_contiguous(tail.scales.view(torch.uint8)), tail.shape[1]
     ws2 = weight.weight_scale_2.reshape(1).to(torch.float32)
     block_m = _block_m(m)
     m_tiles = triton.cdiv(m, block_m)
-    common = {"BLOCK_M": block_m, "DOT_F32": _INTERPRET and x2.dtype == torch.bfloat16}
+    common = {"BLOCK_M": block_m, "DOT_F32": _INTERPRET and x2.dtype == torch.bfloat16, "ROW_SCALE": row_scale is not None}
     tuner = _dense_tuned if m <= _MAX_SPLIT_M else _dense_tuned_large
     # sized for any config the autotuner may pick (it caches one per key, whatever M in the bucket)
     metas = [c.kwargs for c in tuner.configs] if config is None else [config]
@@ -511,8 +561,10 @@ def _launch_dense(x2: torch.Tensor, weight: NVFP4Tensor, y2: torch.Tensor, confi
     partials = _new_partials(max_split * padded_n * m_tiles * block_m if max_split > 1 else 1, x2.device)
     counters = _split_counters(x2.device, triton.cdiv(n, min(meta["BLOCK_N"] for meta in metas)) * m_tiles)
     args = (
-        x2, codes, scales, ws2, y2, partials, counters, m, n, k,
+        x2, codes, scales, ws2, y2, partials, counters, tail_codes, tail_scales, ws2 if row_scale is None else row_scale,
+        m, n, k, k2,
         x2.stride(0), x2.stride(1), codes.stride(0), scales.stride(0), y2.stride(0), y2.stride(1),
+        tail_codes.stride(0), tail_scales.stride(0),
     )
 
     def grid(meta: dict[str, Any]) -> tuple[int, int, int]:
@@ -559,6 +611,34 @@ def w4a16_linear_kernel(x: torch.Tensor, weight: NVFP4Tensor) -> torch.Tensor:
     return w4a16_linear_into(x, weight, out)
 
 
+def w4a16_augmented_into(
+    values: torch.Tensor, weight: NVFP4Tensor, tail: NVFP4Tensor | None, row_scale: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """``out [M, N] = (values @ dq([W, W_tail]).T) * row_scale[:, None]`` in one reduction over ``K + K2``.
+
+    The W4A4 + RAC decode path: ``values`` (bf16 ``[M, K + K2]``) are the activations' block values
+    (``e2m1 * e4m3``, exact in bf16) of ``[q(x), q(r_S)]``, ``weight [N, K]`` and ``tail [N, K2]``
+    (the residual weight W_S, or None when ``K2 = 0``) share ``weight.weight_scale_2``, and
+    ``row_scale`` (fp32 ``[M]``) is each row's activation decode scale. ``out`` may be bf16, fp16 or fp32.
+    """
+    if len(weight.shape) != 2:
+        raise ValueError(f"w4a16_augmented_into needs an [N, K] weight, got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    k2 = 0 if tail is None else tail.shape[-1]
+    if tail is not None and tuple(tail.shape) != (n, k2):
+        raise ValueError(f"the tail weight must be [{n}, K2], got shape {tuple(tail.shape)}")
+    _check_weight_parts(values, weight, k + k2)
+    m = values.shape[0]
+    if values.ndim != 2 or row_scale.shape != (m,) or row_scale.dtype != torch.float32:
+        raise ValueError(f"values must be [M, {k + k2}] with a float32 row_scale [M], got {tuple(values.shape)} and "
+                         f"{row_scale.dtype} {tuple(row_scale.shape)}")
+    if tuple(out.shape) != (m, n) or out.stride(-1) != 1:
+        raise ValueError(f"out must be [{m}, {n}] with unit stride along the last dim, got {tuple(out.shape)}")
+    if m:
+        _launch_dense(_rows_contiguous(values), weight, out, None, tail, row_scale)
+    return out
+
+
 def _grouped_block_m(rows: int, experts: int) -> int:
     """Row chunk per expert from the mean rows per expert (known without a device sync)."""
     return _block_m(2 * triton.cdiv(rows, max(experts, 1)))
@@ -570,37 +650,54 @@ def grouped_w4a16_into(
     expert_offsets: torch.Tensor,
     out: torch.Tensor,
     config: dict[str, int] | None = None,
+    tail: NVFP4Tensor | None = None,
+    row_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write the grouped W4A16 product into ``out [T, N]`` and return it (see :func:`grouped_w4a16_kernel`).
 
     Only shapes are checked (no host synchronisation): ``expert_offsets`` must rise from 0 to ``T``.
     ``config`` (``BLOCK_N``, ``BLOCK_K``, optional ``BLOCK_M``/``num_warps``/``num_stages``) skips the autotuner.
+    ``tail`` (stacked ``[E, N, K2]``, the weight's ``weight_scale_2``) and ``row_scale`` (fp32 ``[T]``)
+    make it the grouped W4A4 + RAC decode GEMM, as :func:`w4a16_augmented_into` does for one weight:
+    x then holds ``K + K2`` values a row.
     """
     from megatron_quads.rollout.grouped import check_grouped_shapes
 
-    check_grouped_shapes(x, weight, expert_offsets)
+    check_grouped_shapes(x if tail is None else x[..., : weight.shape[-1]], weight, expert_offsets)
     num_experts, n, k = weight.shape
-    _check_weight_parts(x, weight, k)
+    k2 = 0 if tail is None else tail.shape[-1]
+    if tail is not None and tuple(tail.shape) != (num_experts, n, k2):
+        raise ValueError(f"the tail weight must be [{num_experts}, {n}, K2], got shape {tuple(tail.shape)}")
+    if row_scale is not None and (row_scale.shape != (x.shape[0],) or row_scale.dtype != torch.float32):
+        raise ValueError(f"row_scale must be float32 [{x.shape[0]}], got {row_scale.dtype} {tuple(row_scale.shape)}")
+    _check_weight_parts(x, weight, k + k2)
     if expert_offsets.dtype != torch.int32:
         raise ValueError(f"expert_offsets must be int32, got {expert_offsets.dtype}")
     if weight.weight_scale_2.numel() not in (1, num_experts):
         raise ValueError(f"weight_scale_2 must hold 1 or {num_experts} values, got shape {tuple(weight.weight_scale_2.shape)}")
-    _check_out(out, (x.shape[0], n), x.dtype, x.device)
+    # the RAC path (row_scale) writes the caller's dtype; plain W4A16 writes x's
+    out_dtype = out.dtype if row_scale is not None and out.dtype in _OUT_DTYPES else x.dtype
+    _check_out(out, (x.shape[0], n), out_dtype, x.device)
     _check_config(config)
     if out.numel() == 0:
         return out
     x = _rows_contiguous(x)
     codes = _code_words(weight.codes)
     scales = _rows_contiguous(weight.scales.view(torch.uint8))
+    if tail is None:
+        tail_codes, tail_scales = codes, scales  # never read
+    else:
+        tail_codes, tail_scales = _code_words(tail.codes), _rows_contiguous(tail.scales.view(torch.uint8))
     ws2 = weight.weight_scale_2.reshape(-1).to(torch.float32)
     offsets = expert_offsets.to(x.device)
     block_m = _grouped_block_m(x.shape[0], num_experts) if config is None else config.get("BLOCK_M", 16)
     args = (
-        x, codes, scales, ws2, offsets, out, n, k,
+        x, codes, scales, ws2, offsets, out, tail_codes, tail_scales, ws2 if row_scale is None else row_scale, n, k, k2,
         x.stride(0), x.stride(1), codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1),
         1 if ws2.numel() > 1 else 0, out.stride(0), out.stride(1),
+        tail_codes.stride(0), tail_codes.stride(1), tail_scales.stride(0), tail_scales.stride(1),
     )
-    common = {"BLOCK_M": block_m, "DOT_F32": _INTERPRET and x.dtype == torch.bfloat16}
+    common = {"BLOCK_M": block_m, "DOT_F32": _INTERPRET and x.dtype == torch.bfloat16, "ROW_SCALE": row_scale is not None}
 
     def grid(meta: dict[str, Any]) -> tuple[int, int]:
         return (triton.cdiv(n, meta["BLOCK_N"]), num_experts)

@@ -9,7 +9,10 @@ Two kernels per linear, matching :mod:`megatron_quads.rollout.rac` / :mod:`megat
 * the GEMM (:func:`rac_linear_kernel`, :func:`grouped_rac_kernel`) dequantizes both operands tile by
   tile into fp16 (``e2m1 * e4m3`` is exact in fp16), accumulates ``tl.dot`` in fp32 over the
   augmented K (the weight's K columns, then W_S's |S| columns) and applies
-  ``alpha = a_decode[row] * w_decode`` in the epilogue.
+  ``alpha = a_decode[row] * w_decode`` in the epilogue;
+* or, for the sizes in :data:`W4A16_PATH_ROWS`, the prologue also writes each row's bf16 block
+  values (``e2m1 * e4m3``, exact) and the W4A16 kernels (:func:`~megatron_quads.nvfp4.kernels.w4a16.w4a16_augmented_into`,
+  ``grouped_w4a16_into``) reduce them against ``[W, W_S]`` in one pass with ``alpha`` per row.
 
 Hopper has no FP4 tensor cores, so this emulation is the W4A4 path there. All exactness-critical
 arithmetic uses IEEE divisions (``div_rn``) and bit manipulation, never fp8 casts, so the
@@ -100,12 +103,22 @@ def _element_encode(scale_f32, decode):
 
 @triton.jit
 def _quantize_pairs(even, odd, encode_div6, decode):
-    """Quantize fp32 blocks given as even/odd halves ``[NB, 8]``: ``(packed bytes, scale bytes [NB])``."""
+    """Quantize fp32 blocks given as even/odd halves ``[NB, 8]``: ``(packed bytes, scale bytes [NB],
+    fp32 scales [NB])``."""
     block_amax = tl.maximum(tl.max(tl.abs(even), axis=1), tl.max(tl.abs(odd), axis=1))
     scale_f32, scale_byte = _block_scale(block_amax, encode_div6)
     encode = _element_encode(scale_f32, decode)[:, None]
     packed = _e2m1_code(even * encode) | (_e2m1_code(odd * encode) << 4)
-    return packed, scale_byte
+    return packed, scale_byte, scale_f32
+
+
+@triton.jit
+def _store_values(values_row, even, packed, scale_f32, mask):
+    """The block values ``e2m1 * e4m3`` of ``packed`` codes (bf16, exact: at most 6 significant bits)
+    at the even columns ``even [NB, 8]`` and the odd ones after them."""
+    scale = scale_f32[:, None]
+    tl.store(values_row + even, (e2m1_to_f32(packed & 15) * scale).to(tl.bfloat16), mask=mask)
+    tl.store(values_row + even + 1, (e2m1_to_f32(packed >> 4) * scale).to(tl.bfloat16), mask=mask)
 
 
 @triton.jit
@@ -142,15 +155,19 @@ def _quantize_rows_kernel(
     codes_ptr, stride_cm,
     scales_ptr, stride_sm,
     decode_ptr,
+    values_ptr, stride_vm,
     K: tl.constexpr, S: tl.constexpr,
-    ROW_AMAX: tl.constexpr, GROUPED: tl.constexpr,
+    ROW_AMAX: tl.constexpr, GROUPED: tl.constexpr, WRITE_VALUES: tl.constexpr,
     BLOCK_KB: tl.constexpr, BLOCK_SB: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
-    """One token row: amax, NVFP4 codes/scales of x, then of the residual at the channels S."""
+    """One token row: amax, NVFP4 codes/scales of x, then of the residual at the channels S; with
+    ``WRITE_VALUES`` also the block values ``e2m1 * e4m3`` of both parts (bf16, without the row's
+    ``weight_scale_2``) into one row of ``K + S`` values."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
     codes_row = codes_ptr + row * stride_cm
     scales_row = scales_ptr + row * stride_sm
+    values_row = values_ptr + row * stride_vm
     expert = 0
     if GROUPED:
         expert = _expert_of(row, offsets_ptr, num_experts, BLOCK_E)
@@ -178,9 +195,11 @@ def _quantize_rows_kernel(
         even = blocks[:, None] * 16 + 2 * pair
         xe = tl.load(x_row + even, mask=mask, other=0.0).to(tl.float32)
         xo = tl.load(x_row + even + 1, mask=mask, other=0.0).to(tl.float32)
-        packed, scale_byte = _quantize_pairs(xe, xo, encode_div6, decode)
+        packed, scale_byte, scale_f32 = _quantize_pairs(xe, xo, encode_div6, decode)
         tl.store(codes_row + blocks[:, None] * 8 + pair, packed.to(tl.uint8), mask=mask)
         tl.store(scales_row + blocks, scale_byte.to(tl.uint8), mask=bmask)
+        if WRITE_VALUES:
+            _store_values(values_row, even, packed, scale_f32, mask)
 
     ch_row = ch_ptr + expert * stride_ch
     for b0 in range(0, S // 16, BLOCK_SB):
@@ -192,9 +211,11 @@ def _quantize_rows_kernel(
         ch_odd = tl.load(ch_row + even + 1, mask=mask, other=0)
         re = _residual_at(x_row, ch_even, mask, encode_div6, decode, ws2)
         ro = _residual_at(x_row, ch_odd, mask, encode_div6, decode, ws2)
-        packed, scale_byte = _quantize_pairs(re, ro, encode_div6, decode)
+        packed, scale_byte, scale_f32 = _quantize_pairs(re, ro, encode_div6, decode)
         tl.store(codes_row + K // 2 + blocks[:, None] * 8 + pair, packed.to(tl.uint8), mask=mask)
         tl.store(scales_row + K // 16 + blocks, scale_byte.to(tl.uint8), mask=bmask)
+        if WRITE_VALUES:
+            _store_values(values_row + K, blocks[:, None] * 16 + 2 * pair, packed, scale_f32, mask)
 
 
 @triton.jit
@@ -352,6 +373,17 @@ class GemmConfig:
     num_stages: int
 
 
+W4A16_PATH_ROWS = {"dense": 0, "grouped": 0}
+"""RAC linears of at most this many tokens (grouped: on average per expert) and no explicit
+``config`` run on the W4A16 kernels over the prologue's bf16 block values, ``alpha`` per row in
+their epilogue; larger ones on :func:`_rac_gemm_kernel`. Off (0) by default until the GPU tests of
+this path have run: it passes them under ``TRITON_INTERPRET=1`` (against the fp64 reference), but
+the H200 run that included them ran out of time with one unidentified failure (2026-11-30). Measured
+on the H200 (``bench_kernels.py`` rac section, plain W4A4): dense 4096^2 16.6 against 70.5 us at
+M = 16 and 280.5 against 640.9 us at M = 2048; grouped gate/up 167.7 against 681.7 us at 256 tokens
+(16 rows per expert). Set e.g. ``{"dense": 1 << 62, "grouped": 64}`` to use it."""
+
+
 def gemm_config(rows_per_group: int) -> GemmConfig:
     """Tiles for ``rows_per_group`` tokens per GEMM (per expert when grouped; an average there).
 
@@ -429,14 +461,17 @@ def quantize_activations_kernel(
     static_amax: float | torch.Tensor | None = None,
     expert_offsets: torch.Tensor | None = None,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    values_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The RAC prologue: ``(a_codes uint8 [T, (K+S)/2], a_scales uint8 (e4m3 bits) [T, (K+S)/16], a_decode fp32 [T])``.
 
     Row t holds ``q(x[t])`` followed by ``q(r[t, S])`` with ``r = x - dq(q(x))``, both quantized with
     the row's global amax (``mode``), byte-identical to :func:`megatron_quads.nvfp4.quantize`.
     ``channels`` is ``[S]`` (or None), or ``[E, S]`` with ``expert_offsets [E + 1]`` (tokens sorted by
-    expert). ``out`` optionally supplies the three output buffers. Inputs are not checked for
-    NaN/Inf and channel values are not range-checked (that would need a host sync).
+    expert). ``out`` optionally supplies the three output buffers. ``values_out`` (bf16 ``[T, K+S]``,
+    unit stride along the last dim) also receives each row's block values ``e2m1 * e4m3`` (exact in
+    bf16; times ``a_decode`` they are the dequantized activations), what the W4A16 kernels multiply.
+    Inputs are not checked for NaN/Inf and channel values are not range-checked (that would need a host sync).
     """
     _check_activations(x2d)
     mode = ActivationScale(mode)
@@ -460,6 +495,11 @@ def quantize_activations_kernel(
         codes.stride(1), scales.stride(1), decode.stride(0)
     ) != 1:
         raise ValueError("out buffers must be uint8, uint8 and float32 with unit stride along the last dim")
+    if values_out is not None and (
+        values_out.shape != (rows, width) or values_out.dtype != torch.bfloat16 or values_out.stride(1) != 1
+    ):
+        raise ValueError(f"values_out must be a bfloat16 [{rows}, {width}] tensor with unit stride along the last dim, "
+                         f"got {values_out.dtype} {tuple(values_out.shape)}")
     if rows == 0:
         return codes, scales, decode
     x2d = x2d if x2d.stride(1) == 1 else x2d.contiguous()
@@ -474,8 +514,9 @@ def quantize_activations_kernel(
         codes, codes.stride(0),
         scales, scales.stride(0),
         decode,
+        decode if values_out is None else values_out, 0 if values_out is None else values_out.stride(0),
         k, ch.shape[1],
-        ROW_AMAX=amax is None, GROUPED=grouped,
+        ROW_AMAX=amax is None, GROUPED=grouped, WRITE_VALUES=values_out is not None,
         BLOCK_KB=min(64, triton.next_power_of_2(k // BLOCK_SIZE)),
         BLOCK_SB=min(16, triton.next_power_of_2(max(ch.shape[1] // BLOCK_SIZE, 1))),
         BLOCK_E=triton.next_power_of_2(groups + 1),
@@ -578,7 +619,17 @@ def rac_linear_kernel(
     _check_residual(tuple(weight.shape), ch, residual_weight)
     y = _output_buffer(out, (*x.shape[:-1], n), x)
     x2d = x.reshape(-1, k)
-    if x2d.shape[0] == 0:
+    rows = x2d.shape[0]
+    if rows == 0:
+        return y
+    if config is None and rows <= W4A16_PATH_ROWS["dense"]:
+        # the prologue writes the bf16 block values of [q(x), q(r_S)] and the W4A16 split-K
+        # kernel reduces them against [W, W_S] in one pass, alpha per row in its epilogue
+        from megatron_quads.nvfp4.kernels.w4a16 import w4a16_augmented_into
+
+        values = torch.empty(rows, k + ch.shape[1], dtype=torch.bfloat16, device=x.device)
+        _, _, decode = quantize_activations_kernel(x2d, ch[0], mode, static_amax, values_out=values)
+        w4a16_augmented_into(values, weight, residual_weight if ch.shape[1] else None, decode, y.view(-1, n))
         return y
     act = quantize_activations_kernel(x2d, ch[0], mode, static_amax)
     _launch_gemm(act, weight, residual_weight, y.view(-1, n), None, config)
@@ -616,6 +667,14 @@ def grouped_rac_kernel(
     if x.shape[0] == 0:
         return y
     offsets = expert_offsets.to(device=x.device, dtype=torch.int32).contiguous()
+    if config is None and triton.cdiv(x.shape[0], num_experts) <= W4A16_PATH_ROWS["grouped"]:
+        # the grouped W4A16 kernel over the prologue's bf16 block values
+        from megatron_quads.nvfp4.kernels.w4a16 import grouped_w4a16_into
+
+        values = torch.empty(x.shape[0], x.shape[1] + ch.shape[1], dtype=torch.bfloat16, device=x.device)
+        _, _, decode = quantize_activations_kernel(x, ch, mode, static_amax, offsets, values_out=values)
+        grouped_w4a16_into(values, weight, offsets, y, tail=residual_weight if ch.shape[1] else None, row_scale=decode)
+        return y
     act = quantize_activations_kernel(x, ch, mode, static_amax, offsets)
     _launch_gemm(act, weight, residual_weight if ch.shape[1] else None, y, offsets, config)
     return y
