@@ -322,6 +322,32 @@ def test_dense_rejects_fp32_and_handles_empty(kernel_device: str) -> None:
                                 {"BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 1})
 
 
+@pytest.mark.gpu
+def test_augmented_rejects_mismatched_parts(kernel_device: str) -> None:
+    """The W4A4 + RAC entry point names the part that does not fit (its results are checked against
+    the fp64 reference in test_kernels_w4a4.py)."""
+    weight = _gaussian_weight((40, 48), kernel_device)
+    tail = _gaussian_weight((40, 32), kernel_device)
+    values = torch.randn(3, 80, device=kernel_device).bfloat16()
+    scale = torch.ones(3, device=kernel_device)
+    out = torch.empty(3, 40, device=kernel_device)
+    with pytest.raises(ValueError, match="tail weight must be"):
+        w4a16.w4a16_augmented_into(values, weight, _gaussian_weight((24, 32), kernel_device), scale, out)
+    with pytest.raises(ValueError, match="input features"):
+        w4a16.w4a16_augmented_into(values[:, :64], weight, tail, scale, out)
+    with pytest.raises(ValueError, match="row_scale"):
+        w4a16.w4a16_augmented_into(values, weight, tail, scale.double(), out)
+    with pytest.raises(ValueError, match="out must be"):
+        w4a16.w4a16_augmented_into(values, weight, tail, scale, out[:, :8])
+    stacked = _gaussian_weight((2, 40, 48), kernel_device)
+    offsets = expert_offsets_from_counts(torch.tensor([1, 2])).to(kernel_device)
+    with pytest.raises(ValueError, match="tail weight must be"):
+        w4a16.grouped_w4a16_into(values, stacked, offsets, out, tail=tail, row_scale=scale)
+    with pytest.raises(ValueError, match="row_scale"):
+        w4a16.grouped_w4a16_into(values, stacked, offsets, out, tail=_gaussian_weight((2, 40, 32), kernel_device),
+                                 row_scale=scale[:2])
+
+
 # --------------------------------------------------------------------------------------------------
 # Grouped
 # --------------------------------------------------------------------------------------------------
