@@ -195,8 +195,24 @@ def _routing(tokens: int, experts: int, topk: int) -> torch.Tensor:
     return torch.bincount(choice, minlength=experts)
 
 
+def _token_tile_sweep(call) -> dict[str, float]:
+    """``call`` timed with each token tile of the grouped kernel (``_grouped_block_m`` pinned; the
+    autotuner then picks the weight tile per token tile): the evidence for its default."""
+    import megatron_quads.nvfp4.kernels.w4a16 as kw
+
+    default = kw._grouped_block_m
+    times = {}
+    try:
+        for block_m in (16, 32, 64):
+            kw._grouped_block_m = lambda rows, experts, block_m=block_m: block_m
+            times[f"block_m{block_m}_us"] = round(time_graph(call), 2)
+    finally:
+        kw._grouped_block_m = default
+    return times
+
+
 def bench_grouped(bandwidth: float, quick: bool) -> list[dict]:
-    """Grouped MoE W4A16 at Qwen3-30B-A3B expert shapes vs BF16 torch._grouped_mm."""
+    """Grouped MoE W4A16 at Qwen3-30B-A3B expert shapes vs BF16 torch._grouped_mm (and each token tile)."""
     from megatron_quads.nvfp4.kernels.w4a16 import grouped_w4a16_kernel
 
     experts, topk, rows = 128, 8, []
@@ -214,7 +230,8 @@ def bench_grouped(bandwidth: float, quick: bool) -> list[dict]:
             t4 = time_graph(lambda: grouped_w4a16_kernel(x, qw, offsets))
             tb = time_graph(lambda: torch._grouped_mm(x, w_t, offs=ends))
             rows.append(row(f"grouped w4a16 {proj} tokens={tokens} (rows {x.shape[0]}, {active} experts)", t4, fp4_bytes,
-                            flops, bandwidth, bf16_grouped_us=round(tb, 2), speedup_vs_bf16=round(tb / t4, 2)))
+                            flops, bandwidth, bf16_grouped_us=round(tb, 2), speedup_vs_bf16=round(tb / t4, 2),
+                            **_token_tile_sweep(lambda: grouped_w4a16_kernel(x, qw, offsets))))
     return rows
 
 
