@@ -215,7 +215,7 @@ def _quantize_rows_kernel(
         tl.store(codes_row + K // 2 + blocks[:, None] * 8 + pair, packed.to(tl.uint8), mask=mask)
         tl.store(scales_row + K // 16 + blocks, scale_byte.to(tl.uint8), mask=bmask)
         if WRITE_VALUES:
-            _store_values(values_row + K, blocks[:, None] * 16 + 2 * pair, packed, scale_f32, mask)
+            _store_values(values_row + K, even, packed, scale_f32, mask)
 
 
 @triton.jit
