@@ -25,6 +25,7 @@ import statistics
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 import torch
 from results_io import append_record
@@ -134,29 +135,23 @@ def bench_quantize_tiles(bandwidth: float, size: int) -> list[dict]:
     amax = x.abs().amax().float()
     n = x.numel()
     q_bytes = n * 2 + n // 2 + n // 16
-    default, loop_default = kq._tile_config, kq._loop_config
     rows = []
-    try:
-        for config in [(1, 128, 4), (2, 64, 4), (4, 16, 4), (8, 16, 4), (16, 8, 4), (16, 16, 4), (32, 16, 4), (16, 32, 8), (64, 16, 8)]:
-            kq._tile_config = lambda rows, block_2d, blocks, config=config: config
+    for config in [(1, 128, 4), (2, 64, 4), (4, 16, 4), (8, 16, 4), (16, 8, 4), (16, 16, 4), (32, 16, 4), (16, 32, 8), (64, 16, 8)]:
+        with mock.patch.object(kq, "_tile_config", lambda rows, block_2d, blocks, config=config: config):
             tq = time_graph(lambda: kq.quantize_kernel(x, amax, validate=False), calls=5)
             tf = time_graph(lambda: kq.fake_quant_kernel(x, amax), calls=5)
-            rows.append(row(f"quantize 1x16 tile {config[0]}x{config[1] * 16} ({config[2]} warps)", tq, q_bytes, 0, bandwidth,
-                            fake_quant_us=round(tf, 2), fake_quant_frac=round(n * 4 / bandwidth / (tf * 1e-6), 3)))
-        for config in [(16, 8, 4), (16, 16, 4), (16, 32, 4), (32, 16, 4), (16, 64, 8)]:
-            kq._tile_config = lambda rows, block_2d, blocks, config=config: config
+        rows.append(row(f"quantize 1x16 tile {config[0]}x{config[1] * 16} ({config[2]} warps)", tq, q_bytes, 0, bandwidth,
+                        fake_quant_us=round(tf, 2), fake_quant_frac=round(n * 4 / bandwidth / (tf * 1e-6), 3)))
+    for config in [(16, 8, 4), (16, 16, 4), (16, 32, 4), (32, 16, 4), (16, 64, 8)]:
+        with mock.patch.object(kq, "_tile_config", lambda rows, block_2d, blocks, config=config: config):
             tq = time_graph(lambda: kq.quantize_kernel(x, amax, block_2d=True, validate=False), calls=5)
-            rows.append(row(f"quantize 16x16 tile {config[0]}x{config[1] * 16} ({config[2]} warps)", tq, q_bytes, 0, bandwidth))
-        kq._tile_config = default
-        for loop in [(16, 0), (32, 0), (16, 1), (32, 1), (64, 1), (1 << 20, 0)]:
-            kq._loop_config = lambda block_2d=False, loop=loop: loop
+        rows.append(row(f"quantize 16x16 tile {config[0]}x{config[1] * 16} ({config[2]} warps)", tq, q_bytes, 0, bandwidth))
+    for loop in [(16, 0), (32, 0), (16, 1), (32, 1), (64, 1), (1 << 20, 0)]:
+        with mock.patch.object(kq, "_loop_config", lambda block_2d=False, loop=loop: loop):
             tq = time_graph(lambda: kq.quantize_kernel(x, amax, validate=False), calls=5)
-            rows.append(row(f"quantize 1x16 default tile, {loop[0]} programs/SM, prefetch={loop[1]}", tq, q_bytes, 0, bandwidth))
             t2 = time_graph(lambda: kq.quantize_kernel(x, amax, block_2d=True, validate=False), calls=5)
-            rows.append(row(f"quantize 16x16 default tile, {loop[0]} programs/SM, prefetch={loop[1]}", t2, q_bytes, 0, bandwidth))
-    finally:
-        kq._tile_config = default
-        kq._loop_config = loop_default
+        rows.append(row(f"quantize 1x16 default tile, {loop[0]} programs/SM, prefetch={loop[1]}", tq, q_bytes, 0, bandwidth))
+        rows.append(row(f"quantize 16x16 default tile, {loop[0]} programs/SM, prefetch={loop[1]}", t2, q_bytes, 0, bandwidth))
     return rows
 
 
@@ -200,14 +195,10 @@ def _token_tile_sweep(call) -> dict[str, float]:
     autotuner then picks the weight tile per token tile): the evidence for its default."""
     import megatron_quads.nvfp4.kernels.w4a16 as kw
 
-    default = kw._grouped_block_m
     times = {}
-    try:
-        for block_m in (16, 32, 64):
-            kw._grouped_block_m = lambda rows, experts, block_m=block_m: block_m
+    for block_m in (16, 32, 64):
+        with mock.patch.object(kw, "_grouped_block_m", lambda rows, experts, block_m=block_m: block_m):
             times[f"block_m{block_m}_us"] = round(time_graph(call), 2)
-    finally:
-        kw._grouped_block_m = default
     return times
 
 
@@ -240,14 +231,10 @@ def _both_rac_paths(call, kind: str) -> tuple[float, float]:
     (``W4A16_PATH_ROWS[kind]`` forced either way): the evidence for the default thresholds."""
     import megatron_quads.nvfp4.kernels.w4a4 as kw
 
-    default = kw.W4A16_PATH_ROWS[kind]
-    try:
-        kw.W4A16_PATH_ROWS[kind] = 1 << 62
+    with mock.patch.dict(kw.W4A16_PATH_ROWS, {kind: 1 << 62}):
         via_w4a16 = time_graph(call, calls=10)
-        kw.W4A16_PATH_ROWS[kind] = 0
+    with mock.patch.dict(kw.W4A16_PATH_ROWS, {kind: 0}):
         via_rac_gemm = time_graph(call, calls=10)
-    finally:
-        kw.W4A16_PATH_ROWS[kind] = default
     return via_w4a16, via_rac_gemm
 
 
@@ -294,7 +281,8 @@ def bench_rac(bandwidth: float, quick: bool) -> list[dict]:
         via_w4a16, via_rac_gemm = _both_rac_paths(lambda: grouped_rac_kernel(x, qw, offsets, channels, residual), "grouped")
         t = via_w4a16 if -(-x.shape[0] // experts) <= W4A16_PATH_ROWS["grouped"] else via_rac_gemm
         base = base or t
-        nbytes = experts * ((n * (k + s)) // 2 + n * (k + s) // 16) + x.shape[0] * (k * 2 + n * 2)
+        active = int((counts > 0).sum())  # experts whose weights are read, as in bench_grouped
+        nbytes = active * ((n * (k + s)) // 2 + n * (k + s) // 16) + x.shape[0] * (k * 2 + n * 2)
         rows.append(row(f"grouped w4a4+rac gate_up tokens=256 ratio={ratio}", t, nbytes, 2 * x.shape[0] * n * (k + s),
                         bandwidth, overhead_vs_w4a4=round(t / base - 1, 3), w4a16_path_us=round(via_w4a16, 2),
                         rac_gemm_us=round(via_rac_gemm, 2)))

@@ -507,9 +507,16 @@ def _check_config(config: dict[str, int] | None) -> None:
         raise ValueError(f"BLOCK_K must be a multiple of 64 (each thread dequantizes pairs of 32-code runs), got {config['BLOCK_K']}")
 
 
-def _check_out(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
-    if tuple(out.shape) != shape or out.dtype != dtype or out.device != device:
-        raise ValueError(f"out must be a {dtype} tensor of shape {shape} on {device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
+def _check_out(out: torch.Tensor, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...], device: torch.device) -> None:
+    if tuple(out.shape) != shape or out.dtype not in dtypes or out.device != device:
+        names = " or ".join(str(d) for d in dtypes)
+        raise ValueError(f"out must be a {names} tensor of shape {shape} on {device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
+
+
+def _operands(weight: NVFP4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the kernels read of an NVFP4 weight: its codes as int32 words and its scale bytes (uint8),
+    rows with unit stride."""
+    return _code_words(weight.codes), _rows_contiguous(weight.scales.view(torch.uint8))
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -543,12 +550,9 @@ def _launch_dense(x2: torch.Tensor, weight: NVFP4Tensor, y2: torch.Tensor, confi
     m = x2.shape[0]
     k = weight.shape[1]
     n = weight.shape[0]
-    codes = _code_words(weight.codes)
-    scales = _rows_contiguous(weight.scales.view(torch.uint8))
-    if tail is None:
-        tail_codes, tail_scales, k2 = codes, scales, 0  # never read
-    else:
-        tail_codes, tail_scales, k2 = _code_words(tail.codes), _rows_contiguous(tail.scales.view(torch.uint8)), tail.shape[1]
+    codes, scales = _operands(weight)
+    tail_codes, tail_scales = (codes, scales) if tail is None else _operands(tail)  # never read without a tail
+    k2 = 0 if tail is None else tail.shape[1]
     ws2 = weight.weight_scale_2.reshape(1).to(torch.float32)
     block_m = _block_m(m)
     m_tiles = triton.cdiv(m, block_m)
@@ -589,7 +593,7 @@ def w4a16_linear_into(
         raise ValueError(f"w4a16_linear_kernel needs an [N, K] weight, got shape {tuple(weight.shape)}")
     n, k = weight.shape
     _check_weight_parts(x, weight, k)
-    _check_out(out, (*x.shape[:-1], n), x.dtype, x.device)
+    _check_out(out, (*x.shape[:-1], n), (x.dtype,), x.device)
     _check_config(config)
     if out.numel() == 0:
         return out
@@ -632,8 +636,7 @@ def w4a16_augmented_into(
     if values.ndim != 2 or row_scale.shape != (m,) or row_scale.dtype != torch.float32:
         raise ValueError(f"values must be [M, {k + k2}] with a float32 row_scale [M], got {tuple(values.shape)} and "
                          f"{row_scale.dtype} {tuple(row_scale.shape)}")
-    if tuple(out.shape) != (m, n) or out.stride(-1) != 1:
-        raise ValueError(f"out must be [{m}, {n}] with unit stride along the last dim, got {tuple(out.shape)}")
+    _check_out(out, (m, n), _OUT_DTYPES, values.device)
     if m:
         _launch_dense(_rows_contiguous(values), weight, out, None, tail, row_scale)
     return out
@@ -676,18 +679,13 @@ def grouped_w4a16_into(
     if weight.weight_scale_2.numel() not in (1, num_experts):
         raise ValueError(f"weight_scale_2 must hold 1 or {num_experts} values, got shape {tuple(weight.weight_scale_2.shape)}")
     # the RAC path (row_scale) writes the caller's dtype; plain W4A16 writes x's
-    out_dtype = out.dtype if row_scale is not None and out.dtype in _OUT_DTYPES else x.dtype
-    _check_out(out, (x.shape[0], n), out_dtype, x.device)
+    _check_out(out, (x.shape[0], n), (x.dtype,) if row_scale is None else _OUT_DTYPES, x.device)
     _check_config(config)
     if out.numel() == 0:
         return out
     x = _rows_contiguous(x)
-    codes = _code_words(weight.codes)
-    scales = _rows_contiguous(weight.scales.view(torch.uint8))
-    if tail is None:
-        tail_codes, tail_scales = codes, scales  # never read
-    else:
-        tail_codes, tail_scales = _code_words(tail.codes), _rows_contiguous(tail.scales.view(torch.uint8))
+    codes, scales = _operands(weight)
+    tail_codes, tail_scales = (codes, scales) if tail is None else _operands(tail)  # never read without a tail
     ws2 = weight.weight_scale_2.reshape(-1).to(torch.float32)
     offsets = expert_offsets.to(x.device)
     block_m = _grouped_block_m(x.shape[0], num_experts) if config is None else config.get("BLOCK_M", 16)
