@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import statistics
 import warnings
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from pathlib import Path
 from unittest import mock
 
 import torch
-from results_io import append_record
+from results_io import append_record, write_text_atomic
 
 from megatron_quads.nvfp4 import quantize
 from megatron_quads.rollout.grouped import expert_offsets_from_counts, expert_weight
@@ -265,28 +266,52 @@ def bench_rac(bandwidth: float, quick: bool) -> list[dict]:
                             rac_gemm_us=round(via_rac_gemm, 2)))
     experts, topk, k, n = 128, 8, 2048, 1536
     _, qw = _weight(n, k, experts)
-    counts = _routing(256, experts, topk)
-    offsets = expert_offsets_from_counts(counts)
-    x = torch.randn(256 * topk, k, device=DEV, dtype=torch.bfloat16)
-    base = None
-    for ratio in (0.0, 0.25, 0.5):
-        s = num_residual_channels(k, ratio)
-        if s:
-            channels = torch.stack([select_channels(torch.rand(k, device=DEV), ratio) for _ in range(experts)]).to(DEV)
-            parts = [reblock_columns(expert_weight(qw, e), channels[e]) for e in range(experts)]
-            residual = type(qw)(codes=torch.stack([p.codes for p in parts]), scales=torch.stack([p.scales for p in parts]),
-                                weight_scale_2=qw.weight_scale_2, shape=torch.Size((experts, n, s)), dtype=qw.dtype)
-        else:
-            channels = residual = None
-        via_w4a16, via_rac_gemm = _both_rac_paths(lambda: grouped_rac_kernel(x, qw, offsets, channels, residual), "grouped")
-        t = via_w4a16 if -(-x.shape[0] // experts) <= W4A16_PATH_ROWS["grouped"] else via_rac_gemm
-        base = base or t
-        active = int((counts > 0).sum())  # experts whose weights are read, as in bench_grouped
-        nbytes = active * ((n * (k + s)) // 2 + n * (k + s) // 16) + x.shape[0] * (k * 2 + n * 2)
-        rows.append(row(f"grouped w4a4+rac gate_up tokens=256 ratio={ratio}", t, nbytes, 2 * x.shape[0] * n * (k + s),
-                        bandwidth, overhead_vs_w4a4=round(t / base - 1, 3), w4a16_path_us=round(via_w4a16, 2),
-                        rac_gemm_us=round(via_rac_gemm, 2)))
+    for tokens, ratios in ((256, (0.0, 0.25, 0.5)), (4096, (0.0, 0.25))):  # decode; prefill (256 rows per expert)
+        counts = _routing(tokens, experts, topk)
+        offsets = expert_offsets_from_counts(counts)
+        x = torch.randn(tokens * topk, k, device=DEV, dtype=torch.bfloat16)
+        base = None
+        for ratio in ratios:
+            s = num_residual_channels(k, ratio)
+            if s:
+                channels = torch.stack([select_channels(torch.rand(k, device=DEV), ratio) for _ in range(experts)]).to(DEV)
+                parts = [reblock_columns(expert_weight(qw, e), channels[e]) for e in range(experts)]
+                residual = type(qw)(codes=torch.stack([p.codes for p in parts]), scales=torch.stack([p.scales for p in parts]),
+                                    weight_scale_2=qw.weight_scale_2, shape=torch.Size((experts, n, s)), dtype=qw.dtype)
+            else:
+                channels = residual = None
+            via_w4a16, via_rac_gemm = _both_rac_paths(lambda: grouped_rac_kernel(x, qw, offsets, channels, residual), "grouped")
+            t = via_w4a16 if -(-x.shape[0] // experts) <= W4A16_PATH_ROWS["grouped"] else via_rac_gemm
+            base = base or t
+            active = int((counts > 0).sum())  # experts whose weights are read, as in bench_grouped
+            nbytes = active * ((n * (k + s)) // 2 + n * (k + s) // 16) + x.shape[0] * (k * 2 + n * 2)
+            rows.append(row(f"grouped w4a4+rac gate_up tokens={tokens} ratio={ratio}", t, nbytes,
+                            2 * x.shape[0] * n * (k + s), bandwidth, overhead_vs_w4a4=round(t / base - 1, 3),
+                            w4a16_path_us=round(via_w4a16, 2), rac_gemm_us=round(via_rac_gemm, 2)))
     return rows
+
+
+def markdown_view(history: list[dict]) -> str:
+    """Each section's newest table from the JSON ``history`` of runs, under the date, command and
+    copy bandwidth of the run that measured it (runs with ``--only`` refresh some sections)."""
+    newest = {}
+    for record in history:
+        for name, rows in record["results"].items():
+            if rows:
+                newest[name] = (record, rows)
+    lines = ["# NVFP4 kernels on the GPU: the newest run of each section", "",
+             ("From `kernels_gpu.json` (every run). `floor_us`: bytes / the copy bandwidth measured in the same "
+             "run; `frac_of_floor`: floor_us / us. GEMMs timed by CUDA-graph replay."), ""]
+    order = ["quantize", "quantize_tiles", "w4a16", "grouped", "rac"]
+    for name in sorted(newest, key=lambda n: (order.index(n) if n in order else len(order), n)):
+        record, rows = newest[name]
+        keys = list(rows[0].keys())
+        lines += [f"## {name}", "", (f"{record['device']}, {record['date']}: `{record['command']}`; device-to-device copy "
+                  f"{record['copy_GBps']} GB/s; timed eagerly (graph capture failed): {record['eager_timed'] or 'none'}."), "",
+                  "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+        lines += ["| " + " | ".join(str(r.get(k_, "")) for k_ in keys) + " |" for r in rows]
+        lines.append("")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -295,7 +320,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--only", nargs="*", default=["quantize", "w4a16", "grouped", "rac"],
                         help="sections; quantize_tiles (each quantize tile config) is extra")
+    parser.add_argument("--render", action="store_true", help="only rewrite kernels_gpu.md from kernels_gpu.json (no GPU)")
     args = parser.parse_args()
+    out = Path(__file__).parent / "results" / "kernels_gpu.json"
+    if args.render:
+        write_text_atomic(out.with_suffix(".md"), markdown_view(json.loads(out.read_text())))
+        return
     torch.manual_seed(0)
     bandwidth = copy_bandwidth()
     sections = {"quantize": lambda: bench_quantize(bandwidth, 8192), "quantize_tiles": lambda: bench_quantize_tiles(bandwidth, 8192),
@@ -312,19 +342,10 @@ def main() -> None:
         + (" --quick" if args.quick else "") + (f" --only {' '.join(args.only)}" if args.only != parser.get_default("only") else ""),
         "copy_GBps": round(bandwidth / 1e9, 1), "results": results, "eager_timed": sorted(EAGER_TIMED),
     }
-    lines = [f"# NVFP4 kernels on {record['device']} ({record['date']})", "", f"Command: `{record['command']}`", "",
-             (f"Device-to-device copy: {record['copy_GBps']} GB/s (read + write), measured in this run. "
-              "`floor_us`: bytes / that bandwidth; `frac_of_floor`: floor_us / us. GEMMs timed by CUDA-graph "
-              f"replay. Capture failures fell back to eager timing: {record['eager_timed'] or 'none'}."), ""]
-    for name, rows in results.items():
-        keys = list(rows[0].keys())
-        lines += [f"## {name}", "", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-        lines += ["| " + " | ".join(str(r.get(k_, "")) for k_ in keys) + " |" for r in rows]
-        lines.append("")
-    out = Path(__file__).parent / "results" / "kernels_gpu.json"
-    append_record(out, record, out.with_suffix(".md"), "\n".join(lines))
-    print("\n".join(lines))
-
+    history = json.loads(out.read_text()) if out.exists() else []
+    markdown = markdown_view([*history, record])
+    append_record(out, record, out.with_suffix(".md"), markdown)
+    print(markdown)
 
 if __name__ == "__main__":
     main()

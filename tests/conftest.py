@@ -33,6 +33,17 @@ if TRITON_INTERPRET:
     _fix_interpreter_scalar_index()
 
 
+def _share_cpu_threads_among_xdist_workers() -> None:
+    """Under ``pytest -n N`` (the GPU machine's runs) each worker's PyTorch would start one thread per
+    core for the CPU references: N times oversubscribed. Give each worker its share of the cores."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+_share_cpu_threads_among_xdist_workers()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; run on the GPU machine (`pytest -m gpu`)")
 

@@ -22,6 +22,7 @@ from megatron_quads.nvfp4.kernels.w4a4 import (
     _e2m1_code,
     _e4m3_to_f32,
     _round_e4m3,
+    activation_block_values_kernel,
     grouped_rac_kernel,
     quantize_activations_kernel,
     rac_linear_kernel,
@@ -204,8 +205,11 @@ def test_prologue_is_byte_identical_to_the_reference(kernel_device: str, mode: A
         channels = _channels(k, ratio, seed + int(ratio * 8))
         width = k + channels.numel()
         out = _poisoned_prologue(x.shape[0], width, kernel_device)
-        values = torch.full((x.shape[0], width), float("nan"), dtype=torch.bfloat16, device=kernel_device)
-        quantize_activations_kernel(x.to(kernel_device), channels.to(kernel_device), mode, static, out=out, values_out=values)
+        quantize_activations_kernel(x.to(kernel_device), channels.to(kernel_device), mode, static, out=out)
+        values_out = (torch.full((x.shape[0], width), float("nan"), dtype=torch.bfloat16, device=kernel_device),
+                      torch.full((x.shape[0],), float("nan"), device=kernel_device))
+        values, values_decode = activation_block_values_kernel(x.to(kernel_device), channels.to(kernel_device), mode,
+                                                               static, out=values_out)
         codes, scales, decode = (t.cpu() for t in out)
         ref_codes, ref_scales, ref_decode = _reference_bytes(x, channels, amax)
         assert torch.equal(codes, ref_codes), f"codes differ (ratio {ratio})"
@@ -214,8 +218,9 @@ def test_prologue_is_byte_identical_to_the_reference(kernel_device: str, mode: A
         # and the values the GEMM multiplies are rac_operands' augmented activations
         a_values, _, _ = rac_operands(x, _weight(16, k, seed), channels, _weight(16, channels.numel(), seed) if channels.numel() else None, mode, static)
         assert torch.equal(_bytes_to_values(codes, scales, width), a_values)
-        # the bf16 block values the W4A16 decode path multiplies: exact, so equal to them
+        # the bf16 block values the W4A16 path multiplies: exact, so equal to them, with the same decode scale
         assert torch.equal(values.cpu().float(), a_values)
+        assert torch.equal(values_decode.cpu(), ref_decode)
 
 
 def test_prologue_allocates_aligned_buffers_and_handles_no_tokens(kernel_device: str) -> None:
@@ -229,8 +234,12 @@ def test_prologue_allocates_aligned_buffers_and_handles_no_tokens(kernel_device:
     assert torch.equal(codes.cpu(), ref_codes) and torch.equal(scales.cpu(), ref_scales)
     empty = quantize_activations_kernel(x[:0], channels)
     assert [tuple(t.shape) for t in empty] == [(0, (k + 32) // 2), (0, (k + 32) // 16), (0,)]
-    with pytest.raises(ValueError, match="values_out must be a bfloat16"):
-        quantize_activations_kernel(x, channels, values_out=torch.empty(3, k + 32, device=kernel_device))
+    values, decode = activation_block_values_kernel(x[:0], channels)
+    assert tuple(values.shape) == (0, k + 32) and values.dtype == torch.bfloat16 and tuple(decode.shape) == (0,)
+    with pytest.raises(ValueError, match="out must be a bfloat16"):
+        activation_block_values_kernel(x, channels, out=(torch.empty(3, k + 32, device=kernel_device), decode))
+    with pytest.raises(ValueError, match="is not a valid ActivationScale"):
+        activation_block_values_kernel(x, channels, mode="per_row")
 
 
 # ----------------------------------------------------------------------------------------------

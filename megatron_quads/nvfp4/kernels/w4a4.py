@@ -10,8 +10,8 @@ Two kernels per linear, matching :mod:`megatron_quads.rollout.rac` / :mod:`megat
   tile into fp16 (``e2m1 * e4m3`` is exact in fp16), accumulates ``tl.dot`` in fp32 over the
   augmented K (the weight's K columns, then W_S's |S| columns) and applies
   ``alpha = a_decode[row] * w_decode`` in the epilogue;
-* or, for the sizes in :data:`W4A16_PATH_ROWS`, the prologue also writes each row's bf16 block
-  values (``e2m1 * e4m3``, exact) and the W4A16 kernels (:func:`~megatron_quads.nvfp4.kernels.w4a16.w4a16_augmented_into`,
+* or, for the sizes in :data:`W4A16_PATH_ROWS`, the prologue (:func:`activation_block_values_kernel`)
+  writes each row's bf16 block values (``e2m1 * e4m3``, exact) instead, and the W4A16 kernels (:func:`~megatron_quads.nvfp4.kernels.w4a16.w4a16_augmented_into`,
   ``grouped_w4a16_into``) reduce them against ``[W, W_S]`` in one pass with ``alpha`` per row.
 
 Hopper has no FP4 tensor cores, so this emulation is the W4A4 path there. All exactness-critical
@@ -157,11 +157,11 @@ def _quantize_rows_kernel(
     decode_ptr,
     values_ptr, stride_vm,
     K: tl.constexpr, S: tl.constexpr,
-    ROW_AMAX: tl.constexpr, GROUPED: tl.constexpr, WRITE_VALUES: tl.constexpr,
+    ROW_AMAX: tl.constexpr, GROUPED: tl.constexpr, VALUES: tl.constexpr,
     BLOCK_KB: tl.constexpr, BLOCK_SB: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     """One token row: amax, NVFP4 codes/scales of x, then of the residual at the channels S; with
-    ``WRITE_VALUES`` also the block values ``e2m1 * e4m3`` of both parts (bf16, without the row's
+    ``VALUES`` instead the block values ``e2m1 * e4m3`` of both parts (bf16, without the row's
     ``weight_scale_2``) into one row of ``K + S`` values."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
@@ -196,9 +196,10 @@ def _quantize_rows_kernel(
         xe = tl.load(x_row + even, mask=mask, other=0.0).to(tl.float32)
         xo = tl.load(x_row + even + 1, mask=mask, other=0.0).to(tl.float32)
         packed, scale_byte, scale_f32 = _quantize_pairs(xe, xo, encode_div6, decode)
-        tl.store(codes_row + blocks[:, None] * 8 + pair, packed.to(tl.uint8), mask=mask)
-        tl.store(scales_row + blocks, scale_byte.to(tl.uint8), mask=bmask)
-        if WRITE_VALUES:
+        if not VALUES:
+            tl.store(codes_row + blocks[:, None] * 8 + pair, packed.to(tl.uint8), mask=mask)
+            tl.store(scales_row + blocks, scale_byte.to(tl.uint8), mask=bmask)
+        else:
             _store_values(values_row, even, packed, scale_f32, mask)
 
     ch_row = ch_ptr + expert * stride_ch
@@ -212,9 +213,10 @@ def _quantize_rows_kernel(
         re = _residual_at(x_row, ch_even, mask, encode_div6, decode, ws2)
         ro = _residual_at(x_row, ch_odd, mask, encode_div6, decode, ws2)
         packed, scale_byte, scale_f32 = _quantize_pairs(re, ro, encode_div6, decode)
-        tl.store(codes_row + K // 2 + blocks[:, None] * 8 + pair, packed.to(tl.uint8), mask=mask)
-        tl.store(scales_row + K // 16 + blocks, scale_byte.to(tl.uint8), mask=bmask)
-        if WRITE_VALUES:
+        if not VALUES:
+            tl.store(codes_row + K // 2 + blocks[:, None] * 8 + pair, packed.to(tl.uint8), mask=mask)
+            tl.store(scales_row + K // 16 + blocks, scale_byte.to(tl.uint8), mask=bmask)
+        else:
             _store_values(values_row + K, even, packed, scale_f32, mask)
 
 
@@ -373,15 +375,14 @@ class GemmConfig:
     num_stages: int
 
 
-W4A16_PATH_ROWS = {"dense": 0, "grouped": 0}
+W4A16_PATH_ROWS = {"dense": 1 << 62, "grouped": 1 << 62}
 """RAC linears of at most this many tokens (grouped: on average per expert) and no explicit
-``config`` run on the W4A16 kernels over the prologue's bf16 block values, ``alpha`` per row in
-their epilogue; larger ones on :func:`_rac_gemm_kernel`. Off (0) by default until the GPU tests of
-this path have run: it passes them under ``TRITON_INTERPRET=1`` (against the fp64 reference), but
-the H200 run that included them ran out of time with one unidentified failure (2026-11-30). Measured
-on the H200 (``bench_kernels.py`` rac section, plain W4A4): dense 4096^2 16.6 against 70.5 us at
-M = 16 and 280.5 against 640.9 us at M = 2048; grouped gate/up 167.7 against 681.7 us at 256 tokens
-(16 rows per expert). Set e.g. ``{"dense": 1 << 62, "grouped": 64}`` to use it."""
+``config`` run on the W4A16 kernels over :func:`activation_block_values_kernel`'s bf16 block values,
+``alpha`` per row in their epilogue; larger ones on :func:`_rac_gemm_kernel`. Every size by default:
+measured on the H200 (``bench_kernels.py`` rac section, plain W4A4) the W4A16 path is the faster one
+at every size tried, dense 4096^2 16.6 against 70.5 us at M = 16 and 280.5 against 640.9 us at
+M = 2048, grouped gate/up 167.7 against 681.7 us at 256 tokens (16 rows per expert). Set a
+threshold (or 0) to send larger GEMMs, or all, to the RAC GEMM."""
 
 
 def gemm_config(rows_per_group: int) -> GemmConfig:
@@ -454,6 +455,60 @@ def _amax_source(
     return amax.scatter_reduce_(0, expert, row_amax, "amax")
 
 
+def _prologue_rows(
+    x2d: torch.Tensor,
+    mode: ActivationScale,
+    channels: torch.Tensor | None,
+    expert_offsets: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """Checked prologue inputs: ``(channels [groups, S] int32, expert_offsets int32 or None, K + S)``."""
+    _check_activations(x2d)
+    ActivationScale(mode)  # an unknown mode fails here, before any buffer is touched
+    if expert_offsets is not None:
+        expert_offsets = expert_offsets.to(device=x2d.device, dtype=torch.int32).contiguous()
+    groups = expert_offsets.numel() - 1 if expert_offsets is not None else 1
+    ch = _channels_2d(channels, groups, x2d.device)
+    return ch, expert_offsets, x2d.shape[1] + ch.shape[1]
+
+
+def _launch_prologue(
+    x2d: torch.Tensor,
+    ch: torch.Tensor,
+    mode: ActivationScale,
+    static_amax: float | torch.Tensor | None,
+    expert_offsets: torch.Tensor | None,
+    decode: torch.Tensor,
+    codes_and_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    values: torch.Tensor | None = None,
+) -> None:
+    """One program per row of ``x2d``: codes and scales into ``codes_and_scales``, or block values into ``values``."""
+    rows, k = x2d.shape
+    if rows == 0:
+        return
+    x2d = x2d if x2d.stride(1) == 1 else x2d.contiguous()
+    amax = _amax_source(x2d, ActivationScale(mode), static_amax, expert_offsets)
+    codes, scales = codes_and_scales if codes_and_scales is not None else (decode, decode)  # placeholders when VALUES
+    values = decode if values is None else values  # placeholder when not VALUES
+    grouped = expert_offsets is not None
+    _quantize_rows_kernel[(rows,)](
+        x2d, x2d.stride(0),
+        ch, ch.stride(0),
+        decode if amax is None else amax, 0 if amax is None or amax.numel() == 1 else 1,
+        expert_offsets if grouped else decode, ch.shape[0],
+        codes, codes.stride(0),
+        scales, scales.stride(0),
+        decode,
+        values, values.stride(0),
+        k, ch.shape[1],
+        ROW_AMAX=amax is None, GROUPED=grouped, VALUES=codes_and_scales is None,
+        BLOCK_KB=min(64, triton.next_power_of_2(k // BLOCK_SIZE)),
+        BLOCK_SB=min(16, triton.next_power_of_2(max(ch.shape[1] // BLOCK_SIZE, 1))),
+        BLOCK_E=triton.next_power_of_2(ch.shape[0] + 1),
+        enable_fp_fusion=False,
+        num_warps=4,
+    )
+
+
 def quantize_activations_kernel(
     x2d: torch.Tensor,
     channels: torch.Tensor | None,
@@ -461,27 +516,17 @@ def quantize_activations_kernel(
     static_amax: float | torch.Tensor | None = None,
     expert_offsets: torch.Tensor | None = None,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    values_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The RAC prologue: ``(a_codes uint8 [T, (K+S)/2], a_scales uint8 (e4m3 bits) [T, (K+S)/16], a_decode fp32 [T])``.
 
     Row t holds ``q(x[t])`` followed by ``q(r[t, S])`` with ``r = x - dq(q(x))``, both quantized with
     the row's global amax (``mode``), byte-identical to :func:`megatron_quads.nvfp4.quantize`.
     ``channels`` is ``[S]`` (or None), or ``[E, S]`` with ``expert_offsets [E + 1]`` (tokens sorted by
-    expert). ``out`` optionally supplies the three output buffers. ``values_out`` (bf16 ``[T, K+S]``,
-    unit stride along the last dim) also receives each row's block values ``e2m1 * e4m3`` (exact in
-    bf16; times ``a_decode`` they are the dequantized activations), what the W4A16 kernels multiply.
+    expert). ``out`` optionally supplies the three output buffers.
     Inputs are not checked for NaN/Inf and channel values are not range-checked (that would need a host sync).
     """
-    _check_activations(x2d)
-    mode = ActivationScale(mode)
-    rows, k = x2d.shape
-    grouped = expert_offsets is not None
-    if grouped:
-        expert_offsets = expert_offsets.to(device=x2d.device, dtype=torch.int32).contiguous()
-    groups = expert_offsets.numel() - 1 if grouped else 1
-    ch = _channels_2d(channels, groups, x2d.device)
-    width = k + ch.shape[1]
+    ch, offsets, width = _prologue_rows(x2d, mode, channels, expert_offsets)
+    rows = x2d.shape[0]
     if out is None:
         out = (
             _padded_rows(rows, width // 2, x2d.device),
@@ -495,35 +540,37 @@ def quantize_activations_kernel(
         codes.stride(1), scales.stride(1), decode.stride(0)
     ) != 1:
         raise ValueError("out buffers must be uint8, uint8 and float32 with unit stride along the last dim")
-    if values_out is not None and (
-        values_out.shape != (rows, width) or values_out.dtype != torch.bfloat16 or values_out.stride(1) != 1
-    ):
-        raise ValueError(f"values_out must be a bfloat16 [{rows}, {width}] tensor with unit stride along the last dim, "
-                         f"got {values_out.dtype} {tuple(values_out.shape)}")
-    if rows == 0:
-        return codes, scales, decode
-    x2d = x2d if x2d.stride(1) == 1 else x2d.contiguous()
-    amax = _amax_source(x2d, mode, static_amax, expert_offsets)
-    amax_ptr = decode if amax is None else amax
-    offsets = expert_offsets if grouped else decode  # unused placeholder when dense
-    _quantize_rows_kernel[(rows,)](
-        x2d, x2d.stride(0),
-        ch, ch.stride(0),
-        amax_ptr, 0 if amax is None or amax.numel() == 1 else 1,
-        offsets, groups,
-        codes, codes.stride(0),
-        scales, scales.stride(0),
-        decode,
-        decode if values_out is None else values_out, 0 if values_out is None else values_out.stride(0),
-        k, ch.shape[1],
-        ROW_AMAX=amax is None, GROUPED=grouped, WRITE_VALUES=values_out is not None,
-        BLOCK_KB=min(64, triton.next_power_of_2(k // BLOCK_SIZE)),
-        BLOCK_SB=min(16, triton.next_power_of_2(max(ch.shape[1] // BLOCK_SIZE, 1))),
-        BLOCK_E=triton.next_power_of_2(groups + 1),
-        enable_fp_fusion=False,
-        num_warps=4,
-    )
+    _launch_prologue(x2d, ch, mode, static_amax, offsets, decode, codes_and_scales=(codes, scales))
     return codes, scales, decode
+
+
+def activation_block_values_kernel(
+    x2d: torch.Tensor,
+    channels: torch.Tensor | None,
+    mode: ActivationScale = ActivationScale.PER_TOKEN,
+    static_amax: float | torch.Tensor | None = None,
+    expert_offsets: torch.Tensor | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prologue for the W4A16 kernels: ``(values bf16 [T, K+S], a_decode fp32 [T])``.
+
+    Quantizes as :func:`quantize_activations_kernel` (same arguments) but writes each row's block
+    values ``e2m1 * e4m3`` instead of its codes and scales: exact in bf16, and times ``a_decode``
+    they are the dequantized augmented activations ``[dq(q(x)), dq(q(r_S))]``. ``out`` optionally
+    supplies both buffers.
+    """
+    ch, offsets, width = _prologue_rows(x2d, mode, channels, expert_offsets)
+    rows = x2d.shape[0]
+    if out is None:
+        out = (torch.empty(rows, width, dtype=torch.bfloat16, device=x2d.device),
+               torch.empty(rows, dtype=torch.float32, device=x2d.device))
+    values, decode = out
+    if (values.shape != (rows, width) or values.dtype != torch.bfloat16 or values.stride(1) != 1
+            or decode.shape != (rows,) or decode.dtype != torch.float32 or decode.stride(0) != 1):
+        raise ValueError(f"out must be a bfloat16 [{rows}, {width}] tensor with unit stride along the last dim and a "
+                         f"float32 [{rows}] one, got {values.dtype} {tuple(values.shape)} and {decode.dtype} {tuple(decode.shape)}")
+    _launch_prologue(x2d, ch, mode, static_amax, offsets, decode, values=values)
+    return values, decode
 
 
 def _scales_u8(t: NVFP4Tensor) -> torch.Tensor:
@@ -627,8 +674,7 @@ def rac_linear_kernel(
         # kernel reduces them against [W, W_S] in one pass, alpha per row in its epilogue
         from megatron_quads.nvfp4.kernels.w4a16 import w4a16_augmented_into
 
-        values = torch.empty(rows, k + ch.shape[1], dtype=torch.bfloat16, device=x.device)
-        _, _, decode = quantize_activations_kernel(x2d, ch[0], mode, static_amax, values_out=values)
+        values, decode = activation_block_values_kernel(x2d, ch[0], mode, static_amax)
         w4a16_augmented_into(values, weight, residual_weight if ch.shape[1] else None, decode, y.view(-1, n))
         return y
     act = quantize_activations_kernel(x2d, ch[0], mode, static_amax)
@@ -671,8 +717,7 @@ def grouped_rac_kernel(
         # the grouped W4A16 kernel over the prologue's bf16 block values
         from megatron_quads.nvfp4.kernels.w4a16 import grouped_w4a16_into
 
-        values = torch.empty(x.shape[0], x.shape[1] + ch.shape[1], dtype=torch.bfloat16, device=x.device)
-        _, _, decode = quantize_activations_kernel(x, ch, mode, static_amax, offsets, values_out=values)
+        values, decode = activation_block_values_kernel(x, ch, mode, static_amax, offsets)
         grouped_w4a16_into(values, weight, offsets, y, tail=residual_weight if ch.shape[1] else None, row_scale=decode)
         return y
     act = quantize_activations_kernel(x, ch, mode, static_amax, offsets)

@@ -1,0 +1,30 @@
+"""The Markdown view of the GPU kernel benchmark history (benchmarks/bench_kernels.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from bench_kernels import markdown_view  # noqa: E402
+
+
+def _record(date: str, command: str, results: dict[str, list[dict]]) -> dict:
+    return {"date": date, "device": "NVIDIA H200", "command": command, "copy_GBps": 4250.0,
+            "results": results, "eager_timed": []}
+
+
+def test_each_section_comes_from_its_newest_run_in_a_fixed_order() -> None:
+    history = [
+        _record("2026-11-01", "full", {"rac": [{"case": "old rac", "us": 70.0}], "quantize": [{"case": "q", "us": 54.0}]}),
+        _record("2026-11-02", "--only rac", {"rac": [{"case": "new rac", "us": 16.8}], "grouped": []}),
+    ]
+    view = markdown_view(history)
+    assert "new rac" in view and "old rac" not in view
+    assert view.index("## quantize") < view.index("## rac")
+    assert "## grouped" not in view  # an empty section keeps nothing
+    rac = view[view.index("## rac"):]
+    assert "2026-11-02: `--only rac`" in rac
+    assert "| new rac | 16.8 |" in rac
+    assert "2026-11-01: `full`" in view[view.index("## quantize"):view.index("## rac")]
