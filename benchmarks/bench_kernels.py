@@ -186,6 +186,59 @@ def bench_w4a16(bandwidth: float, quick: bool) -> list[dict]:
     return rows
 
 
+MMA_CONFIGS = [  # (BLOCK_N, BLOCK_K, num_warps, PREFETCH); SPLIT_K is swept per shape
+    (32, 128, 1, 1), (32, 128, 1, 2), (64, 128, 1, 1), (64, 128, 2, 1), (64, 128, 2, 2), (128, 128, 4, 1),
+    (128, 128, 2, 1), (32, 256, 1, 1), (64, 256, 2, 1), (128, 64, 4, 2),
+]
+
+
+def bench_w4a16_mma(bandwidth: float, quick: bool) -> list[dict]:
+    """The experimental Gluon decode kernel (register-operand mma.sync) against the Triton W4A16
+    kernel and cuBLAS FP8 / BF16: each shape's best config of a sweep (all of them under ``sweep``)."""
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    from megatron_quads.nvfp4.kernels.w4a16 import w4a16_linear_kernel
+    from megatron_quads.nvfp4.kernels.w4a16_mma import w4a16_mma_linear_into
+
+    rows = []
+    shapes = [(16, 8192, 8192), (16, 4096, 4096), (1, 8192, 8192), (64, 8192, 8192)]
+    for m, k, n in shapes[:2] if quick else shapes:
+        w, qw = _weight(n, k)
+        w8 = w.to(torch.float8_e4m3fn)
+        one = torch.ones((), device=DEV)
+        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+        x8 = torch.randn(max(m, 16), k, device=DEV).to(torch.float8_e4m3fn)
+        out = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)
+        reference = w4a16_linear_kernel(x, qw)
+        sweep = {}
+        for bn, bk, warps, prefetch in MMA_CONFIGS:
+            for split in (1, 2, 4, 8, 16):
+                cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": warps, "PREFETCH": prefetch}
+                if (k // bk) < split:
+                    continue
+                name = f"{bn}x{bk} w{warps} p{prefetch} s{split}"
+                try:
+                    w4a16_mma_linear_into(x, qw, out, cfg)
+                    if not torch.allclose(out.float(), reference.float(), rtol=2**-6, atol=1e-2 * float(reference.float().abs().max())):
+                        sweep[name] = "WRONG"
+                        continue
+                    sweep[name] = round(time_graph(lambda cfg=cfg: w4a16_mma_linear_into(x, qw, out, cfg)), 2)
+                except (CompilationError, OutOfResources, RuntimeError, ValueError) as err:  # reported, not fatal
+                    sweep[name] = f"error: {str(err).splitlines()[0][:80]}"
+        timed = {name: t for name, t in sweep.items() if isinstance(t, float)}
+        best = min(timed, key=timed.get) if timed else "none"
+        t_mma = timed.get(best, float("nan"))
+        t4 = time_graph(lambda: w4a16_linear_kernel(x, qw))
+        tb = time_graph(lambda: x @ w.t())
+        t8 = time_graph(lambda: torch._scaled_mm(x8, w8.t(), one, one, out_dtype=torch.bfloat16))
+        fp4_bytes = n * k // 2 + n * k // 16 + m * k * 2 + m * n * 2
+        rows.append(row(f"w4a16 mma M={m} K={k} N={n}", t_mma, fp4_bytes, 2 * m * n * k, bandwidth, best_config=best,
+                        triton_us=round(t4, 2), fp8_us=round(t8, 2), bf16_us=round(tb, 2),
+                        speedup_vs_fp8=round(t8 / t_mma, 2), speedup_vs_triton=round(t4 / t_mma, 2), sweep=sweep))
+    return rows
+
+
 def _routing(tokens: int, experts: int, topk: int) -> torch.Tensor:
     choice = torch.rand(tokens, experts, device=DEV).topk(topk, dim=1).indices.flatten()
     return torch.bincount(choice, minlength=experts)
@@ -302,10 +355,10 @@ def markdown_view(history: list[dict]) -> str:
     lines = ["# NVFP4 kernels on the GPU: the newest run of each section", "",
              ("From `kernels_gpu.json` (every run). `floor_us`: bytes / the copy bandwidth measured in the same "
              "run; `frac_of_floor`: floor_us / us. GEMMs timed by CUDA-graph replay."), ""]
-    order = ["quantize", "quantize_tiles", "w4a16", "grouped", "rac"]
+    order = ["quantize", "quantize_tiles", "w4a16", "w4a16_mma", "grouped", "rac"]
     for name in sorted(newest, key=lambda n: (order.index(n) if n in order else len(order), n)):
         record, rows = newest[name]
-        keys = list(rows[0].keys())
+        keys = [key for key, value in rows[0].items() if not isinstance(value, dict)]  # sweeps stay in the JSON
         lines += [f"## {name}", "", (f"{record['device']}, {record['date']}: `{record['command']}`; device-to-device copy "
                   f"{record['copy_GBps']} GB/s; timed eagerly (graph capture failed): {record['eager_timed'] or 'none'}."), "",
                   "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
@@ -319,7 +372,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--only", nargs="*", default=["quantize", "w4a16", "grouped", "rac"],
-                        help="sections; quantize_tiles (each quantize tile config) is extra")
+                        help="sections; quantize_tiles (each quantize tile config) and w4a16_mma (the experimental Gluon kernel) are extra")
     parser.add_argument("--render", action="store_true", help="only rewrite kernels_gpu.md from kernels_gpu.json (no GPU)")
     args = parser.parse_args()
     out = Path(__file__).parent / "results" / "kernels_gpu.json"
@@ -330,7 +383,8 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     sections = {"quantize": lambda: bench_quantize(bandwidth, 8192), "quantize_tiles": lambda: bench_quantize_tiles(bandwidth, 8192),
                 "w4a16": lambda: bench_w4a16(bandwidth, args.quick),
-                "grouped": lambda: bench_grouped(bandwidth, args.quick), "rac": lambda: bench_rac(bandwidth, args.quick)}
+                "grouped": lambda: bench_grouped(bandwidth, args.quick), "rac": lambda: bench_rac(bandwidth, args.quick),
+                "w4a16_mma": lambda: bench_w4a16_mma(bandwidth, args.quick)}
     results = {}
     for name in args.only:
         results[name] = sections[name]()

@@ -1,0 +1,278 @@
+"""Experimental decode W4A16 kernel in Gluon: mma.sync on register operands, no shared memory.
+
+Not dispatched (the Triton kernels of :mod:`megatron_quads.nvfp4.kernels.w4a16` are); here to be
+measured against them on the H200 (``benchmarks/bench_kernels.py --only w4a16_mma``).
+
+Why: the Triton decode kernel runs wgmma, whose B operand (x) must sit in shared memory, so every K
+step copies x in, reorders it and synchronizes twice; with two CTAs per SM the profile reads as
+latency-bound at ~45% of the byte floor (docs/kernels.md). Here both MMA operands live in registers:
+
+* the weight words are loaded so that each thread holds exactly the words its mma.sync A fragments
+  need (the same K permutation as :func:`~megatron_quads.nvfp4.kernels.w4a16.dequant_mma_tile`:
+  thread ``t`` takes the ``I = BK/32`` consecutive words ``I t .. I t + I - 1`` of a row), and the
+  dequantized bf16 values become the A operand by a register renaming only (``convert_layout(...,
+  assert_trivial=True)`` proves at compile time that no data moves between threads);
+* x is read from global memory (L2-resident at decode) straight into the B fragments: each thread's
+  ``8 I`` values of a token row are one contiguous run (16-byte vector loads), permuted in registers;
+* the next K step's words, scales and x are loaded before the current step is dequantized and
+  multiplied (register double buffering), and split-K partials are reduced by the last program to
+  arrive, as in the Triton kernel.
+
+No barrier and no shared memory in the K loop: warps run independently, so small CTAs (1-2 warps)
+and many of them per SM hide the DRAM latency instead of a pipeline of shared-memory stages.
+bf16 activations, ``M <= 16`` tokens per tile, ``K % BLOCK_K == 0``; the same operands and fp32
+accumulation as the Triton kernel (results equal up to fp32 summation order).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from megatron_quads.nvfp4.kernels.w4a16 import (
+    _DEQUANT_WORD_PTX,
+    _SCALE_PAIRS_PTX,
+    OPERAND_LOG2_SCALE,
+    _check_out,
+    _check_weight_parts,
+    _new_partials,
+    _operands,
+    _split_counters,
+)
+from megatron_quads.nvfp4.tensor import NVFP4Tensor
+
+BLOCK_M = gl.constexpr(16)
+"""Tokens per tile: the MMA's N side (two n8 fragments)."""
+
+
+@gluon.constexpr_function
+def _bits(n: int) -> list[int]:
+    return [1 << b for b in range(n.bit_length() - 1)]
+
+
+@gluon.constexpr_function
+def _basis(rank: int, dim: int, value: int) -> list[int]:
+    out = [0] * rank
+    out[dim] = value
+    return out
+
+
+@gluon.constexpr_function
+def mma_layout(num_warps: int) -> gl.NVMMADistributedLayout:
+    """fp32 accumulator ``[BN, 16]`` of mma.sync m16n8k16, warps stacked along the weight rows."""
+    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
+
+
+@gluon.constexpr_function
+def _row_bases(block_n: int, num_warps: int, rank: int) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+    """How the A fragments spread ``block_n`` weight rows: (lane, register, warp) bases.
+
+    Lanes 2-4 take rows 1, 2, 4 (the fragment's group id), one register row 8, the warps rows 16,
+    32, ..., and the remaining register bits the repeats of ``16 * num_warps`` rows.
+    """
+    lanes = [_basis(rank, 0, r) for r in (1, 2, 4)]
+    regs = [_basis(rank, 0, 8)]
+    warps = [_basis(rank, 0, 16 << w) for w in range(num_warps.bit_length() - 1)]
+    regs_rep = [_basis(rank, 0, 16 * num_warps * r) for r in _bits(block_n // (16 * num_warps))]
+    return lanes, regs + regs_rep, warps
+
+
+@gluon.constexpr_function
+def words_layout(block_n: int, block_k: int, num_warps: int) -> gl.DistributedLinearLayout:
+    """int32 code words ``[BN, 4, I]`` (row, thread-in-quad ``t``, word ``i``): thread ``t`` of a
+    quad holds words ``I t .. I t + I - 1`` of its rows, consecutive registers (16-byte loads)."""
+    i_words = block_k // 32
+    lanes, regs, warps = _row_bases(block_n, num_warps, 3)
+    return gl.DistributedLinearLayout(
+        reg_bases=[_basis(3, 2, b) for b in _bits(i_words)] + regs,
+        lane_bases=[_basis(3, 1, 1), _basis(3, 1, 2)] + lanes,
+        warp_bases=warps, block_bases=[], shape=[block_n, 4, i_words],
+    )
+
+
+@gluon.constexpr_function
+def scale_bytes_layout(block_n: int, block_k: int, num_warps: int) -> gl.DistributedLinearLayout:
+    """uint8 block scales ``[BN, 4, I/2]``: the ``I/2`` scales of a thread's ``I`` words (two words
+    a 16-block), consecutive registers."""
+    i_words = block_k // 32
+    lanes, regs, warps = _row_bases(block_n, num_warps, 3)
+    return gl.DistributedLinearLayout(
+        reg_bases=[_basis(3, 2, b) for b in _bits(i_words // 2)] + regs,
+        lane_bases=[_basis(3, 1, 1), _basis(3, 1, 2)] + lanes,
+        warp_bases=warps, block_bases=[], shape=[block_n, 4, i_words // 2],
+    )
+
+
+@gluon.constexpr_function
+def x_run_layout(block_k: int, num_warps: int) -> gl.DistributedLinearLayout:
+    """bf16 x ``[4, 8 I, 16]`` (thread-in-quad ``t``, physical offset ``j`` in its run, token):
+    each thread's run of ``8 I`` values of a token row in consecutive registers, tokens on lanes 2-4
+    and one register (token + 8), every warp holding the same values (it needs all of them)."""
+    run = 8 * (block_k // 32)
+    return gl.DistributedLinearLayout(
+        reg_bases=[_basis(3, 1, b) for b in _bits(run)] + [_basis(3, 2, 8)],
+        lane_bases=[_basis(3, 0, 1), _basis(3, 0, 2), _basis(3, 2, 1), _basis(3, 2, 2), _basis(3, 2, 4)],
+        warp_bases=[[0, 0, 0]] * (num_warps.bit_length() - 1), block_bases=[], shape=[4, run, 16],
+    )
+
+
+@gluon.jit
+def _dequant_a(words, scale_bytes, A_LAYOUT: gl.constexpr, WORDS: gl.constexpr):
+    """Words ``[BN, 4, I]`` and scale bytes ``[BN, 4, I/2]`` to the A operand ``[BN, BK]`` (bf16
+    ``e2m1 * e4m3 * 2^-8``) in MMA K order: word ``I t + i``'s nibbles ``q`` and ``q + 4``
+    (``q = 2 q1 + q0``) become logical columns ``32 i + 16 q1 + 8 q0 + 2 t + (0, 1)``."""
+    BN: gl.constexpr = words.shape[0]
+    I: gl.constexpr = words.shape[2]
+    pairs = gl.inline_asm_elementwise(_SCALE_PAIRS_PTX, "=r,=r,=r,=r,r", [scale_bytes], dtype=gl.int32,
+                                      is_pure=True, pack=4)
+    pairs = gl.convert_layout(gl.reshape(gl.join(pairs, pairs), (BN, 4, I)), WORDS, assert_trivial=True)
+    o = gl.inline_asm_elementwise(_DEQUANT_WORD_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, pairs],
+                                  dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
+    # dims after the joins: (BN, t, i, h, q0, q1)
+    v = gl.join(gl.join(gl.join(o[0], o[1]), gl.join(o[2], o[3])), gl.join(gl.join(o[4], o[5]), gl.join(o[6], o[7])))
+    v = gl.permute(v, (0, 2, 5, 4, 1, 3))  # (BN, i, q1, q0, t, h)
+    return gl.convert_layout(gl.reshape(v, (BN, 32 * I)), A_LAYOUT, assert_trivial=True)
+
+
+@gluon.jit
+def _x_operand(run, B_LAYOUT: gl.constexpr):
+    """x runs ``[4, 8 I, 16]`` (physical offset ``8 (I t + i) + 4 h + 2 q1 + q0``) to the B operand
+    ``[BK, 16]`` in the K order of :func:`_dequant_a`."""
+    RUN: gl.constexpr = run.shape[1]
+    I: gl.constexpr = RUN // 8
+    v = gl.reshape(run, (4, I, 2, 2, 2, 16))  # (t, i, h, q1, q0, m)
+    v = gl.permute(v, (1, 3, 4, 0, 2, 5))  # (i, q1, q0, t, h, m)
+    return gl.convert_layout(gl.reshape(v, (32 * I, 16)), B_LAYOUT, assert_trivial=True)
+
+
+@gluon.jit
+def _load_step(w_ptrs, s_ptrs, x_ptrs, x_mask, kt, BLOCK_K: gl.constexpr):
+    """One K step's operands: code words, scale bytes and x runs (tokens past M read as 0)."""
+    words = gl.load(w_ptrs + kt * (BLOCK_K // 8))
+    scales = gl.load(s_ptrs + kt * (BLOCK_K // 16))
+    run = gl.load(x_ptrs + kt * BLOCK_K, mask=x_mask, other=0.0)
+    return words, scales, run
+
+
+@gluon.jit
+def _decode_kernel(
+    x_ptr, codes_ptr, scales_ptr, ws2_ptr, y_ptr, partials_ptr, counters_ptr,
+    M, N, K, stride_xm, stride_cn, stride_sn, stride_ym,
+    BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, SPLIT_K: gl.constexpr, NUM_WARPS: gl.constexpr,
+    PREFETCH: gl.constexpr,
+):
+    """Grid ``(cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, 16))``: one K slice of one ``y^T [BLOCK_N, 16]`` tile."""
+    MMA: gl.constexpr = mma_layout(NUM_WARPS)
+    A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    B_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    WORDS: gl.constexpr = words_layout(BLOCK_N, BLOCK_K, NUM_WARPS)
+    SCALES: gl.constexpr = scale_bytes_layout(BLOCK_N, BLOCK_K, NUM_WARPS)
+    XRUN: gl.constexpr = x_run_layout(BLOCK_K, NUM_WARPS)
+    I: gl.constexpr = BLOCK_K // 32
+
+    pid_n = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    pid_m = gl.program_id(2)
+    k_tiles = K // BLOCK_K
+    per_split = gl.cdiv(k_tiles, SPLIT_K)
+    kt_lo = pid_k * per_split
+    kt_hi = gl.minimum(kt_lo + per_split, k_tiles)
+
+    # weight rows past N are clamped (valid loads) and dropped by the store mask
+    wr = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, WORDS)))
+    wt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, WORDS)))
+    wi = gl.arange(0, I, layout=gl.SliceLayout(0, gl.SliceLayout(1, WORDS)))
+    w_rows = gl.minimum(pid_n * BLOCK_N + wr, N - 1).to(gl.int64)
+    w_ptrs = codes_ptr + (w_rows * stride_cn)[:, None, None] + (wt * I)[None, :, None] + wi[None, None, :]
+    sr = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, SCALES)))
+    st = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, SCALES)))
+    si = gl.arange(0, I // 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, SCALES)))
+    s_rows = gl.minimum(pid_n * BLOCK_N + sr, N - 1).to(gl.int64)
+    s_ptrs = scales_ptr + (s_rows * stride_sn)[:, None, None] + (st * (I // 2))[None, :, None] + si[None, None, :]
+    xt = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, XRUN)))
+    xj = gl.arange(0, 8 * I, layout=gl.SliceLayout(0, gl.SliceLayout(2, XRUN)))
+    xm = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, gl.SliceLayout(1, XRUN)))
+    x_ptrs = x_ptr + (gl.minimum(xm, M - 1).to(gl.int64) * stride_xm)[None, None, :] + (xt * (8 * I))[:, None, None] + xj[None, :, None]
+    x_mask = (xm < M)[None, None, :] & (xj >= 0)[None, :, None] & (xt >= 0)[:, None, None]
+
+    acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=MMA)
+    # register buffering: the next PREFETCH steps are in flight while step kt is dequantized and
+    # multiplied; the last steps reload the final one (cache hits) instead of branching
+    w0, s0, x0 = _load_step(w_ptrs, s_ptrs, x_ptrs, x_mask, kt_lo, BLOCK_K)
+    if PREFETCH == 1:
+        for kt in range(kt_lo, kt_hi):
+            w1, s1, x1 = _load_step(w_ptrs, s_ptrs, x_ptrs, x_mask, gl.minimum(kt + 1, kt_hi - 1), BLOCK_K)
+            acc = mma_v2(_dequant_a(w0, s0, A_LAYOUT, WORDS), _x_operand(x0, B_LAYOUT), acc)
+            w0, s0, x0 = w1, s1, x1
+    else:
+        w1, s1, x1 = _load_step(w_ptrs, s_ptrs, x_ptrs, x_mask, gl.minimum(kt_lo + 1, kt_hi - 1), BLOCK_K)
+        for kt in range(kt_lo, kt_hi):
+            w2, s2, x2 = _load_step(w_ptrs, s_ptrs, x_ptrs, x_mask, gl.minimum(kt + 2, kt_hi - 1), BLOCK_K)
+            acc = mma_v2(_dequant_a(w0, s0, A_LAYOUT, WORDS), _x_operand(x0, B_LAYOUT), acc)
+            w0, s0, x0 = w1, s1, x1
+            w1, s1, x1 = w2, s2, x2
+
+    on = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+    om = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
+    y_ptrs = y_ptr + om[None, :].to(gl.int64) * stride_ym + on[:, None]
+    y_mask = (on < N)[:, None] & (om < M)[None, :]
+    decode = gl.load(ws2_ptr) * (2.0 ** -OPERAND_LOG2_SCALE)
+    if SPLIT_K == 1:
+        gl.store(y_ptrs, (acc * decode).to(y_ptr.dtype.element_ty), mask=y_mask)
+    else:
+        tile = pid_m * gl.num_programs(0) + pid_n
+        TILE: gl.constexpr = BLOCK_N * BLOCK_M
+        local = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))[:, None] * BLOCK_M + \
+            gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))[None, :]
+        base = partials_ptr + tile.to(gl.int64) * (SPLIT_K * TILE)
+        gl.store(base + pid_k * TILE + local, acc)
+        gl.thread_barrier()  # every thread's partial is stored before the release below
+        arrived = gl.atomic_add(counters_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=MMA)
+            for s in gl.static_range(SPLIT_K):  # fixed order: the result does not depend on timing
+                total += gl.load(base + s * TILE + local, cache_modifier=".cg")
+            gl.store(y_ptrs, (total * decode).to(y_ptr.dtype.element_ty), mask=y_mask)
+            gl.atomic_xchg(counters_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+DEFAULT_CONFIG = {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "num_warps": 2, "PREFETCH": 1}
+
+
+def w4a16_mma_linear_into(x: torch.Tensor, weight: NVFP4Tensor, out: torch.Tensor,
+                          config: dict[str, int] | None = None) -> torch.Tensor:
+    """``out [M, N] = x [M, K] @ dq(W).T`` (bf16) with :func:`_decode_kernel`; ``config`` holds
+    ``BLOCK_N`` (a multiple of ``16 * num_warps``), ``BLOCK_K`` (a multiple of 64 dividing K),
+    ``SPLIT_K``, ``num_warps`` and ``PREFETCH`` (K steps loaded ahead: 1 or 2) (default :data:`DEFAULT_CONFIG`)."""
+    cfg: dict[str, Any] = {**DEFAULT_CONFIG, **(config or {})}
+    n, k = weight.shape
+    _check_weight_parts(x, weight, k)
+    m = x.shape[0]
+    if x.ndim != 2:
+        raise ValueError(f"x must be [M, {k}], got shape {tuple(x.shape)}")
+    _check_out(out, (m, n), (torch.bfloat16,), x.device)
+    block_n, block_k, split_k, warps = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"], cfg["num_warps"]
+    if k % block_k or block_k % 64 or block_n % (16 * warps):
+        raise ValueError(f"need K % BLOCK_K == 0, BLOCK_K % 64 == 0 and BLOCK_N % (16 * num_warps) == 0, got "
+                         f"K={k}, {cfg}")
+    if cfg["PREFETCH"] not in (1, 2) or split_k < 1:
+        raise ValueError(f"PREFETCH must be 1 or 2 and SPLIT_K at least 1, got {cfg}")
+    if m == 0:
+        return out
+    x = x if x.stride(1) == 1 else x.contiguous()
+    codes, scales = _operands(weight)
+    ws2 = weight.weight_scale_2.reshape(1).to(torch.float32)
+    n_tiles, m_tiles = triton.cdiv(n, block_n), triton.cdiv(m, BLOCK_M)
+    partials = _new_partials(split_k * n_tiles * block_n * m_tiles * BLOCK_M if split_k > 1 else 1, x.device)
+    counters = _split_counters(x.device, n_tiles * m_tiles)
+    _decode_kernel[(n_tiles, split_k, m_tiles)](
+        x, codes, scales, ws2, out, partials, counters,
+        m, n, k, x.stride(0), codes.stride(0), scales.stride(0), out.stride(0),
+        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, NUM_WARPS=warps, PREFETCH=cfg["PREFETCH"], num_warps=warps,
+    )
+    return out

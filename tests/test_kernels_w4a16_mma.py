@@ -1,0 +1,104 @@
+"""The experimental Gluon decode W4A16 kernel (register-operand mma.sync) against the fp64 oracle.
+
+Same checks as the Triton kernel's (tests/test_kernels_w4a16.py): bit for bit on inputs whose fp32
+sums are exact, within the fp32 accumulation bound on realistic and raw weights; outputs and the
+split-K workspace poisoned with NaN; counters restored. Gluon kernels do not run under the
+interpreter, so everything but the argument checks needs the GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon")
+
+from test_kernels_w4a16 import (
+    _activations,
+    _assert_within,
+    _exact_expected,
+    _gaussian_weight,
+    _grid_activations,
+    _oracle,
+    _raw_weight,
+    _same_bits,
+    _tolerance,
+)
+
+from megatron_quads.nvfp4.kernels import w4a16, w4a16_mma
+
+CONFIGS = [
+    w4a16_mma.DEFAULT_CONFIG,
+    {"BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 1, "num_warps": 1, "PREFETCH": 2},
+    {"BLOCK_N": 128, "BLOCK_K": 256, "SPLIT_K": 3, "num_warps": 4, "PREFETCH": 1},
+    {"BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 8, "num_warps": 1, "PREFETCH": 2},
+]
+SHAPES = [(1, 40, 512), (3, 72, 256), (16, 200, 1024), (17, 24, 512), (64, 4096 + 40, 2048), (16, 2048, 4096)]
+"""(M, N, K): 1..64 tokens (several token tiles at 17 and 64), N not a multiple of the tile; K a
+multiple of every BLOCK_K above (the kernel's requirement)."""
+
+
+def _config_id(config: dict[str, int]) -> str:
+    return "-".join(f"{k[0]}{k[-1]}{v}" for k, v in config.items())
+
+
+@pytest.fixture
+def poisoned_partials(monkeypatch: pytest.MonkeyPatch) -> None:
+    def new_partials(numel: int, device: torch.device) -> torch.Tensor:
+        return torch.full((numel,), float("nan"), dtype=torch.float32, device=device)
+
+    monkeypatch.setattr(w4a16_mma, "_new_partials", new_partials)
+
+
+def _run(x: torch.Tensor, weight, config: dict[str, int]) -> torch.Tensor:
+    out = torch.full((x.shape[0], weight.shape[0]), float("nan"), dtype=x.dtype, device=x.device)
+    assert w4a16_mma.w4a16_mma_linear_into(x, weight, out, config) is out
+    assert all(int(c.abs().sum()) == 0 for c in w4a16._COUNTERS.values()), "split-K counters were not reset"
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
+def test_exact_on_exactly_summable_inputs(kernel_device: str, config: dict[str, int], poisoned_partials: None) -> None:
+    for m, n, k in SHAPES:
+        for decode in (None, 2.0**-7):
+            weight = _raw_weight((n, k), kernel_device, scale_bytes=(0x28, 0x4F), decode=decode)
+            x = _grid_activations((m, k), torch.bfloat16, kernel_device, bound=8 if k <= 256 else 1)
+            assert _same_bits(_run(x, weight, config), _exact_expected(x, weight, torch.bfloat16)), (m, n, k, decode)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
+def test_within_fp32_accumulation_error(kernel_device: str, config: dict[str, int], poisoned_partials: None) -> None:
+    for m, n, k in SHAPES:
+        for weight in (_gaussian_weight((n, k), kernel_device), _raw_weight((n, k), kernel_device)):
+            x = _activations((m, k), torch.bfloat16, kernel_device)
+            exact, magnitude = _oracle(x, weight)
+            _assert_within(_run(x, weight, config), exact, _tolerance(exact, magnitude, k, torch.bfloat16))
+
+
+@pytest.mark.gpu
+def test_agrees_with_the_triton_kernel_and_strided_rows(kernel_device: str) -> None:
+    weight = _gaussian_weight((1024, 2048), kernel_device)
+    x = _activations((24, 4096), torch.bfloat16, kernel_device)[:, ::2]  # row stride 4096, column stride 2
+    y = _run(x, weight, w4a16_mma.DEFAULT_CONFIG)
+    reference = w4a16.w4a16_linear_kernel(x.contiguous(), weight)
+    assert torch.allclose(y.float(), reference.float(), rtol=2**-7, atol=1e-3 * float(reference.float().abs().max()))
+
+
+def test_argument_errors() -> None:
+    weight = _raw_weight((32, 128), "cpu")
+    x = torch.zeros(2, 128, dtype=torch.bfloat16)
+    out = torch.empty(2, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="K % BLOCK_K == 0"):
+        w4a16_mma.w4a16_mma_linear_into(x, weight, out, {"BLOCK_K": 256})
+    with pytest.raises(ValueError, match="BLOCK_N % \\(16 \\* num_warps\\)"):
+        w4a16_mma.w4a16_mma_linear_into(x, weight, out, {"BLOCK_N": 32, "num_warps": 4})
+    with pytest.raises(ValueError, match="PREFETCH"):
+        w4a16_mma.w4a16_mma_linear_into(x, weight, out, {"PREFETCH": 3})
+    with pytest.raises(ValueError, match="x must be"):
+        w4a16_mma.w4a16_mma_linear_into(x.unsqueeze(0), weight, out)
+    with pytest.raises(TypeError, match="bfloat16 activations"):
+        w4a16_mma.w4a16_mma_linear_into(x.float(), weight, out)
+    with pytest.raises(ValueError, match="out must be"):
+        w4a16_mma.w4a16_mma_linear_into(x, weight, out[:, :16])
