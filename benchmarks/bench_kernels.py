@@ -186,7 +186,7 @@ def bench_w4a16(bandwidth: float, quick: bool) -> list[dict]:
     return rows
 
 
-MMA_CONFIGS = [  # (BLOCK_N, BLOCK_K, num_warps, PREFETCH); SPLIT_K is swept per shape
+MMA_CONFIGS = [  # (BLOCK_N, BLOCK_K, num_warps, PREFETCH); SPLIT_K is swept per shape, BLOCK_M follows M
     (32, 128, 1, 1), (32, 128, 1, 2), (64, 128, 1, 1), (64, 128, 2, 1), (64, 128, 2, 2), (128, 128, 4, 1),
     (128, 128, 2, 1), (32, 256, 1, 1), (64, 256, 2, 1), (128, 64, 4, 2),
 ]

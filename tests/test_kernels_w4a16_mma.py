@@ -28,10 +28,10 @@ from test_kernels_w4a16 import (
 from megatron_quads.nvfp4.kernels import w4a16, w4a16_mma
 
 CONFIGS = [
-    w4a16_mma.DEFAULT_CONFIG,
-    {"BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 1, "num_warps": 1, "PREFETCH": 2},
-    {"BLOCK_N": 128, "BLOCK_K": 256, "SPLIT_K": 3, "num_warps": 4, "PREFETCH": 1},
-    {"BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 8, "num_warps": 1, "PREFETCH": 2},
+    w4a16_mma.DEFAULT_CONFIG,  # token tile from M (8, 16 or 32)
+    {"BLOCK_M": 8, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 1, "num_warps": 1, "PREFETCH": 2},
+    {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 256, "SPLIT_K": 3, "num_warps": 4, "PREFETCH": 1},
+    {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 8, "num_warps": 1, "PREFETCH": 2},
 ]
 SHAPES = [(1, 40, 512), (3, 72, 256), (16, 200, 1024), (17, 24, 512), (64, 4096 + 40, 2048), (16, 2048, 4096)]
 """(M, N, K): 1..64 tokens (several token tiles at 17 and 64), N not a multiple of the tile; K a
@@ -96,6 +96,8 @@ def test_argument_errors() -> None:
         w4a16_mma.w4a16_mma_linear_into(x, weight, out, {"BLOCK_N": 32, "num_warps": 4})
     with pytest.raises(ValueError, match="PREFETCH"):
         w4a16_mma.w4a16_mma_linear_into(x, weight, out, {"PREFETCH": 3})
+    with pytest.raises(ValueError, match="BLOCK_M 8, 16 or 32"):
+        w4a16_mma.w4a16_mma_linear_into(x, weight, out, {"BLOCK_M": 64})
     with pytest.raises(ValueError, match="x must be"):
         w4a16_mma.w4a16_mma_linear_into(x.unsqueeze(0), weight, out)
     with pytest.raises(TypeError, match="bfloat16 activations"):

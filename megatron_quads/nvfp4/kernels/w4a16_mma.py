@@ -20,7 +20,7 @@ latency-bound at ~45% of the byte floor (docs/kernels.md). Here both MMA operand
 
 No barrier and no shared memory in the K loop: warps run independently, so small CTAs (1-2 warps)
 and many of them per SM hide the DRAM latency instead of a pipeline of shared-memory stages.
-bf16 activations, ``M <= 16`` tokens per tile, ``K % BLOCK_K == 0``; the same operands and fp32
+bf16 activations, 8 to 32 tokens per tile, ``K % BLOCK_K == 0``; the same operands and fp32
 accumulation as the Triton kernel (results equal up to fp32 summation order).
 """
 
@@ -36,6 +36,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from megatron_quads.nvfp4.kernels.w4a16 import (
     _DEQUANT_WORD_PTX,
+    _SCALE_HALF_PTX,
     _SCALE_PAIRS_PTX,
     OPERAND_LOG2_SCALE,
     _check_out,
@@ -46,9 +47,13 @@ from megatron_quads.nvfp4.kernels.w4a16 import (
 )
 from megatron_quads.nvfp4.tensor import NVFP4Tensor
 
-BLOCK_M = gl.constexpr(16)
-"""Tokens per tile: the MMA's N side (two n8 fragments)."""
-
+_SCALE_PAIRS_2_PTX = gl.constexpr(
+    "{\n.reg .b32 w, v, t, u, c;\nmov.b32 c, 0x7B007B00;\ncvt.u32.u16 w, $2;"
+    + _SCALE_HALF_PTX.replace("$4", "w").format(select="0x4140", lo=0, hi=1)
+    + "}\n"
+)
+"""Two E4M3 scale bytes (one 16-bit register) to two bf16x2 pairs: :data:`_SCALE_PAIRS_PTX` for the
+2-byte runs of a thread at ``BLOCK_K = 128`` (its 4-byte form would first gather bytes of two rows)."""
 
 @gluon.constexpr_function
 def _bits(n: int) -> list[int]:
@@ -64,7 +69,7 @@ def _basis(rank: int, dim: int, value: int) -> list[int]:
 
 @gluon.constexpr_function
 def mma_layout(num_warps: int) -> gl.NVMMADistributedLayout:
-    """fp32 accumulator ``[BN, 16]`` of mma.sync m16n8k16, warps stacked along the weight rows."""
+    """fp32 accumulator ``[BN, BM]`` of mma.sync m16n8k16, warps stacked along the weight rows."""
     return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
 
 
@@ -109,15 +114,16 @@ def scale_bytes_layout(block_n: int, block_k: int, num_warps: int) -> gl.Distrib
 
 
 @gluon.constexpr_function
-def x_run_layout(block_k: int, num_warps: int) -> gl.DistributedLinearLayout:
-    """bf16 x ``[4, 8 I, 16]`` (thread-in-quad ``t``, physical offset ``j`` in its run, token):
-    each thread's run of ``8 I`` values of a token row in consecutive registers, tokens on lanes 2-4
-    and one register (token + 8), every warp holding the same values (it needs all of them)."""
+def x_run_layout(block_k: int, block_m: int, num_warps: int) -> gl.DistributedLinearLayout:
+    """bf16 x ``[4, 8 I, BM]`` (thread-in-quad ``t``, physical offset ``j`` in its run, token):
+    each thread's run of ``8 I`` values of a token row in consecutive registers, tokens 1, 2, 4 on
+    lanes 2-4 and 8, 16, ... in registers (the B fragments' n8 tiles), every warp holding the same
+    values (each needs all of them)."""
     run = 8 * (block_k // 32)
     return gl.DistributedLinearLayout(
-        reg_bases=[_basis(3, 1, b) for b in _bits(run)] + [_basis(3, 2, 8)],
+        reg_bases=[_basis(3, 1, b) for b in _bits(run)] + [_basis(3, 2, 8 * b) for b in _bits(block_m // 8)],
         lane_bases=[_basis(3, 0, 1), _basis(3, 0, 2), _basis(3, 2, 1), _basis(3, 2, 2), _basis(3, 2, 4)],
-        warp_bases=[[0, 0, 0]] * (num_warps.bit_length() - 1), block_bases=[], shape=[4, run, 16],
+        warp_bases=[[0, 0, 0]] * (num_warps.bit_length() - 1), block_bases=[], shape=[4, run, block_m],
     )
 
 
@@ -128,8 +134,12 @@ def _dequant_a(words, scale_bytes, A_LAYOUT: gl.constexpr, WORDS: gl.constexpr):
     (``q = 2 q1 + q0``) become logical columns ``32 i + 16 q1 + 8 q0 + 2 t + (0, 1)``."""
     BN: gl.constexpr = words.shape[0]
     I: gl.constexpr = words.shape[2]
-    pairs = gl.inline_asm_elementwise(_SCALE_PAIRS_PTX, "=r,=r,=r,=r,r", [scale_bytes], dtype=gl.int32,
-                                      is_pure=True, pack=4)
+    if I == 4:
+        pairs = gl.inline_asm_elementwise(_SCALE_PAIRS_2_PTX, "=r,=r,h", [scale_bytes], dtype=gl.int32,
+                                          is_pure=True, pack=2)
+    else:
+        pairs = gl.inline_asm_elementwise(_SCALE_PAIRS_PTX, "=r,=r,=r,=r,r", [scale_bytes], dtype=gl.int32,
+                                          is_pure=True, pack=4)
     pairs = gl.convert_layout(gl.reshape(gl.join(pairs, pairs), (BN, 4, I)), WORDS, assert_trivial=True)
     o = gl.inline_asm_elementwise(_DEQUANT_WORD_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, pairs],
                                   dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
@@ -141,13 +151,13 @@ def _dequant_a(words, scale_bytes, A_LAYOUT: gl.constexpr, WORDS: gl.constexpr):
 
 @gluon.jit
 def _x_operand(run, B_LAYOUT: gl.constexpr):
-    """x runs ``[4, 8 I, 16]`` (physical offset ``8 (I t + i) + 4 h + 2 q1 + q0``) to the B operand
-    ``[BK, 16]`` in the K order of :func:`_dequant_a`."""
-    RUN: gl.constexpr = run.shape[1]
-    I: gl.constexpr = RUN // 8
-    v = gl.reshape(run, (4, I, 2, 2, 2, 16))  # (t, i, h, q1, q0, m)
+    """x runs ``[4, 8 I, BM]`` (physical offset ``8 (I t + i) + 4 h + 2 q1 + q0``) to the B operand
+    ``[BK, BM]`` in the K order of :func:`_dequant_a`."""
+    I: gl.constexpr = run.shape[1] // 8
+    BM: gl.constexpr = run.shape[2]
+    v = gl.reshape(run, (4, I, 2, 2, 2, BM))  # (t, i, h, q1, q0, m)
     v = gl.permute(v, (1, 3, 4, 0, 2, 5))  # (i, q1, q0, t, h, m)
-    return gl.convert_layout(gl.reshape(v, (32 * I, 16)), B_LAYOUT, assert_trivial=True)
+    return gl.convert_layout(gl.reshape(v, (32 * I, BM)), B_LAYOUT, assert_trivial=True)
 
 
 @gluon.jit
@@ -163,16 +173,16 @@ def _load_step(w_ptrs, s_ptrs, x_ptrs, x_mask, kt, BLOCK_K: gl.constexpr):
 def _decode_kernel(
     x_ptr, codes_ptr, scales_ptr, ws2_ptr, y_ptr, partials_ptr, counters_ptr,
     M, N, K, stride_xm, stride_cn, stride_sn, stride_ym,
-    BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, SPLIT_K: gl.constexpr, NUM_WARPS: gl.constexpr,
-    PREFETCH: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, SPLIT_K: gl.constexpr,
+    NUM_WARPS: gl.constexpr, PREFETCH: gl.constexpr,
 ):
-    """Grid ``(cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, 16))``: one K slice of one ``y^T [BLOCK_N, 16]`` tile."""
+    """Grid ``(cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M))``: one K slice of one ``y^T [BLOCK_N, BLOCK_M]`` tile."""
     MMA: gl.constexpr = mma_layout(NUM_WARPS)
     A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
     WORDS: gl.constexpr = words_layout(BLOCK_N, BLOCK_K, NUM_WARPS)
     SCALES: gl.constexpr = scale_bytes_layout(BLOCK_N, BLOCK_K, NUM_WARPS)
-    XRUN: gl.constexpr = x_run_layout(BLOCK_K, NUM_WARPS)
+    XRUN: gl.constexpr = x_run_layout(BLOCK_K, BLOCK_M, NUM_WARPS)
     I: gl.constexpr = BLOCK_K // 32
 
     pid_n = gl.program_id(0)
@@ -244,13 +254,20 @@ def _decode_kernel(
 DEFAULT_CONFIG = {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "num_warps": 2, "PREFETCH": 1}
 
 
+def default_block_m(tokens: int) -> int:
+    """Tokens per tile: the smallest of 8, 16, 32 that holds ``tokens`` (x's registers grow with it:
+    434 / 489 / 605 instructions per 64 x 128 K step in the offline sm_90 compile)."""
+    return 8 if tokens <= 8 else 16 if tokens <= 16 else 32
+
+
 def w4a16_mma_linear_into(x: torch.Tensor, weight: NVFP4Tensor, out: torch.Tensor,
                           config: dict[str, int] | None = None) -> torch.Tensor:
     """``out [M, N] = x [M, K] @ dq(W).T`` (bf16) with :func:`_decode_kernel`; ``config`` holds
-    ``BLOCK_N`` (a multiple of ``16 * num_warps``), ``BLOCK_K`` (a multiple of 64 dividing K),
+    ``BLOCK_M`` (tokens per tile: 8, 16 or 32; default :func:`default_block_m`), ``BLOCK_N`` (a multiple of ``16 * num_warps``),
+    ``BLOCK_K`` (a multiple of 64 dividing K),
     ``SPLIT_K``, ``num_warps`` and ``PREFETCH`` (K steps loaded ahead: 1 or 2) (default :data:`DEFAULT_CONFIG`)."""
-    cfg: dict[str, Any] = {**DEFAULT_CONFIG, **(config or {})}
     n, k = weight.shape
+    cfg: dict[str, Any] = {**DEFAULT_CONFIG, "BLOCK_M": default_block_m(x.shape[0]), **(config or {})}
     _check_weight_parts(x, weight, k)
     m = x.shape[0]
     if x.ndim != 2:
@@ -260,19 +277,20 @@ def w4a16_mma_linear_into(x: torch.Tensor, weight: NVFP4Tensor, out: torch.Tenso
     if k % block_k or block_k % 64 or block_n % (16 * warps):
         raise ValueError(f"need K % BLOCK_K == 0, BLOCK_K % 64 == 0 and BLOCK_N % (16 * num_warps) == 0, got "
                          f"K={k}, {cfg}")
-    if cfg["PREFETCH"] not in (1, 2) or split_k < 1:
-        raise ValueError(f"PREFETCH must be 1 or 2 and SPLIT_K at least 1, got {cfg}")
+    if cfg["PREFETCH"] not in (1, 2) or split_k < 1 or cfg["BLOCK_M"] not in (8, 16, 32):
+        raise ValueError(f"PREFETCH must be 1 or 2, SPLIT_K at least 1 and BLOCK_M 8, 16 or 32, got {cfg}")
     if m == 0:
         return out
     x = x if x.stride(1) == 1 else x.contiguous()
     codes, scales = _operands(weight)
     ws2 = weight.weight_scale_2.reshape(1).to(torch.float32)
-    n_tiles, m_tiles = triton.cdiv(n, block_n), triton.cdiv(m, BLOCK_M)
-    partials = _new_partials(split_k * n_tiles * block_n * m_tiles * BLOCK_M if split_k > 1 else 1, x.device)
+    block_m = cfg["BLOCK_M"]
+    n_tiles, m_tiles = triton.cdiv(n, block_n), triton.cdiv(m, block_m)
+    partials = _new_partials(split_k * n_tiles * block_n * m_tiles * block_m if split_k > 1 else 1, x.device)
     counters = _split_counters(x.device, n_tiles * m_tiles)
     _decode_kernel[(n_tiles, split_k, m_tiles)](
         x, codes, scales, ws2, out, partials, counters,
         m, n, k, x.stride(0), codes.stride(0), scales.stride(0), out.stride(0),
-        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, NUM_WARPS=warps, PREFETCH=cfg["PREFETCH"], num_warps=warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, NUM_WARPS=warps, PREFETCH=cfg["PREFETCH"], num_warps=warps,
     )
     return out
