@@ -236,6 +236,53 @@ def bench_w4a16_mma(bandwidth: float, quick: bool) -> list[dict]:
         rows.append(row(f"w4a16 mma M={m} K={k} N={n}", t_mma, fp4_bytes, 2 * m * n * k, bandwidth, best_config=best,
                         triton_us=round(t4, 2), fp8_us=round(t8, 2), bf16_us=round(tb, 2),
                         speedup_vs_fp8=round(t8 / t_mma, 2), speedup_vs_triton=round(t4 / t_mma, 2), sweep=sweep))
+    rows += _grouped_mma_rows(bandwidth, quick)
+    return rows
+
+
+def _grouped_mma_rows(bandwidth: float, quick: bool) -> list[dict]:
+    """The Gluon grouped kernel at Qwen3-30B-A3B gate/up shapes against the Triton grouped kernel
+    and BF16 ``torch._grouped_mm``, best of a config sweep (token tile 8 / 16 / 32 included)."""
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    from megatron_quads.nvfp4.kernels.w4a16 import grouped_w4a16_kernel
+    from megatron_quads.nvfp4.kernels.w4a16_mma import grouped_w4a16_mma_into
+
+    experts, topk, n, k = 128, 8, 1536, 2048
+    w, qw = _weight(n, k, experts)
+    w_t = w.transpose(1, 2)
+    rows = []
+    for tokens in (64, 512) if quick else (64, 128, 256, 512):
+        counts = _routing(tokens, experts, topk)
+        offsets = expert_offsets_from_counts(counts)
+        x = torch.randn(tokens * topk, k, device=DEV, dtype=torch.bfloat16)
+        out = torch.empty(x.shape[0], n, device=DEV, dtype=torch.bfloat16)
+        reference = grouped_w4a16_kernel(x, qw, offsets)
+        sweep = {}
+        for bn, bk, warps, prefetch in MMA_CONFIGS:
+            for block_m in (8, 16, 32):
+                cfg = {"BLOCK_M": block_m, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "PREFETCH": prefetch}
+                name = f"m{block_m} {bn}x{bk} w{warps} p{prefetch}"
+                try:
+                    grouped_w4a16_mma_into(x, qw, offsets, out, cfg)
+                    if not torch.allclose(out.float(), reference.float(), rtol=2**-6, atol=1e-2 * float(reference.float().abs().max())):
+                        sweep[name] = "WRONG"
+                        continue
+                    sweep[name] = round(time_graph(lambda cfg=cfg: grouped_w4a16_mma_into(x, qw, offsets, out, cfg)), 2)
+                except (CompilationError, OutOfResources, RuntimeError, ValueError) as err:  # reported, not fatal
+                    sweep[name] = f"error: {str(err).splitlines()[0][:80]}"
+        timed = {name: t for name, t in sweep.items() if isinstance(t, float)}
+        best = min(timed, key=timed.get) if timed else "none"
+        t_mma = timed.get(best, float("nan"))
+        t4 = time_graph(lambda: grouped_w4a16_kernel(x, qw, offsets))
+        ends = offsets[1:].contiguous()
+        tb = time_graph(lambda: torch._grouped_mm(x, w_t, offs=ends))
+        active = int((counts > 0).sum())
+        fp4_bytes = active * (n * k // 2 + n * k // 16) + x.numel() * 2 + x.shape[0] * n * 2
+        rows.append(row(f"grouped w4a16 mma gate_up tokens={tokens}", t_mma, fp4_bytes, 2 * x.shape[0] * n * k, bandwidth,
+                        best_config=best, triton_us=round(t4, 2), bf16_grouped_us=round(tb, 2),
+                        speedup_vs_bf16=round(tb / t_mma, 2), speedup_vs_triton=round(t4 / t_mma, 2), sweep=sweep))
     return rows
 
 

@@ -17,15 +17,19 @@ from test_kernels_w4a16 import (
     _activations,
     _assert_within,
     _exact_expected,
+    _expert,
     _gaussian_weight,
     _grid_activations,
+    _grouped_oracle,
     _oracle,
     _raw_weight,
     _same_bits,
     _tolerance,
+    _with_ws2,
 )
 
 from megatron_quads.nvfp4.kernels import w4a16, w4a16_mma
+from megatron_quads.rollout.grouped import expert_offsets_from_counts
 
 CONFIGS = [
     w4a16_mma.DEFAULT_CONFIG,  # token tile from M (8, 16 or 32)
@@ -86,6 +90,55 @@ def test_agrees_with_the_triton_kernel_and_strided_rows(kernel_device: str) -> N
     assert torch.allclose(y.float(), reference.float(), rtol=2**-7, atol=1e-3 * float(reference.float().abs().max()))
 
 
+GROUPED_CONFIGS = [
+    {},  # defaults, token tile from the mean rows per expert
+    {"BLOCK_M": 8, "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 1, "PREFETCH": 2},
+    {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 256, "num_warps": 4, "PREFETCH": 1},
+]
+
+
+def _grouped_cases() -> list[tuple[list[int], int, int]]:
+    """(tokens per expert, N, K): empty experts, one expert with everything (several token tiles),
+    E = 1, and Qwen3-30B-A3B gate/up routing of 512 tokens (top-8 of 128 experts, skewed)."""
+    routed = torch.distributions.Categorical(logits=torch.randn(128) * 1.5).sample((512 * 8,))
+    return [([3, 0, 17, 5], 40, 256), ([0, 0, 70, 0], 24, 512), ([7], 72, 256),
+            (torch.bincount(routed, minlength=128).tolist(), 1536, 2048), ([0] * 15 + [200], 768 + 40, 2048)]
+
+
+def _grouped_run(x: torch.Tensor, weight, counts: list[int], config: dict[str, int]) -> torch.Tensor:
+    offsets = expert_offsets_from_counts(torch.tensor(counts)).to(x.device)
+    out = torch.full((x.shape[0], weight.shape[1]), float("nan"), dtype=x.dtype, device=x.device)
+    assert w4a16_mma.grouped_w4a16_mma_into(x, weight, offsets, out, config) is out
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", GROUPED_CONFIGS, ids=lambda c: _config_id(c) or "default")
+def test_grouped_exact_on_exactly_summable_inputs(kernel_device: str, config: dict[str, int]) -> None:
+    for counts, n, k in _grouped_cases():
+        weight = _raw_weight((len(counts), n, k), kernel_device, scale_bytes=(0x28, 0x4F))
+        x = _grid_activations((sum(counts), k), torch.bfloat16, kernel_device, bound=1)
+        y = _grouped_run(x, weight, counts, config)
+        start = 0
+        for e, rows in enumerate(counts):
+            if rows:
+                expected = _exact_expected(x[start : start + rows], _expert(weight, e), torch.bfloat16)
+                assert _same_bits(y[start : start + rows], expected), (counts, e)
+            start += rows
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", GROUPED_CONFIGS, ids=lambda c: _config_id(c) or "default")
+@pytest.mark.parametrize("ws2_layout", ["E1", "shared"])
+def test_grouped_within_fp32_accumulation_error(kernel_device: str, config: dict[str, int], ws2_layout: str) -> None:
+    for counts, n, k in _grouped_cases():
+        for weight in (_gaussian_weight((len(counts), n, k), kernel_device), _raw_weight((len(counts), n, k), kernel_device)):
+            weight = _with_ws2(weight, ws2_layout)
+            x = _activations((sum(counts), k), torch.bfloat16, kernel_device)
+            exact, magnitude = _grouped_oracle(x, weight, counts)
+            _assert_within(_grouped_run(x, weight, counts, config), exact, _tolerance(exact, magnitude, k, torch.bfloat16))
+
+
 def test_argument_errors() -> None:
     weight = _raw_weight((32, 128), "cpu")
     x = torch.zeros(2, 128, dtype=torch.bfloat16)
@@ -104,3 +157,11 @@ def test_argument_errors() -> None:
         w4a16_mma.w4a16_mma_linear_into(x.float(), weight, out)
     with pytest.raises(ValueError, match="out must be"):
         w4a16_mma.w4a16_mma_linear_into(x, weight, out[:, :16])
+    stacked = _raw_weight((3, 32, 128), "cpu")
+    offsets = expert_offsets_from_counts(torch.tensor([1, 0, 1]))
+    with pytest.raises(ValueError, match="stacked"):
+        w4a16_mma.grouped_w4a16_mma_into(x, weight, offsets, out)
+    with pytest.raises(ValueError, match="expert_offsets must be int32"):
+        w4a16_mma.grouped_w4a16_mma_into(x, stacked, offsets.long(), out)
+    with pytest.raises(ValueError, match="K % BLOCK_K == 0"):
+        w4a16_mma.grouped_w4a16_mma_into(x, stacked, offsets, out, {"BLOCK_K": 256})

@@ -162,11 +162,66 @@ def _x_operand(run, B_LAYOUT: gl.constexpr):
 
 @gluon.jit
 def _load_step(w_ptrs, s_ptrs, x_ptrs, x_mask, kt, BLOCK_K: gl.constexpr):
-    """One K step's operands: code words, scale bytes and x runs (tokens past M read as 0)."""
+    """One K step's operands: code words, scale bytes and x runs (tokens outside ``x_mask`` read as 0)."""
     words = gl.load(w_ptrs + kt * (BLOCK_K // 8))
     scales = gl.load(s_ptrs + kt * (BLOCK_K // 16))
     run = gl.load(x_ptrs + kt * BLOCK_K, mask=x_mask, other=0.0)
     return words, scales, run
+
+
+@gluon.jit
+def _weight_pointers(codes_ptr, scales_ptr, row0, N, stride_cn, stride_sn,
+                     BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr):
+    """Pointers to the first K step's words ``[BN, 4, I]`` and scale bytes ``[BN, 4, I/2]`` of rows
+    ``row0 ..`` (rows past N clamped: valid loads, dropped by the store mask)."""
+    I: gl.constexpr = BLOCK_K // 32
+    wr = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, WORDS)))
+    wt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, WORDS)))
+    wi = gl.arange(0, I, layout=gl.SliceLayout(0, gl.SliceLayout(1, WORDS)))
+    w_rows = gl.minimum(row0 + wr, N - 1).to(gl.int64)
+    w_ptrs = codes_ptr + (w_rows * stride_cn)[:, None, None] + (wt * I)[None, :, None] + wi[None, None, :]
+    sr = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, SCALES)))
+    st = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, SCALES)))
+    si = gl.arange(0, I // 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, SCALES)))
+    s_rows = gl.minimum(row0 + sr, N - 1).to(gl.int64)
+    s_ptrs = scales_ptr + (s_rows * stride_sn)[:, None, None] + (st * (I // 2))[None, :, None] + si[None, None, :]
+    return w_ptrs, s_ptrs
+
+
+@gluon.jit
+def _x_pointers(x_ptr, m0, m_end, stride_xm, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, XRUN: gl.constexpr):
+    """Pointers to the first K step's x runs ``[4, 8 I, BM]`` of token rows ``m0 .. m0 + BM`` and the
+    mask of those below ``m_end`` (the others are clamped and read as 0)."""
+    I: gl.constexpr = BLOCK_K // 32
+    xt = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, XRUN)))
+    xj = gl.arange(0, 8 * I, layout=gl.SliceLayout(0, gl.SliceLayout(2, XRUN)))
+    xm = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, gl.SliceLayout(1, XRUN)))
+    rows = gl.minimum(xm, m_end - 1).to(gl.int64)
+    x_ptrs = x_ptr + (rows * stride_xm)[None, None, :] + (xt * (8 * I))[:, None, None] + xj[None, :, None]
+    x_mask = (xm < m_end)[None, None, :] & (xj >= 0)[None, :, None] & (xt >= 0)[:, None, None]
+    return x_ptrs, x_mask
+
+
+@gluon.jit
+def _k_loop(acc, w_ptrs, s_ptrs, x_ptrs, x_mask, kt_lo, kt_hi, BLOCK_K: gl.constexpr, PREFETCH: gl.constexpr,
+            A_LAYOUT: gl.constexpr, B_LAYOUT: gl.constexpr, WORDS: gl.constexpr):
+    """``acc += dq(W) @ x^T`` over K steps ``kt_lo .. kt_hi`` (at least one), the next ``PREFETCH``
+    steps in flight (registers) while one is dequantized and multiplied; the last steps reload the
+    final one (cache hits) instead of branching."""
+    w0, s0, x0 = _load_step(w_ptrs, s_ptrs, x_ptrs, x_mask, kt_lo, BLOCK_K)
+    if PREFETCH == 1:
+        for kt in range(kt_lo, kt_hi):
+            w1, s1, x1 = _load_step(w_ptrs, s_ptrs, x_ptrs, x_mask, gl.minimum(kt + 1, kt_hi - 1), BLOCK_K)
+            acc = mma_v2(_dequant_a(w0, s0, A_LAYOUT, WORDS), _x_operand(x0, B_LAYOUT), acc)
+            w0, s0, x0 = w1, s1, x1
+    else:
+        w1, s1, x1 = _load_step(w_ptrs, s_ptrs, x_ptrs, x_mask, gl.minimum(kt_lo + 1, kt_hi - 1), BLOCK_K)
+        for kt in range(kt_lo, kt_hi):
+            w2, s2, x2 = _load_step(w_ptrs, s_ptrs, x_ptrs, x_mask, gl.minimum(kt + 2, kt_hi - 1), BLOCK_K)
+            acc = mma_v2(_dequant_a(w0, s0, A_LAYOUT, WORDS), _x_operand(x0, B_LAYOUT), acc)
+            w0, s0, x0 = w1, s1, x1
+            w1, s1, x1 = w2, s2, x2
+    return acc
 
 
 @gluon.jit
@@ -183,7 +238,6 @@ def _decode_kernel(
     WORDS: gl.constexpr = words_layout(BLOCK_N, BLOCK_K, NUM_WARPS)
     SCALES: gl.constexpr = scale_bytes_layout(BLOCK_N, BLOCK_K, NUM_WARPS)
     XRUN: gl.constexpr = x_run_layout(BLOCK_K, BLOCK_M, NUM_WARPS)
-    I: gl.constexpr = BLOCK_K // 32
 
     pid_n = gl.program_id(0)
     pid_k = gl.program_id(1)
@@ -193,39 +247,12 @@ def _decode_kernel(
     kt_lo = pid_k * per_split
     kt_hi = gl.minimum(kt_lo + per_split, k_tiles)
 
-    # weight rows past N are clamped (valid loads) and dropped by the store mask
-    wr = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, WORDS)))
-    wt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, WORDS)))
-    wi = gl.arange(0, I, layout=gl.SliceLayout(0, gl.SliceLayout(1, WORDS)))
-    w_rows = gl.minimum(pid_n * BLOCK_N + wr, N - 1).to(gl.int64)
-    w_ptrs = codes_ptr + (w_rows * stride_cn)[:, None, None] + (wt * I)[None, :, None] + wi[None, None, :]
-    sr = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, SCALES)))
-    st = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, SCALES)))
-    si = gl.arange(0, I // 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, SCALES)))
-    s_rows = gl.minimum(pid_n * BLOCK_N + sr, N - 1).to(gl.int64)
-    s_ptrs = scales_ptr + (s_rows * stride_sn)[:, None, None] + (st * (I // 2))[None, :, None] + si[None, None, :]
-    xt = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, XRUN)))
-    xj = gl.arange(0, 8 * I, layout=gl.SliceLayout(0, gl.SliceLayout(2, XRUN)))
-    xm = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, gl.SliceLayout(1, XRUN)))
-    x_ptrs = x_ptr + (gl.minimum(xm, M - 1).to(gl.int64) * stride_xm)[None, None, :] + (xt * (8 * I))[:, None, None] + xj[None, :, None]
-    x_mask = (xm < M)[None, None, :] & (xj >= 0)[None, :, None] & (xt >= 0)[:, None, None]
-
+    w_ptrs, s_ptrs = _weight_pointers(codes_ptr, scales_ptr, pid_n * BLOCK_N, N, stride_cn, stride_sn,
+                                      BLOCK_N, BLOCK_K, WORDS, SCALES)
+    x_ptrs, x_mask = _x_pointers(x_ptr, pid_m * BLOCK_M, M, stride_xm, BLOCK_M, BLOCK_K, XRUN)
     acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=MMA)
-    # register buffering: the next PREFETCH steps are in flight while step kt is dequantized and
-    # multiplied; the last steps reload the final one (cache hits) instead of branching
-    w0, s0, x0 = _load_step(w_ptrs, s_ptrs, x_ptrs, x_mask, kt_lo, BLOCK_K)
-    if PREFETCH == 1:
-        for kt in range(kt_lo, kt_hi):
-            w1, s1, x1 = _load_step(w_ptrs, s_ptrs, x_ptrs, x_mask, gl.minimum(kt + 1, kt_hi - 1), BLOCK_K)
-            acc = mma_v2(_dequant_a(w0, s0, A_LAYOUT, WORDS), _x_operand(x0, B_LAYOUT), acc)
-            w0, s0, x0 = w1, s1, x1
-    else:
-        w1, s1, x1 = _load_step(w_ptrs, s_ptrs, x_ptrs, x_mask, gl.minimum(kt_lo + 1, kt_hi - 1), BLOCK_K)
-        for kt in range(kt_lo, kt_hi):
-            w2, s2, x2 = _load_step(w_ptrs, s_ptrs, x_ptrs, x_mask, gl.minimum(kt + 2, kt_hi - 1), BLOCK_K)
-            acc = mma_v2(_dequant_a(w0, s0, A_LAYOUT, WORDS), _x_operand(x0, B_LAYOUT), acc)
-            w0, s0, x0 = w1, s1, x1
-            w1, s1, x1 = w2, s2, x2
+    if kt_lo < kt_hi:  # a split past the last K step (SPLIT_K not dividing the steps) adds nothing
+        acc = _k_loop(acc, w_ptrs, s_ptrs, x_ptrs, x_mask, kt_lo, kt_hi, BLOCK_K, PREFETCH, A_LAYOUT, B_LAYOUT, WORDS)
 
     on = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
     om = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
@@ -251,12 +278,46 @@ def _decode_kernel(
             gl.atomic_xchg(counters_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
+@gluon.jit
+def _grouped_decode_kernel(
+    x_ptr, codes_ptr, scales_ptr, ws2_ptr, offsets_ptr, y_ptr,
+    N, K, stride_xm, stride_ce, stride_cn, stride_se, stride_sn, stride_w2, stride_ym,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+    NUM_WARPS: gl.constexpr, PREFETCH: gl.constexpr,
+):
+    """Grid ``(cdiv(N, BLOCK_N), E)``: expert ``e``'s rows ``offsets[e]:offsets[e+1]`` in chunks of
+    ``BLOCK_M`` tokens, one N tile, the whole K (no split: the experts give the parallelism)."""
+    MMA: gl.constexpr = mma_layout(NUM_WARPS)
+    A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    B_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    WORDS: gl.constexpr = words_layout(BLOCK_N, BLOCK_K, NUM_WARPS)
+    SCALES: gl.constexpr = scale_bytes_layout(BLOCK_N, BLOCK_K, NUM_WARPS)
+    XRUN: gl.constexpr = x_run_layout(BLOCK_K, BLOCK_M, NUM_WARPS)
+
+    pid_n = gl.program_id(0)
+    expert = gl.program_id(1)
+    lo = gl.load(offsets_ptr + expert)
+    hi = gl.load(offsets_ptr + expert + 1)
+    e64 = expert.to(gl.int64)
+    w_ptrs, s_ptrs = _weight_pointers(codes_ptr + e64 * stride_ce, scales_ptr + e64 * stride_se, pid_n * BLOCK_N, N,
+                                      stride_cn, stride_sn, BLOCK_N, BLOCK_K, WORDS, SCALES)
+    decode = gl.load(ws2_ptr + expert * stride_w2) * (2.0 ** -OPERAND_LOG2_SCALE)
+    on = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+    for m0 in range(lo, hi, BLOCK_M):  # no iteration for an expert without rows
+        x_ptrs, x_mask = _x_pointers(x_ptr, m0, hi, stride_xm, BLOCK_M, BLOCK_K, XRUN)
+        acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=MMA)
+        acc = _k_loop(acc, w_ptrs, s_ptrs, x_ptrs, x_mask, 0, K // BLOCK_K, BLOCK_K, PREFETCH, A_LAYOUT, B_LAYOUT, WORDS)
+        om = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
+        y_ptrs = y_ptr + om[None, :].to(gl.int64) * stride_ym + on[:, None]
+        gl.store(y_ptrs, (acc * decode).to(y_ptr.dtype.element_ty), mask=(on < N)[:, None] & (om < hi)[None, :])
+
+
 DEFAULT_CONFIG = {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "num_warps": 2, "PREFETCH": 1}
 
 
 def default_block_m(tokens: int) -> int:
     """Tokens per tile: the smallest of 8, 16, 32 that holds ``tokens`` (x's registers grow with it:
-    434 / 489 / 605 instructions per 64 x 128 K step in the offline sm_90 compile)."""
+    434 / 496 / 607 instructions per 64 x 128 K step in the offline sm_90 compile)."""
     return 8 if tokens <= 8 else 16 if tokens <= 16 else 32
 
 
@@ -292,5 +353,47 @@ def w4a16_mma_linear_into(x: torch.Tensor, weight: NVFP4Tensor, out: torch.Tenso
         x, codes, scales, ws2, out, partials, counters,
         m, n, k, x.stride(0), codes.stride(0), scales.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, NUM_WARPS=warps, PREFETCH=cfg["PREFETCH"], num_warps=warps,
+    )
+    return out
+
+
+GROUPED_DEFAULT_CONFIG = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 2, "PREFETCH": 1}
+
+
+def grouped_w4a16_mma_into(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets: torch.Tensor, out: torch.Tensor,
+                           config: dict[str, int] | None = None) -> torch.Tensor:
+    """Grouped MoE W4A16 with :func:`_grouped_decode_kernel`: ``out[rows of e] = x[rows of e] @ dq(W_e).T``.
+
+    ``x [T, K]`` bf16 sorted by expert, ``weight`` stacked ``[E, N, K]`` (``weight_scale_2`` one
+    value or one per expert), ``expert_offsets`` int32 ``[E + 1]`` on x's device (not checked on the
+    host: no sync). ``config`` as in :func:`w4a16_mma_linear_into` without ``SPLIT_K``; the default
+    token tile follows the mean rows per expert.
+    """
+    from megatron_quads.rollout.grouped import check_grouped_shapes
+
+    check_grouped_shapes(x, weight, expert_offsets)
+    num_experts, n, k = weight.shape
+    _check_weight_parts(x, weight, k)
+    if expert_offsets.dtype != torch.int32:
+        raise ValueError(f"expert_offsets must be int32, got {expert_offsets.dtype}")
+    if weight.weight_scale_2.numel() not in (1, num_experts):
+        raise ValueError(f"weight_scale_2 must hold 1 or {num_experts} values, got shape {tuple(weight.weight_scale_2.shape)}")
+    _check_out(out, (x.shape[0], n), (torch.bfloat16,), x.device)
+    mean_rows = triton.cdiv(2 * x.shape[0], max(num_experts, 1))  # twice the mean: most experts fit one tile
+    cfg: dict[str, Any] = {**GROUPED_DEFAULT_CONFIG, "BLOCK_M": default_block_m(mean_rows), **(config or {})}
+    block_m, block_n, block_k, warps = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]
+    if k % block_k or block_k % 64 or block_n % (16 * warps) or cfg["PREFETCH"] not in (1, 2) or block_m not in (8, 16, 32):
+        raise ValueError(f"need K % BLOCK_K == 0, BLOCK_K % 64 == 0, BLOCK_N % (16 * num_warps) == 0, PREFETCH 1 or 2 "
+                         f"and BLOCK_M 8, 16 or 32, got K={k}, {cfg}")
+    if out.numel() == 0:
+        return out
+    x = x if x.stride(1) == 1 else x.contiguous()
+    codes, scales = _operands(weight)
+    ws2 = weight.weight_scale_2.reshape(-1).to(torch.float32)
+    _grouped_decode_kernel[(triton.cdiv(n, block_n), num_experts)](
+        x, codes, scales, ws2, expert_offsets, out,
+        n, k, x.stride(0), codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1),
+        1 if ws2.numel() > 1 else 0, out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_WARPS=warps, PREFETCH=cfg["PREFETCH"], num_warps=warps,
     )
     return out
