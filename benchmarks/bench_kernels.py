@@ -192,6 +192,14 @@ MMA_CONFIGS = [  # (BLOCK_N, BLOCK_K, num_warps, PREFETCH); SPLIT_K is swept per
 ]
 
 
+def _mma_sweep(k: int) -> list[tuple[int, int, int, int, int, int]]:
+    """(BLOCK_N, BLOCK_K, warps, PREFETCH, SPLIT_K, maxnreg or 0) for a K: every split that leaves
+    each slice a K step, and 1-warp configs also with 255 registers (ptxas caps them at 168)."""
+    return [(bn, bk, warps, prefetch, split, maxnreg)
+            for bn, bk, warps, prefetch in MMA_CONFIGS for split in (1, 2, 4, 8, 16) if k // bk >= split
+            for maxnreg in ((0, 255) if warps == 1 else (0,))]
+
+
 def bench_w4a16_mma(bandwidth: float, quick: bool) -> list[dict]:
     """The experimental Gluon decode kernel (register-operand mma.sync) against the Triton W4A16
     kernel and cuBLAS FP8 / BF16: each shape's best config of a sweep (all of them under ``sweep``)."""
@@ -212,20 +220,18 @@ def bench_w4a16_mma(bandwidth: float, quick: bool) -> list[dict]:
         out = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)
         reference = w4a16_linear_kernel(x, qw)
         sweep = {}
-        for bn, bk, warps, prefetch in MMA_CONFIGS:
-            for split in (1, 2, 4, 8, 16):
-                cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": warps, "PREFETCH": prefetch}
-                if (k // bk) < split:
+        for bn, bk, warps, prefetch, split, maxnreg in _mma_sweep(k):
+            cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": warps, "PREFETCH": prefetch,
+                   **({"maxnreg": maxnreg} if maxnreg else {})}
+            name = f"{bn}x{bk} w{warps} p{prefetch} s{split}" + (f" r{maxnreg}" if maxnreg else "")
+            try:
+                w4a16_mma_linear_into(x, qw, out, cfg)
+                if not torch.allclose(out.float(), reference.float(), rtol=2**-6, atol=1e-2 * float(reference.float().abs().max())):
+                    sweep[name] = "WRONG"
                     continue
-                name = f"{bn}x{bk} w{warps} p{prefetch} s{split}"
-                try:
-                    w4a16_mma_linear_into(x, qw, out, cfg)
-                    if not torch.allclose(out.float(), reference.float(), rtol=2**-6, atol=1e-2 * float(reference.float().abs().max())):
-                        sweep[name] = "WRONG"
-                        continue
-                    sweep[name] = round(time_graph(lambda cfg=cfg: w4a16_mma_linear_into(x, qw, out, cfg)), 2)
-                except (CompilationError, OutOfResources, RuntimeError, ValueError) as err:  # reported, not fatal
-                    sweep[name] = f"error: {str(err).splitlines()[0][:80]}"
+                sweep[name] = round(time_graph(lambda cfg=cfg: w4a16_mma_linear_into(x, qw, out, cfg)), 2)
+            except (CompilationError, OutOfResources, RuntimeError, ValueError) as err:  # reported, not fatal
+                sweep[name] = f"error: {str(err).splitlines()[0][:80]}"
         timed = {name: t for name, t in sweep.items() if isinstance(t, float)}
         best = min(timed, key=timed.get) if timed else "none"
         t_mma = timed.get(best, float("nan"))

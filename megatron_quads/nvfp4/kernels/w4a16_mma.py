@@ -315,6 +315,12 @@ def _grouped_decode_kernel(
 DEFAULT_CONFIG = {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "num_warps": 2, "PREFETCH": 1}
 
 
+def _launch_options(cfg: dict[str, Any]) -> dict[str, int]:
+    """``maxnreg`` when the config sets it: ptxas caps 1-warp CTAs at 168 registers and spills some
+    of these configs (offline sm_90: 16x64x64 with 2-step prefetch spills at 168, fits 244 at 255)."""
+    return {"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}
+
+
 def default_block_m(tokens: int) -> int:
     """Tokens per tile: the smallest of 8, 16, 32 that holds ``tokens`` (x's registers grow with it:
     434 / 496 / 607 instructions per 64 x 128 K step in the offline sm_90 compile)."""
@@ -326,7 +332,8 @@ def w4a16_mma_linear_into(x: torch.Tensor, weight: NVFP4Tensor, out: torch.Tenso
     """``out [M, N] = x [M, K] @ dq(W).T`` (bf16) with :func:`_decode_kernel`; ``config`` holds
     ``BLOCK_M`` (tokens per tile: 8, 16 or 32; default :func:`default_block_m`), ``BLOCK_N`` (a multiple of ``16 * num_warps``),
     ``BLOCK_K`` (a multiple of 64 dividing K),
-    ``SPLIT_K``, ``num_warps`` and ``PREFETCH`` (K steps loaded ahead: 1 or 2) (default :data:`DEFAULT_CONFIG`)."""
+    ``SPLIT_K``, ``num_warps``, ``PREFETCH`` (K steps loaded ahead: 1 or 2) and optionally
+    ``maxnreg`` (default :data:`DEFAULT_CONFIG`)."""
     n, k = weight.shape
     cfg: dict[str, Any] = {**DEFAULT_CONFIG, "BLOCK_M": default_block_m(x.shape[0]), **(config or {})}
     _check_weight_parts(x, weight, k)
@@ -352,7 +359,7 @@ def w4a16_mma_linear_into(x: torch.Tensor, weight: NVFP4Tensor, out: torch.Tenso
     _decode_kernel[(n_tiles, split_k, m_tiles)](
         x, codes, scales, ws2, out, partials, counters,
         m, n, k, x.stride(0), codes.stride(0), scales.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, NUM_WARPS=warps, PREFETCH=cfg["PREFETCH"], num_warps=warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, NUM_WARPS=warps, PREFETCH=cfg["PREFETCH"], num_warps=warps **_launch_options(cfg),
     )
     return out
 
@@ -394,6 +401,6 @@ def grouped_w4a16_mma_into(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets:
         x, codes, scales, ws2, expert_offsets, out,
         n, k, x.stride(0), codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1),
         1 if ws2.numel() > 1 else 0, out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_WARPS=warps, PREFETCH=cfg["PREFETCH"], num_warps=warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_WARPS=warps, PREFETCH=cfg["PREFETCH"], num_warps=warps **_launch_options(cfg),
     )
     return out
