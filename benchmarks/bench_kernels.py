@@ -200,12 +200,32 @@ def _mma_sweep(k: int) -> list[tuple[int, int, int, int, int, int]]:
             for maxnreg in ((0, 255) if warps == 1 else (0,))]
 
 
-def bench_w4a16_mma(bandwidth: float, quick: bool) -> list[dict]:
-    """The experimental Gluon decode kernel (register-operand mma.sync) against the Triton W4A16
-    kernel and cuBLAS FP8 / BF16: each shape's best config of a sweep (all of them under ``sweep``)."""
+def _best_of_sweep(run: Callable[[dict], object], out: torch.Tensor, reference: torch.Tensor,
+                   configs: dict[str, dict]) -> tuple[str, float, dict[str, float | str]]:
+    """Time ``run(config)`` for each named config whose output (in ``out``) agrees with ``reference``:
+    ``(best name, its us, every result)``; a wrong result or a config that fails is reported, not fatal."""
     from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources
 
+    sweep: dict[str, float | str] = {}
+    atol = 1e-2 * float(reference.float().abs().max())
+    for name, cfg in configs.items():
+        try:
+            run(cfg)
+            if not torch.allclose(out.float(), reference.float(), rtol=2**-6, atol=atol):
+                sweep[name] = "WRONG"
+                continue
+            sweep[name] = round(time_graph(lambda cfg=cfg: run(cfg)), 2)
+        except (CompilationError, OutOfResources, RuntimeError, ValueError) as err:
+            sweep[name] = f"error: {str(err).splitlines()[0][:80]}"
+    timed = {name: t for name, t in sweep.items() if isinstance(t, float)}
+    best = min(timed, key=timed.get) if timed else "none"
+    return best, timed.get(best, float("nan")), sweep
+
+
+def bench_w4a16_mma(bandwidth: float, quick: bool) -> list[dict]:
+    """The experimental Gluon decode kernel (register-operand mma.sync) against the Triton W4A16
+    kernel and cuBLAS FP8 / BF16: each shape's best config of a sweep (all of them under ``sweep``)."""
     from megatron_quads.nvfp4.kernels.w4a16 import w4a16_linear_kernel
     from megatron_quads.nvfp4.kernels.w4a16_mma import w4a16_mma_linear_into
 
@@ -218,23 +238,12 @@ def bench_w4a16_mma(bandwidth: float, quick: bool) -> list[dict]:
         x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
         x8 = torch.randn(max(m, 16), k, device=DEV).to(torch.float8_e4m3fn)
         out = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)
-        reference = w4a16_linear_kernel(x, qw)
-        sweep = {}
-        for bn, bk, warps, prefetch, split, maxnreg in _mma_sweep(k):
-            cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": warps, "PREFETCH": prefetch,
-                   **({"maxnreg": maxnreg} if maxnreg else {})}
-            name = f"{bn}x{bk} w{warps} p{prefetch} s{split}" + (f" r{maxnreg}" if maxnreg else "")
-            try:
-                w4a16_mma_linear_into(x, qw, out, cfg)
-                if not torch.allclose(out.float(), reference.float(), rtol=2**-6, atol=1e-2 * float(reference.float().abs().max())):
-                    sweep[name] = "WRONG"
-                    continue
-                sweep[name] = round(time_graph(lambda cfg=cfg: w4a16_mma_linear_into(x, qw, out, cfg)), 2)
-            except (CompilationError, OutOfResources, RuntimeError, ValueError) as err:  # reported, not fatal
-                sweep[name] = f"error: {str(err).splitlines()[0][:80]}"
-        timed = {name: t for name, t in sweep.items() if isinstance(t, float)}
-        best = min(timed, key=timed.get) if timed else "none"
-        t_mma = timed.get(best, float("nan"))
+        configs = {f"{bn}x{bk} w{warps} p{prefetch} s{split}" + (f" r{maxnreg}" if maxnreg else ""):
+                   {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": warps, "PREFETCH": prefetch,
+                    **({"maxnreg": maxnreg} if maxnreg else {})}
+                   for bn, bk, warps, prefetch, split, maxnreg in _mma_sweep(k)}
+        best, t_mma, sweep = _best_of_sweep(lambda cfg: w4a16_mma_linear_into(x, qw, out, cfg), out,
+                                            w4a16_linear_kernel(x, qw), configs)
         t4 = time_graph(lambda: w4a16_linear_kernel(x, qw))
         tb = time_graph(lambda: x @ w.t())
         t8 = time_graph(lambda: torch._scaled_mm(x8, w8.t(), one, one, out_dtype=torch.bfloat16))
@@ -249,9 +258,6 @@ def bench_w4a16_mma(bandwidth: float, quick: bool) -> list[dict]:
 def _grouped_mma_rows(bandwidth: float, quick: bool) -> list[dict]:
     """The Gluon grouped kernel at Qwen3-30B-A3B gate/up shapes against the Triton grouped kernel
     and BF16 ``torch._grouped_mm``, best of a config sweep (token tile 8 / 16 / 32 included)."""
-    from triton.compiler.errors import CompilationError
-    from triton.runtime.errors import OutOfResources
-
     from megatron_quads.nvfp4.kernels.w4a16 import grouped_w4a16_kernel
     from megatron_quads.nvfp4.kernels.w4a16_mma import grouped_w4a16_mma_into
 
@@ -259,28 +265,16 @@ def _grouped_mma_rows(bandwidth: float, quick: bool) -> list[dict]:
     w, qw = _weight(n, k, experts)
     w_t = w.transpose(1, 2)
     rows = []
+    configs = {f"m{block_m} {bn}x{bk} w{warps} p{prefetch}":
+               {"BLOCK_M": block_m, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "PREFETCH": prefetch}
+               for bn, bk, warps, prefetch in MMA_CONFIGS for block_m in (8, 16, 32)}
     for tokens in (64, 512) if quick else (64, 128, 256, 512):
         counts = _routing(tokens, experts, topk)
         offsets = expert_offsets_from_counts(counts)
         x = torch.randn(tokens * topk, k, device=DEV, dtype=torch.bfloat16)
         out = torch.empty(x.shape[0], n, device=DEV, dtype=torch.bfloat16)
-        reference = grouped_w4a16_kernel(x, qw, offsets)
-        sweep = {}
-        for bn, bk, warps, prefetch in MMA_CONFIGS:
-            for block_m in (8, 16, 32):
-                cfg = {"BLOCK_M": block_m, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "PREFETCH": prefetch}
-                name = f"m{block_m} {bn}x{bk} w{warps} p{prefetch}"
-                try:
-                    grouped_w4a16_mma_into(x, qw, offsets, out, cfg)
-                    if not torch.allclose(out.float(), reference.float(), rtol=2**-6, atol=1e-2 * float(reference.float().abs().max())):
-                        sweep[name] = "WRONG"
-                        continue
-                    sweep[name] = round(time_graph(lambda cfg=cfg: grouped_w4a16_mma_into(x, qw, offsets, out, cfg)), 2)
-                except (CompilationError, OutOfResources, RuntimeError, ValueError) as err:  # reported, not fatal
-                    sweep[name] = f"error: {str(err).splitlines()[0][:80]}"
-        timed = {name: t for name, t in sweep.items() if isinstance(t, float)}
-        best = min(timed, key=timed.get) if timed else "none"
-        t_mma = timed.get(best, float("nan"))
+        best, t_mma, sweep = _best_of_sweep(lambda cfg: grouped_w4a16_mma_into(x, qw, offsets, out, cfg), out,
+                                            grouped_w4a16_kernel(x, qw, offsets), configs)
         t4 = time_graph(lambda: grouped_w4a16_kernel(x, qw, offsets))
         ends = offsets[1:].contiguous()
         tb = time_graph(lambda: torch._grouped_mm(x, w_t, offs=ends))

@@ -18,14 +18,11 @@ Outputs are poisoned (NaN) before each run and the split-K workspace is poisoned
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
-
-import triton.runtime.interpreter as triton_interpreter
 
 from megatron_quads.nvfp4 import NVFP4Tensor, quantize
 from megatron_quads.nvfp4.kernels import w4a16
@@ -35,7 +32,6 @@ from megatron_quads.rollout.grouped import (
 )
 from megatron_quads.rollout.w4a4 import block_values, w4a16_linear
 
-TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DTYPES = [torch.bfloat16]  # fp16 is disabled in the kernel (see w4a16._KERNEL_DTYPES)
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 SMALLEST_SUBNORMAL = {torch.bfloat16: 2.0**-133, torch.float16: 2.0**-24}
@@ -70,24 +66,6 @@ else:
 
 def _config_id(config: dict[str, int] | None) -> str:
     return "autotune" if config is None else "-".join(f"{k[0]}{k[-1]}{v}" for k, v in config.items())
-
-
-@pytest.fixture(autouse=True)
-def _interpreter_scalar_index(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Let the interpreter use scalar tensors as ``range`` bounds with NumPy >= 2.3.
-
-    The interpreter stores scalars as 1-element arrays and converts them with ``int(array)``, which
-    newer NumPy refuses for arrays with a dimension; the kernels' loops have runtime bounds.
-    """
-    if not TRITON_INTERPRET:
-        return
-    original = triton_interpreter._patch_lang_tensor
-
-    def patched(tensor: type, scope: object) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    monkeypatch.setattr(triton_interpreter, "_patch_lang_tensor", patched)
 
 
 @pytest.fixture

@@ -26,6 +26,7 @@ from test_kernels_w4a16 import (
     _same_bits,
     _tolerance,
     _with_ws2,
+    poisoned_partials,  # noqa: F401 (a fixture: NaN in the split-K workspace both kernels share)
 )
 
 from megatron_quads.nvfp4.kernels import w4a16, w4a16_mma
@@ -46,14 +47,6 @@ def _config_id(config: dict[str, int]) -> str:
     return "-".join(f"{k[0]}{k[-1]}{v}" for k, v in config.items())
 
 
-@pytest.fixture
-def poisoned_partials(monkeypatch: pytest.MonkeyPatch) -> None:
-    def new_partials(numel: int, device: torch.device) -> torch.Tensor:
-        return torch.full((numel,), float("nan"), dtype=torch.float32, device=device)
-
-    monkeypatch.setattr(w4a16_mma, "_new_partials", new_partials)
-
-
 def _run(x: torch.Tensor, weight, config: dict[str, int]) -> torch.Tensor:
     out = torch.full((x.shape[0], weight.shape[0]), float("nan"), dtype=x.dtype, device=x.device)
     assert w4a16_mma.w4a16_mma_linear_into(x, weight, out, config) is out
@@ -62,8 +55,9 @@ def _run(x: torch.Tensor, weight, config: dict[str, int]) -> torch.Tensor:
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("poisoned_partials")
 @pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
-def test_exact_on_exactly_summable_inputs(kernel_device: str, config: dict[str, int], poisoned_partials: None) -> None:
+def test_exact_on_exactly_summable_inputs(kernel_device: str, config: dict[str, int]) -> None:
     for m, n, k in SHAPES:
         for decode in (None, 2.0**-7):
             weight = _raw_weight((n, k), kernel_device, scale_bytes=(0x28, 0x4F), decode=decode)
@@ -72,8 +66,9 @@ def test_exact_on_exactly_summable_inputs(kernel_device: str, config: dict[str, 
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("poisoned_partials")
 @pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
-def test_within_fp32_accumulation_error(kernel_device: str, config: dict[str, int], poisoned_partials: None) -> None:
+def test_within_fp32_accumulation_error(kernel_device: str, config: dict[str, int]) -> None:
     for m, n, k in SHAPES:
         for weight in (_gaussian_weight((n, k), kernel_device), _raw_weight((n, k), kernel_device)):
             x = _activations((m, k), torch.bfloat16, kernel_device)
@@ -165,3 +160,24 @@ def test_argument_errors() -> None:
         w4a16_mma.grouped_w4a16_mma_into(x, stacked, offsets.long(), out)
     with pytest.raises(ValueError, match="K % BLOCK_K == 0"):
         w4a16_mma.grouped_w4a16_mma_into(x, stacked, offsets, out, {"BLOCK_K": 256})
+
+
+def test_launch_grid_and_options_follow_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host side on CPU (the kernels themselves need the GPU): grid, default token tile from M
+    (grouped: from twice the mean rows per expert), ``maxnreg`` passed to the launch."""
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((grid, kwargs))
+
+    monkeypatch.setattr(w4a16_mma, "_decode_kernel", Recorder())
+    monkeypatch.setattr(w4a16_mma, "_grouped_decode_kernel", Recorder())
+    x = torch.zeros(20, 256, dtype=torch.bfloat16)
+    out = torch.empty(20, 96, dtype=torch.bfloat16)
+    w4a16_mma.w4a16_mma_linear_into(x, _raw_weight((96, 256), "cpu"), out, {"BLOCK_N": 32, "num_warps": 1, "maxnreg": 255})
+    offsets = expert_offsets_from_counts(torch.tensor([5, 15, 0, 0]))
+    w4a16_mma.grouped_w4a16_mma_into(x, _raw_weight((4, 96, 256), "cpu"), offsets, out)
+    (dense_grid, dense), (grouped_grid, grouped) = launches
+    assert dense_grid == (3, 4, 1) and dense["BLOCK_M"] == 32 and dense["maxnreg"] == 255 and dense["num_warps"] == 1
+    assert grouped_grid == (2, 4) and grouped["BLOCK_M"] == 16 and "maxnreg" not in grouped and grouped["num_warps"] == 2

@@ -57,6 +57,8 @@ def _one_w4a16_config(monkeypatch: pytest.MonkeyPatch) -> None:
         # choices cached by other tests may be configs outside the list above, which the launcher
         # sizes its split-K buffers from
         monkeypatch.setattr(tuner, "cache", {})
+
+
 _UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
 _SMALLEST = {torch.bfloat16: 2.0**-133, torch.float16: 2.0**-24, torch.float32: 2.0**-149}
 

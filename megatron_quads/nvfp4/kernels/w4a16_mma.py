@@ -34,6 +34,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from megatron_quads.nvfp4.kernels import w4a16 as _triton_w4a16
 from megatron_quads.nvfp4.kernels.w4a16 import (
     _DEQUANT_WORD_PTX,
     _SCALE_HALF_PTX,
@@ -41,7 +42,6 @@ from megatron_quads.nvfp4.kernels.w4a16 import (
     OPERAND_LOG2_SCALE,
     _check_out,
     _check_weight_parts,
-    _new_partials,
     _operands,
     _split_counters,
 )
@@ -54,6 +54,7 @@ _SCALE_PAIRS_2_PTX = gl.constexpr(
 )
 """Two E4M3 scale bytes (one 16-bit register) to two bf16x2 pairs: :data:`_SCALE_PAIRS_PTX` for the
 2-byte runs of a thread at ``BLOCK_K = 128`` (its 4-byte form would first gather bytes of two rows)."""
+
 
 @gluon.constexpr_function
 def _bits(n: int) -> list[int]:
@@ -320,6 +321,16 @@ def _launch_options(cfg: dict[str, Any]) -> dict[str, int]:
     return {"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}
 
 
+def _check_config(cfg: dict[str, Any], k: int) -> None:
+    """Raise unless ``cfg`` tiles a K of ``k`` the way the kernels need (``SPLIT_K`` only if present)."""
+    block_n, block_k, warps = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]
+    if k % block_k or block_k % 64 or block_n % (16 * warps):
+        raise ValueError(f"need K % BLOCK_K == 0, BLOCK_K % 64 == 0 and BLOCK_N % (16 * num_warps) == 0, got "
+                         f"K={k}, {cfg}")
+    if cfg["PREFETCH"] not in (1, 2) or cfg.get("SPLIT_K", 1) < 1 or cfg["BLOCK_M"] not in (8, 16, 32):
+        raise ValueError(f"PREFETCH must be 1 or 2, SPLIT_K at least 1 and BLOCK_M 8, 16 or 32, got {cfg}")
+
+
 def default_block_m(tokens: int) -> int:
     """Tokens per tile: the smallest of 8, 16, 32 that holds ``tokens`` (x's registers grow with it:
     394 / 463 / 526 instructions per 64 x 128 K step in the offline sm_90 compile)."""
@@ -328,11 +339,13 @@ def default_block_m(tokens: int) -> int:
 
 def w4a16_mma_linear_into(x: torch.Tensor, weight: NVFP4Tensor, out: torch.Tensor,
                           config: dict[str, int] | None = None) -> torch.Tensor:
-    """``out [M, N] = x [M, K] @ dq(W).T`` (bf16) with :func:`_decode_kernel`; ``config`` holds
-    ``BLOCK_M`` (tokens per tile: 8, 16 or 32; default :func:`default_block_m`), ``BLOCK_N`` (a multiple of ``16 * num_warps``),
-    ``BLOCK_K`` (a multiple of 64 dividing K),
-    ``SPLIT_K``, ``num_warps``, ``PREFETCH`` (K steps loaded ahead: 1 or 2) and optionally
-    ``maxnreg`` (default :data:`DEFAULT_CONFIG`)."""
+    """``out [M, N] = x [M, K] @ dq(W).T`` (bf16) with :func:`_decode_kernel`.
+
+    ``config`` (default :data:`DEFAULT_CONFIG`) holds ``BLOCK_M`` (tokens per tile: 8, 16 or 32;
+    default :func:`default_block_m`), ``BLOCK_N`` (a multiple of ``16 * num_warps``), ``BLOCK_K``
+    (a multiple of 64 dividing K), ``SPLIT_K``, ``num_warps``, ``PREFETCH`` (K steps loaded ahead:
+    1 or 2) and optionally ``maxnreg``.
+    """
     n, k = weight.shape
     cfg: dict[str, Any] = {**DEFAULT_CONFIG, "BLOCK_M": default_block_m(x.shape[0]), **(config or {})}
     _check_weight_parts(x, weight, k)
@@ -340,12 +353,8 @@ def w4a16_mma_linear_into(x: torch.Tensor, weight: NVFP4Tensor, out: torch.Tenso
     if x.ndim != 2:
         raise ValueError(f"x must be [M, {k}], got shape {tuple(x.shape)}")
     _check_out(out, (m, n), (torch.bfloat16,), x.device)
+    _check_config(cfg, k)
     block_n, block_k, split_k, warps = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"], cfg["num_warps"]
-    if k % block_k or block_k % 64 or block_n % (16 * warps):
-        raise ValueError(f"need K % BLOCK_K == 0, BLOCK_K % 64 == 0 and BLOCK_N % (16 * num_warps) == 0, got "
-                         f"K={k}, {cfg}")
-    if cfg["PREFETCH"] not in (1, 2) or split_k < 1 or cfg["BLOCK_M"] not in (8, 16, 32):
-        raise ValueError(f"PREFETCH must be 1 or 2, SPLIT_K at least 1 and BLOCK_M 8, 16 or 32, got {cfg}")
     if m == 0:
         return out
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -353,12 +362,14 @@ def w4a16_mma_linear_into(x: torch.Tensor, weight: NVFP4Tensor, out: torch.Tenso
     ws2 = weight.weight_scale_2.reshape(1).to(torch.float32)
     block_m = cfg["BLOCK_M"]
     n_tiles, m_tiles = triton.cdiv(n, block_n), triton.cdiv(m, block_m)
-    partials = _new_partials(split_k * n_tiles * block_n * m_tiles * block_m if split_k > 1 else 1, x.device)
+    partials = _triton_w4a16._new_partials(  # looked up there: the tests poison it in one place
+        split_k * n_tiles * block_n * m_tiles * block_m if split_k > 1 else 1, x.device)
     counters = _split_counters(x.device, n_tiles * m_tiles)
     _decode_kernel[(n_tiles, split_k, m_tiles)](
         x, codes, scales, ws2, out, partials, counters,
         m, n, k, x.stride(0), codes.stride(0), scales.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, NUM_WARPS=warps, PREFETCH=cfg["PREFETCH"], num_warps=warps **_launch_options(cfg),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, NUM_WARPS=warps, PREFETCH=cfg["PREFETCH"], num_warps=warps,
+        **_launch_options(cfg),
     )
     return out
 
@@ -387,10 +398,8 @@ def grouped_w4a16_mma_into(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets:
     _check_out(out, (x.shape[0], n), (torch.bfloat16,), x.device)
     mean_rows = triton.cdiv(2 * x.shape[0], max(num_experts, 1))  # twice the mean: most experts fit one tile
     cfg: dict[str, Any] = {**GROUPED_DEFAULT_CONFIG, "BLOCK_M": default_block_m(mean_rows), **(config or {})}
+    _check_config(cfg, k)
     block_m, block_n, block_k, warps = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]
-    if k % block_k or block_k % 64 or block_n % (16 * warps) or cfg["PREFETCH"] not in (1, 2) or block_m not in (8, 16, 32):
-        raise ValueError(f"need K % BLOCK_K == 0, BLOCK_K % 64 == 0, BLOCK_N % (16 * num_warps) == 0, PREFETCH 1 or 2 "
-                         f"and BLOCK_M 8, 16 or 32, got K={k}, {cfg}")
     if out.numel() == 0:
         return out
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -400,6 +409,7 @@ def grouped_w4a16_mma_into(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets:
         x, codes, scales, ws2, expert_offsets, out,
         n, k, x.stride(0), codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1),
         1 if ws2.numel() > 1 else 0, out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_WARPS=warps, PREFETCH=cfg["PREFETCH"], num_warps=warps **_launch_options(cfg),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_WARPS=warps, PREFETCH=cfg["PREFETCH"], num_warps=warps,
+        **_launch_options(cfg),
     )
     return out

@@ -379,9 +379,10 @@ W4A16_PATH_ROWS = {"dense": 1 << 62, "grouped": 1 << 62}
 """RAC linears of at most this many tokens (grouped: on average per expert) and no explicit
 ``config`` run on the W4A16 kernels over :func:`activation_block_values_kernel`'s bf16 block values,
 ``alpha`` per row in their epilogue; larger ones on :func:`_rac_gemm_kernel`. Every size by default:
-measured on the H200 (``bench_kernels.py`` rac section, plain W4A4) the W4A16 path is the faster one
-at every size tried, dense 4096^2 16.6 against 70.5 us at M = 16 and 280.5 against 640.9 us at
-M = 2048, grouped gate/up 167.7 against 681.7 us at 256 tokens (16 rows per expert). Set a
+the W4A16 path was the faster one at every size measured on the H200 (``python
+benchmarks/bench_kernels.py --quick --only rac grouped``, 2026-11-30T04:24, plain W4A4): dense
+4096^2 16.8 against 69.8 us at M = 16 and 283.3 against 643.5 us at M = 2048, grouped gate/up 169.0
+against 680.8 us at 256 tokens and 1203.8 against 2362.2 us at 4096 (docs/kernels.md). Set a
 threshold (or 0) to send larger GEMMs, or all, to the RAC GEMM."""
 
 
@@ -461,9 +462,10 @@ def _prologue_rows(
     channels: torch.Tensor | None,
     expert_offsets: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
-    """Checked prologue inputs: ``(channels [groups, S] int32, expert_offsets int32 or None, K + S)``."""
+    """Checked prologue inputs: ``(channels [groups, S] int32, expert_offsets int32 or None, K + S)``;
+    an unknown ``mode`` fails here, before any buffer is allocated."""
     _check_activations(x2d)
-    ActivationScale(mode)  # an unknown mode fails here, before any buffer is touched
+    ActivationScale(mode)
     if expert_offsets is not None:
         expert_offsets = expert_offsets.to(device=x2d.device, dtype=torch.int32).contiguous()
     groups = expert_offsets.numel() - 1 if expert_offsets is not None else 1
