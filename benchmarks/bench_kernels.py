@@ -186,18 +186,28 @@ def bench_w4a16(bandwidth: float, quick: bool) -> list[dict]:
     return rows
 
 
-MMA_CONFIGS = [  # (BLOCK_N, BLOCK_K, num_warps, PREFETCH); SPLIT_K is swept per shape, BLOCK_M follows M
-    (32, 128, 1, 1), (32, 128, 1, 2), (64, 128, 1, 1), (64, 128, 2, 1), (64, 128, 2, 2), (128, 128, 4, 1),
-    (128, 128, 2, 1), (32, 256, 1, 1), (64, 256, 2, 1), (128, 64, 4, 2),
-]
+MMA_CONFIGS = [(bn, bk, warps, 1, 0) for bn, bk, warps in ((32, 128, 1), (64, 128, 1), (64, 128, 2), (128, 128, 4))] + [
+    (bn, bk, warps, 1, stages) for bn, bk, warps in ((64, 128, 1), (128, 128, 1), (128, 64, 1), (128, 128, 2),
+                                                     (256, 128, 2), (128, 128, 4)) for stages in (4, 6)]
+"""(BLOCK_N, BLOCK_K, num_warps, PREFETCH, STAGES) of the Gluon kernels' sweep: weights in registers
+(STAGES 0) or through a shared-memory ring, which also lets a warp take 128 weight rows a step (the
+register path spills there, offline sm_90) so each x load serves twice the weights. PREFETCH 2 and
+3-stage rings (slower than PREFETCH 1 / 4 stages at every shape of the 2026-11-30T05:57 and 06:08
+runs) are left out."""
 
 
-def _mma_sweep(k: int) -> list[tuple[int, int, int, int, int, int]]:
-    """(BLOCK_N, BLOCK_K, warps, PREFETCH, SPLIT_K, maxnreg or 0) for a K: every split that leaves
-    each slice a K step, and 1-warp configs also with 255 registers (ptxas caps them at 168)."""
-    return [(bn, bk, warps, prefetch, split, maxnreg)
-            for bn, bk, warps, prefetch in MMA_CONFIGS for split in (1, 2, 4, 8, 16) if k // bk >= split
-            for maxnreg in ((0, 255) if warps == 1 else (0,))]
+def _mma_name(bn: int, bk: int, warps: int, prefetch: int, stages: int) -> str:
+    return f"{bn}x{bk} w{warps} p{prefetch}" + (f" st{stages}" if stages else "")
+
+
+def _mma_sweep(k: int) -> dict[str, dict[str, int]]:
+    """Named dense configs for a K: every split that leaves each slice a K step; 1-warp configs with
+    255 registers (ptxas caps them at 168 otherwise and spills; within 3% when both were timed)."""
+    return {_mma_name(bn, bk, warps, prefetch, stages) + f" s{split}" + (f" r{maxnreg}" if maxnreg else ""):
+            {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": warps, "PREFETCH": prefetch,
+             "STAGES": stages, **({"maxnreg": maxnreg} if maxnreg else {})}
+            for bn, bk, warps, prefetch, stages in MMA_CONFIGS for split in (1, 2, 4, 8, 16, 32) if k // bk >= split
+            for maxnreg in ((255,) if warps == 1 else (0,))}
 
 
 def _best_of_sweep(run: Callable[[dict], object], out: torch.Tensor, reference: torch.Tensor,
@@ -230,20 +240,16 @@ def bench_w4a16_mma(bandwidth: float, quick: bool) -> list[dict]:
     from megatron_quads.nvfp4.kernels.w4a16_mma import w4a16_mma_linear_into
 
     rows = []
-    shapes = [(16, 8192, 8192), (16, 4096, 4096), (1, 8192, 8192), (64, 8192, 8192)]
-    for m, k, n in shapes[:2] if quick else shapes:
+    shapes = [(16, 8192, 8192), (16, 4096, 4096), (64, 8192, 8192), (1, 8192, 8192), (64, 4096, 4096)]
+    for m, k, n in shapes[:3] if quick else shapes:
         w, qw = _weight(n, k)
         w8 = w.to(torch.float8_e4m3fn)
         one = torch.ones((), device=DEV)
         x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
         x8 = torch.randn(max(m, 16), k, device=DEV).to(torch.float8_e4m3fn)
         out = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)
-        configs = {f"{bn}x{bk} w{warps} p{prefetch} s{split}" + (f" r{maxnreg}" if maxnreg else ""):
-                   {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": warps, "PREFETCH": prefetch,
-                    **({"maxnreg": maxnreg} if maxnreg else {})}
-                   for bn, bk, warps, prefetch, split, maxnreg in _mma_sweep(k)}
         best, t_mma, sweep = _best_of_sweep(lambda cfg: w4a16_mma_linear_into(x, qw, out, cfg), out,
-                                            w4a16_linear_kernel(x, qw), configs)
+                                            w4a16_linear_kernel(x, qw), _mma_sweep(k))
         t4 = time_graph(lambda: w4a16_linear_kernel(x, qw))
         tb = time_graph(lambda: x @ w.t())
         t8 = time_graph(lambda: torch._scaled_mm(x8, w8.t(), one, one, out_dtype=torch.bfloat16))
@@ -265,9 +271,10 @@ def _grouped_mma_rows(bandwidth: float, quick: bool) -> list[dict]:
     w, qw = _weight(n, k, experts)
     w_t = w.transpose(1, 2)
     rows = []
-    configs = {f"m{block_m} {bn}x{bk} w{warps} p{prefetch}":
-               {"BLOCK_M": block_m, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "PREFETCH": prefetch}
-               for bn, bk, warps, prefetch in MMA_CONFIGS for block_m in (8, 16, 32)}
+    configs = {f"m{block_m} " + _mma_name(bn, bk, warps, prefetch, stages):
+               {"BLOCK_M": block_m, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "PREFETCH": prefetch,
+                "STAGES": stages}
+               for bn, bk, warps, prefetch, stages in MMA_CONFIGS for block_m in (8, 16, 32)}
     for tokens in (64, 512) if quick else (64, 128, 256, 512):
         counts = _routing(tokens, experts, topk)
         offsets = expert_offsets_from_counts(counts)

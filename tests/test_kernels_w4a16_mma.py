@@ -37,6 +37,14 @@ CONFIGS = [
     {"BLOCK_M": 8, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 1, "num_warps": 1, "PREFETCH": 2},
     {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 256, "SPLIT_K": 3, "num_warps": 4, "PREFETCH": 1},
     {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 8, "num_warps": 1, "PREFETCH": 2},
+    # weights through a shared-memory ring: fewer K steps per split than stages (copies past the
+    # slice read nothing), splits past the last step, the fewest stages, 4 warps at BLOCK_K 64
+    {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 3, "num_warps": 2, "PREFETCH": 1, "STAGES": 6},
+    {"BLOCK_M": 8, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 1, "num_warps": 1, "PREFETCH": 1, "STAGES": 2},
+    {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 8, "num_warps": 4, "PREFETCH": 1, "STAGES": 4},
+    {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 1, "PREFETCH": 1, "STAGES": 3},
+    {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 5, "num_warps": 1, "PREFETCH": 1, "STAGES": 4,
+     "maxnreg": 255},  # 128 weight rows a warp (spills without the ring)
 ]
 SHAPES = [(1, 40, 512), (3, 72, 256), (16, 200, 1024), (17, 24, 512), (64, 4096 + 40, 2048), (16, 2048, 4096)]
 """(M, N, K): 1..64 tokens (several token tiles at 17 and 64), N not a multiple of the tile; K a
@@ -89,6 +97,9 @@ GROUPED_CONFIGS = [
     {},  # defaults, token tile from the mean rows per expert
     {"BLOCK_M": 8, "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 1, "PREFETCH": 2},
     {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 256, "num_warps": 4, "PREFETCH": 1},
+    # the ring reused across an expert's token tiles
+    {"BLOCK_M": 8, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 1, "PREFETCH": 1, "STAGES": 4},
+    {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "PREFETCH": 1, "STAGES": 3},
 ]
 
 
@@ -144,6 +155,10 @@ def test_argument_errors() -> None:
         w4a16_mma.w4a16_mma_linear_into(x, weight, out, {"BLOCK_N": 32, "num_warps": 4})
     with pytest.raises(ValueError, match="PREFETCH"):
         w4a16_mma.w4a16_mma_linear_into(x, weight, out, {"PREFETCH": 3})
+    with pytest.raises(ValueError, match="STAGES must be 0"):
+        w4a16_mma.w4a16_mma_linear_into(x, weight, out, {"STAGES": 1})
+    with pytest.raises(ValueError, match="scale copy"):
+        w4a16_mma.w4a16_mma_linear_into(x, weight, out, {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 2, "STAGES": 3})
     with pytest.raises(ValueError, match="BLOCK_M 8, 16 or 32"):
         w4a16_mma.w4a16_mma_linear_into(x, weight, out, {"BLOCK_M": 64})
     with pytest.raises(ValueError, match="x must be"):
@@ -175,9 +190,11 @@ def test_launch_grid_and_options_follow_the_config(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(w4a16_mma, "_grouped_decode_kernel", Recorder())
     x = torch.zeros(20, 256, dtype=torch.bfloat16)
     out = torch.empty(20, 96, dtype=torch.bfloat16)
-    w4a16_mma.w4a16_mma_linear_into(x, _raw_weight((96, 256), "cpu"), out, {"BLOCK_N": 32, "num_warps": 1, "maxnreg": 255})
+    dense_config = {"BLOCK_N": 32, "num_warps": 1, "maxnreg": 255, "STAGES": 5}
+    w4a16_mma.w4a16_mma_linear_into(x, _raw_weight((96, 256), "cpu"), out, dense_config)
     offsets = expert_offsets_from_counts(torch.tensor([5, 15, 0, 0]))
     w4a16_mma.grouped_w4a16_mma_into(x, _raw_weight((4, 96, 256), "cpu"), offsets, out)
     (dense_grid, dense), (grouped_grid, grouped) = launches
     assert dense_grid == (3, 4, 1) and dense["BLOCK_M"] == 32 and dense["maxnreg"] == 255 and dense["num_warps"] == 1
+    assert dense["STAGES"] == 5 and grouped["STAGES"] == 0
     assert grouped_grid == (2, 4) and grouped["BLOCK_M"] == 16 and "maxnreg" not in grouped and grouped["num_warps"] == 2

@@ -1,7 +1,8 @@
-"""Experimental decode W4A16 kernel in Gluon: mma.sync on register operands, no shared memory.
+"""Experimental decode W4A16 kernel in Gluon: mma.sync on register operands.
 
-Not dispatched (the Triton kernels of :mod:`megatron_quads.nvfp4.kernels.w4a16` are); here to be
-measured against them on the H200 (``benchmarks/bench_kernels.py --only w4a16_mma``).
+Not dispatched (the Triton kernels of :mod:`megatron_quads.nvfp4.kernels.w4a16` are): measured on
+the H200 (``benchmarks/bench_kernels.py --only w4a16_mma``, docs/kernels.md) it matches them at
+M <= 16 and is slower beyond, so it stays as the measured alternative for the next design.
 
 Why: the Triton decode kernel runs wgmma, whose B operand (x) must sit in shared memory, so every K
 step copies x in, reorders it and synchronizes twice; with two CTAs per SM the profile reads as
@@ -19,7 +20,9 @@ latency-bound at ~45% of the byte floor (docs/kernels.md). Here both MMA operand
   arrive, as in the Triton kernel.
 
 No barrier and no shared memory in the K loop: warps run independently, so small CTAs (1-2 warps)
-and many of them per SM hide the DRAM latency instead of a pipeline of shared-memory stages.
+and many of them per SM hide the DRAM latency instead of a pipeline of shared-memory stages. The
+alternative, ``STAGES > 0``, puts the weights through such a pipeline (:func:`_k_loop_staged`);
+it measured slower at every shape tried.
 bf16 activations, 8 to 32 tokens per tile, ``K % BLOCK_K == 0``; the same operands and fp32
 accumulation as the Triton kernel (results equal up to fp32 summation order).
 """
@@ -32,7 +35,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from megatron_quads.nvfp4.kernels import w4a16 as _triton_w4a16
 from megatron_quads.nvfp4.kernels.w4a16 import (
@@ -224,12 +227,80 @@ def _k_loop(acc, w_ptrs, s_ptrs, x_ptrs, kt_lo, kt_hi, BLOCK_K: gl.constexpr, PR
     return acc
 
 
+@gluon.constexpr_function
+def scale_copy_layout(block_n: int, block_k: int, num_warps: int) -> gl.BlockedLayout:
+    """uint8 block scales ``[BN, BK/64, 4]`` for the asynchronous copy: 4 bytes (the smallest
+    cp.async) per thread, a row's ``BK/16`` bytes over ``BK/64`` lanes."""
+    lanes_k = block_k // 64
+    return gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[32 // lanes_k, lanes_k, 1],
+                            warps_per_cta=[num_warps, 1, 1], order=[2, 1, 0])
+
+
+@gluon.jit
+def _scale_copy_pointers(scales_ptr, row0, N, stride_sn, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                         SCOPY: gl.constexpr):
+    """Pointers to the first K step's scale bytes ``[BN, BK/64, 4]`` in :func:`scale_copy_layout`."""
+    r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, SCOPY)))
+    c = gl.arange(0, BLOCK_K // 64, layout=gl.SliceLayout(0, gl.SliceLayout(2, SCOPY)))
+    b = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, SCOPY)))
+    rows = gl.minimum(row0 + r, N - 1).to(gl.int64)
+    return scales_ptr + (rows * stride_sn)[:, None, None] + (c * 4)[None, :, None] + b[None, None, :]
+
+
+@gluon.jit
+def _issue_weights(words_smem, scales_smem, w_ptrs, s_ptrs, kt, kt_hi, BLOCK_K: gl.constexpr):
+    """Start the copy of K step ``kt``'s words and scale bytes into one ring stage (zero bytes read
+    past ``kt_hi``: the group still counts, so the waits below stay uniform)."""
+    live = kt < kt_hi
+    w_mask = gl.full(w_ptrs.shape, 0, gl.int32, layout=w_ptrs.type.layout) == 0
+    s_mask = gl.full(s_ptrs.shape, 0, gl.int32, layout=s_ptrs.type.layout) == 0
+    async_copy.async_copy_global_to_shared(words_smem, w_ptrs + kt * (BLOCK_K // 8), mask=w_mask & live)
+    async_copy.async_copy_global_to_shared(scales_smem, s_ptrs + kt * (BLOCK_K // 16), mask=s_mask & live)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _k_loop_staged(acc, words_ring, scales_ring, w_ptrs, s_ptrs, x_ptrs, kt_lo, kt_hi,
+                   BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                   A_LAYOUT: gl.constexpr, B_LAYOUT: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr):
+    """:func:`_k_loop` with the weights through a ``STAGES``-deep shared-memory ring of cp.async
+    copies (``STAGES - 1`` K steps in flight without holding registers); x one step ahead in
+    registers as there. One barrier a step: the stage about to be refilled was read by every warp in
+    the step before, and the stage about to be read was filled by every thread."""
+    I: gl.constexpr = BLOCK_K // 32
+    gl.thread_barrier()  # a previous loop over the ring (grouped kernel) is done reading it
+    for j in gl.static_range(STAGES - 1):
+        _issue_weights(words_ring.index(j), scales_ring.index(j), w_ptrs, s_ptrs, kt_lo + j, kt_hi, BLOCK_K)
+    x0 = gl.load(x_ptrs + kt_lo * BLOCK_K)
+    for kt in range(kt_lo, kt_hi):
+        async_copy.wait_group(STAGES - 2)
+        gl.thread_barrier()
+        stage = (kt - kt_lo) % STAGES  # the ring starts at stage 0 whatever the slice's first step
+        ahead = (stage + STAGES - 1) % STAGES
+        _issue_weights(words_ring.index(ahead), scales_ring.index(ahead), w_ptrs, s_ptrs,
+                       kt + STAGES - 1, kt_hi, BLOCK_K)
+        x1 = gl.load(x_ptrs + gl.minimum(kt + 1, kt_hi - 1) * BLOCK_K)
+        words = words_ring.index(stage).load(WORDS)
+        scales = scales_ring.index(stage).reshape([words.shape[0], 4, I // 2]).load(SCALES)
+        acc = mma_v2(_dequant_a(words, scales, A_LAYOUT, WORDS), _x_operand(x0, B_LAYOUT), acc)
+        x0 = x1
+    async_copy.wait_group(0)  # the zero-byte copies past kt_hi, before the ring is reused or freed
+    return acc
+
+
+@gluon.constexpr_function
+def ring_layout(rank: int) -> gl.SwizzledSharedLayout:
+    """Row-major, unswizzled: a quad's 4 x 16-byte word runs of a row are 64 contiguous bytes and
+    the 8 lanes of a quarter warp read 128 (no bank conflict)."""
+    return gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=list(range(rank - 1, -1, -1)))
+
+
 @gluon.jit
 def _decode_kernel(
     x_ptr, codes_ptr, scales_ptr, ws2_ptr, y_ptr, partials_ptr, counters_ptr,
     M, N, K, stride_xm, stride_cn, stride_sn, stride_ym,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, SPLIT_K: gl.constexpr,
-    NUM_WARPS: gl.constexpr, PREFETCH: gl.constexpr,
+    NUM_WARPS: gl.constexpr, PREFETCH: gl.constexpr, STAGES: gl.constexpr,
 ):
     """Grid ``(cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M))``: one K slice of one ``y^T [BLOCK_N, BLOCK_M]`` tile."""
     MMA: gl.constexpr = mma_layout(NUM_WARPS)
@@ -247,12 +318,23 @@ def _decode_kernel(
     kt_lo = pid_k * per_split
     kt_hi = gl.minimum(kt_lo + per_split, k_tiles)
 
-    w_ptrs, s_ptrs = _weight_pointers(codes_ptr, scales_ptr, pid_n * BLOCK_N, N, stride_cn, stride_sn,
-                                      BLOCK_N, BLOCK_K, WORDS, SCALES)
     x_ptrs = _x_pointers(x_ptr, pid_m * BLOCK_M, M, stride_xm, BLOCK_M, BLOCK_K, XRUN)
     acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=MMA)
-    if kt_lo < kt_hi:  # a split past the last K step (SPLIT_K not dividing the steps) adds nothing
-        acc = _k_loop(acc, w_ptrs, s_ptrs, x_ptrs, kt_lo, kt_hi, BLOCK_K, PREFETCH, A_LAYOUT, B_LAYOUT, WORDS)
+    if STAGES == 0:
+        w_ptrs, s_ptrs = _weight_pointers(codes_ptr, scales_ptr, pid_n * BLOCK_N, N, stride_cn, stride_sn,
+                                          BLOCK_N, BLOCK_K, WORDS, SCALES)
+        if kt_lo < kt_hi:  # a split past the last K step (SPLIT_K not dividing the steps) adds nothing
+            acc = _k_loop(acc, w_ptrs, s_ptrs, x_ptrs, kt_lo, kt_hi, BLOCK_K, PREFETCH, A_LAYOUT, B_LAYOUT, WORDS)
+    else:
+        SCOPY: gl.constexpr = scale_copy_layout(BLOCK_N, BLOCK_K, NUM_WARPS)
+        w_ptrs, _ = _weight_pointers(codes_ptr, scales_ptr, pid_n * BLOCK_N, N, stride_cn, stride_sn,
+                                     BLOCK_N, BLOCK_K, WORDS, SCALES)
+        s_ptrs = _scale_copy_pointers(scales_ptr, pid_n * BLOCK_N, N, stride_sn, BLOCK_N, BLOCK_K, SCOPY)
+        words_ring = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 4, BLOCK_K // 32], ring_layout(3))
+        scales_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, BLOCK_K // 64, 4], ring_layout(3))
+        if kt_lo < kt_hi:
+            acc = _k_loop_staged(acc, words_ring, scales_ring, w_ptrs, s_ptrs, x_ptrs, kt_lo, kt_hi, BLOCK_K, STAGES,
+                                 A_LAYOUT, B_LAYOUT, WORDS, SCALES)
 
     on = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
     om = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
@@ -283,7 +365,7 @@ def _grouped_decode_kernel(
     x_ptr, codes_ptr, scales_ptr, ws2_ptr, offsets_ptr, y_ptr,
     N, K, stride_xm, stride_ce, stride_cn, stride_se, stride_sn, stride_w2, stride_ym,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-    NUM_WARPS: gl.constexpr, PREFETCH: gl.constexpr,
+    NUM_WARPS: gl.constexpr, PREFETCH: gl.constexpr, STAGES: gl.constexpr,
 ):
     """Grid ``(cdiv(N, BLOCK_N), E)``: expert ``e``'s rows ``offsets[e]:offsets[e+1]`` in chunks of
     ``BLOCK_M`` tokens, one N tile, the whole K (no split: the experts give the parallelism)."""
@@ -301,18 +383,28 @@ def _grouped_decode_kernel(
     e64 = expert.to(gl.int64)
     w_ptrs, s_ptrs = _weight_pointers(codes_ptr + e64 * stride_ce, scales_ptr + e64 * stride_se, pid_n * BLOCK_N, N,
                                       stride_cn, stride_sn, BLOCK_N, BLOCK_K, WORDS, SCALES)
+    if STAGES > 0:
+        SCOPY: gl.constexpr = scale_copy_layout(BLOCK_N, BLOCK_K, NUM_WARPS)
+        s_ptrs = _scale_copy_pointers(scales_ptr + e64 * stride_se, pid_n * BLOCK_N, N, stride_sn, BLOCK_N, BLOCK_K,
+                                      SCOPY)
+        words_ring = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 4, BLOCK_K // 32], ring_layout(3))
+        scales_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, BLOCK_K // 64, 4], ring_layout(3))
     decode = gl.load(ws2_ptr + expert * stride_w2) * (2.0 ** -OPERAND_LOG2_SCALE)
     on = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
     for m0 in range(lo, hi, BLOCK_M):  # no iteration for an expert without rows
         x_ptrs = _x_pointers(x_ptr, m0, hi, stride_xm, BLOCK_M, BLOCK_K, XRUN)
         acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=MMA)
-        acc = _k_loop(acc, w_ptrs, s_ptrs, x_ptrs, 0, K // BLOCK_K, BLOCK_K, PREFETCH, A_LAYOUT, B_LAYOUT, WORDS)
+        if STAGES == 0:
+            acc = _k_loop(acc, w_ptrs, s_ptrs, x_ptrs, 0, K // BLOCK_K, BLOCK_K, PREFETCH, A_LAYOUT, B_LAYOUT, WORDS)
+        else:
+            acc = _k_loop_staged(acc, words_ring, scales_ring, w_ptrs, s_ptrs, x_ptrs, 0, K // BLOCK_K, BLOCK_K, STAGES,
+                                 A_LAYOUT, B_LAYOUT, WORDS, SCALES)
         om = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
         y_ptrs = y_ptr + om[None, :].to(gl.int64) * stride_ym + on[:, None]
         gl.store(y_ptrs, (acc * decode).to(y_ptr.dtype.element_ty), mask=(on < N)[:, None] & (om < hi)[None, :])
 
 
-DEFAULT_CONFIG = {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "num_warps": 2, "PREFETCH": 1}
+DEFAULT_CONFIG = {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "num_warps": 2, "PREFETCH": 1, "STAGES": 0}
 
 
 def _launch_options(cfg: dict[str, Any]) -> dict[str, int]:
@@ -329,6 +421,10 @@ def _check_config(cfg: dict[str, Any], k: int) -> None:
                          f"K={k}, {cfg}")
     if cfg["PREFETCH"] not in (1, 2) or cfg.get("SPLIT_K", 1) < 1 or cfg["BLOCK_M"] not in (8, 16, 32):
         raise ValueError(f"PREFETCH must be 1 or 2, SPLIT_K at least 1 and BLOCK_M 8, 16 or 32, got {cfg}")
+    stages = cfg["STAGES"]
+    if stages not in (0, *range(2, 9)) or (stages and block_n * block_k // 64 < 32 * warps):
+        raise ValueError(f"STAGES must be 0 (registers) or 2..8, and with stages BLOCK_N * BLOCK_K / 64 at least "
+                         f"32 * num_warps (the scale copy's threads), got {cfg}")
 
 
 def default_block_m(tokens: int) -> int:
@@ -343,8 +439,9 @@ def w4a16_mma_linear_into(x: torch.Tensor, weight: NVFP4Tensor, out: torch.Tenso
 
     ``config`` (default :data:`DEFAULT_CONFIG`) holds ``BLOCK_M`` (tokens per tile: 8, 16 or 32;
     default :func:`default_block_m`), ``BLOCK_N`` (a multiple of ``16 * num_warps``), ``BLOCK_K``
-    (a multiple of 64 dividing K), ``SPLIT_K``, ``num_warps``, ``PREFETCH`` (K steps loaded ahead:
-    1 or 2) and optionally ``maxnreg``.
+    (a multiple of 64 dividing K), ``SPLIT_K``, ``num_warps``, ``PREFETCH`` (K steps loaded ahead
+    into registers: 1 or 2), ``STAGES`` (0: weights loaded into registers as x; 2..8: through a ring
+    of that many shared-memory stages, :func:`_k_loop_staged`) and optionally ``maxnreg``.
     """
     n, k = weight.shape
     cfg: dict[str, Any] = {**DEFAULT_CONFIG, "BLOCK_M": default_block_m(x.shape[0]), **(config or {})}
@@ -368,13 +465,14 @@ def w4a16_mma_linear_into(x: torch.Tensor, weight: NVFP4Tensor, out: torch.Tenso
     _decode_kernel[(n_tiles, split_k, m_tiles)](
         x, codes, scales, ws2, out, partials, counters,
         m, n, k, x.stride(0), codes.stride(0), scales.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, NUM_WARPS=warps, PREFETCH=cfg["PREFETCH"], num_warps=warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, NUM_WARPS=warps, PREFETCH=cfg["PREFETCH"],
+        STAGES=cfg["STAGES"], num_warps=warps,
         **_launch_options(cfg),
     )
     return out
 
 
-GROUPED_DEFAULT_CONFIG = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 2, "PREFETCH": 1}
+GROUPED_DEFAULT_CONFIG = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 2, "PREFETCH": 1, "STAGES": 0}
 
 
 def grouped_w4a16_mma_into(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets: torch.Tensor, out: torch.Tensor,
@@ -409,7 +507,8 @@ def grouped_w4a16_mma_into(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets:
         x, codes, scales, ws2, expert_offsets, out,
         n, k, x.stride(0), codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1),
         1 if ws2.numel() > 1 else 0, out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_WARPS=warps, PREFETCH=cfg["PREFETCH"], num_warps=warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_WARPS=warps, PREFETCH=cfg["PREFETCH"], STAGES=cfg["STAGES"],
+        num_warps=warps,
         **_launch_options(cfg),
     )
     return out
