@@ -399,8 +399,8 @@ def bench_rac(bandwidth: float, quick: bool) -> list[dict]:
 
 
 def markdown_view(history: list[dict]) -> str:
-    """Each section's newest table from the JSON ``history`` of runs, under the date, command and
-    copy bandwidth of the run that measured it (runs with ``--only`` refresh some sections)."""
+    """Each section's newest table from the JSON ``history`` of runs, under the date, command, copy
+    bandwidth and note (if any) of the run that measured it (runs with ``--only`` refresh some sections)."""
     newest = {}
     for record in history:
         for name, rows in record["results"].items():
@@ -414,7 +414,8 @@ def markdown_view(history: list[dict]) -> str:
         record, rows = newest[name]
         keys = [key for key, value in rows[0].items() if not isinstance(value, dict)]  # sweeps stay in the JSON
         lines += [f"## {name}", "", (f"{record['device']}, {record['date']}: `{record['command']}`; device-to-device copy "
-                  f"{record['copy_GBps']} GB/s; timed eagerly (graph capture failed): {record['eager_timed'] or 'none'}."), "",
+                  f"{record['copy_GBps']} GB/s; timed eagerly (graph capture failed): {record['eager_timed'] or 'none'}."
+                  + (f" Note: {record['note']}" if record.get("note") else "")), "",
                   "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
         lines += ["| " + " | ".join(str(r.get(k_, "")) for k_ in keys) + " |" for r in rows]
         lines.append("")

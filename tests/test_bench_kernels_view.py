@@ -7,7 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from bench_kernels import markdown_view  # noqa: E402
+from bench_kernels import markdown_view
 
 
 def _record(date: str, command: str, results: dict[str, list[dict]]) -> dict:
@@ -18,7 +18,8 @@ def _record(date: str, command: str, results: dict[str, list[dict]]) -> dict:
 def test_each_section_comes_from_its_newest_run_in_a_fixed_order() -> None:
     history = [
         _record("2026-11-01", "full", {"rac": [{"case": "old rac", "us": 70.0}], "quantize": [{"case": "q", "us": 54.0}]}),
-        _record("2026-11-02", "--only rac", {"rac": [{"case": "new rac", "us": 16.8}], "grouped": []}),
+        _record("2026-11-02", "--only rac", {"rac": [{"case": "new rac", "us": 16.8}], "grouped": []})
+        | {"note": "kernel X was a variant since reverted"},
     ]
     view = markdown_view(history)
     assert "new rac" in view and "old rac" not in view
@@ -27,4 +28,6 @@ def test_each_section_comes_from_its_newest_run_in_a_fixed_order() -> None:
     rac = view[view.index("## rac"):]
     assert "2026-11-02: `--only rac`" in rac
     assert "| new rac | 16.8 |" in rac
+    assert "Note: kernel X was a variant since reverted" in rac  # a run's note shows with its sections only
+    assert "Note:" not in view[:view.index("## rac")]
     assert "2026-11-01: `full`" in view[view.index("## quantize"):view.index("## rac")]
