@@ -187,12 +187,13 @@ def bench_w4a16(bandwidth: float, quick: bool) -> list[dict]:
 
 
 MMA_CONFIGS = [(bn, bk, warps, 1, 0) for bn, bk, warps in ((32, 128, 1), (64, 128, 1), (64, 128, 2), (128, 128, 4))] + [
-    (bn, bk, warps, 1, stages) for bn, bk, warps in ((32, 128, 1), (64, 128, 1), (128, 128, 1), (64, 128, 2),
-                                                     (128, 128, 2), (128, 128, 4)) for stages in (3, 4)]
-"""(BLOCK_N, BLOCK_K, num_warps, PREFETCH, STAGES) of the Gluon kernels' sweep: operands in registers
+    (bn, bk, warps, 1, stages) for bn, bk, warps in ((64, 128, 1), (128, 128, 1), (128, 64, 1), (128, 128, 2),
+                                                     (256, 128, 2), (128, 128, 4)) for stages in (4, 6)]
+"""(BLOCK_N, BLOCK_K, num_warps, PREFETCH, STAGES) of the Gluon kernels' sweep: weights in registers
 (STAGES 0) or through a shared-memory ring, which also lets a warp take 128 weight rows a step (the
-register path spills there, offline sm_90). PREFETCH 2 and 6-stage rings (slower than PREFETCH 1 /
-4 stages at every shape of the 2026-11-30T05:57 and 06:18 runs) are left out."""
+register path spills there, offline sm_90) so each x load serves twice the weights. PREFETCH 2 and
+3-stage rings (slower than PREFETCH 1 / 4 stages at every shape of the 2026-11-30T05:57 and 06:08
+runs) are left out."""
 
 
 def _mma_name(bn: int, bk: int, warps: int, prefetch: int, stages: int) -> str:

@@ -22,8 +22,7 @@ latency-bound at ~45% of the byte floor (docs/kernels.md). Here both MMA operand
 No barrier and no shared memory in the K loop: warps run independently, so small CTAs (1-2 warps)
 and many of them per SM hide the DRAM latency instead of a pipeline of shared-memory stages. The
 alternative, ``STAGES > 0``, puts the weights through such a pipeline (:func:`_k_loop_staged`);
-it measured slower at every shape tried with x still loaded into registers; x now goes through
-the ring too.
+it measured slower at every shape tried.
 bf16 activations, 8 to 32 tokens per tile, ``K % BLOCK_K == 0``; the same operands and fp32
 accumulation as the Triton kernel (results equal up to fp32 summation order).
 """
@@ -248,98 +247,43 @@ def _scale_copy_pointers(scales_ptr, row0, N, stride_sn, BLOCK_N: gl.constexpr, 
     return scales_ptr + (rows * stride_sn)[:, None, None] + (c * 4)[None, :, None] + b[None, None, :]
 
 
-@gluon.constexpr_function
-def x_copy_lane_rows(block_k: int) -> int:
-    """Token rows a warp's lanes cover in :func:`x_copy_layout` (the lanes left after the 16-byte
-    chunks of one row: ``BK / 32`` chunk runs times 4 threads-in-quad)."""
-    return 1 << (3 - ((block_k // 32).bit_length() - 1))
-
-
-@gluon.constexpr_function
-def x_copy_layout(block_k: int, block_m: int, num_warps: int) -> gl.DistributedLinearLayout:
-    """bf16 x ``[I, BM, 4, 8]`` (chunk ``v`` of thread-in-quad ``t``'s run, token, ``t``, element)
-    for the asynchronous copy: consecutive lanes take consecutive 16-byte chunks of a token row
-    (``8 I t + 8 v``: coalesced), the remaining lanes, then the warps, further token rows."""
-    i_words = block_k // 32
-    lane_rows = x_copy_lane_rows(block_k)
-    warp_rows = [lane_rows << w for w in range(num_warps.bit_length() - 1)]
-    reg_rows = [r for r in _bits(block_m) if r >= lane_rows * num_warps]
-    return gl.DistributedLinearLayout(
-        reg_bases=[_basis(4, 3, b) for b in (1, 2, 4)] + [_basis(4, 1, r) for r in reg_rows],
-        lane_bases=[_basis(4, 0, b) for b in _bits(i_words)] + [_basis(4, 2, 1), _basis(4, 2, 2)]
-        + [_basis(4, 1, r) for r in _bits(lane_rows)],
-        warp_bases=[_basis(4, 1, r) for r in warp_rows], block_bases=[], shape=[i_words, block_m, 4, 8],
-    )
-
-
-@gluon.constexpr_function
-def x_ring_layout(block_k: int, block_m: int, num_warps: int) -> gl.DistributedLinearLayout:
-    """bf16 x ``[I, BM, 4, 8]`` as read from the ring: :func:`x_run_layout` with the run split into
-    its 16-byte chunks ``v`` (every warp reads the whole tile)."""
-    return gl.DistributedLinearLayout(
-        reg_bases=[_basis(4, 3, b) for b in (1, 2, 4)] + [_basis(4, 0, b) for b in _bits(block_k // 32)]
-        + [_basis(4, 1, 8 * b) for b in _bits(block_m // 8)],
-        lane_bases=[_basis(4, 2, 1), _basis(4, 2, 2), _basis(4, 1, 1), _basis(4, 1, 2), _basis(4, 1, 4)],
-        warp_bases=[[0, 0, 0, 0]] * (num_warps.bit_length() - 1), block_bases=[], shape=[block_k // 32, block_m, 4, 8],
-    )
-
-
 @gluon.jit
-def _x_copy_pointers(x_ptr, m0, m_end, stride_xm, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
-                     XCOPY: gl.constexpr):
-    """Pointers to the first K step's x ``[I, BM, 4, 8]`` in :func:`x_copy_layout` (rows from
-    ``m_end`` on read row ``m_end - 1`` again, as in :func:`_x_pointers`)."""
-    I: gl.constexpr = BLOCK_K // 32
-    v = gl.arange(0, I, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, XCOPY))))
-    m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, XCOPY))))
-    t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, XCOPY))))
-    e = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, XCOPY))))
-    rows = gl.minimum(m0 + m, m_end - 1).to(gl.int64)
-    return (x_ptr + (rows * stride_xm)[None, :, None, None] + (8 * v)[:, None, None, None]
-            + (t * (8 * I))[None, None, :, None] + e[None, None, None, :])
-
-
-@gluon.jit
-def _issue_step(words_smem, scales_smem, x_smem, w_ptrs, s_ptrs, xc_ptrs, kt, kt_hi, BLOCK_K: gl.constexpr):
-    """Start the copy of K step ``kt``'s words, scale bytes and x into one ring stage (zero bytes
-    read past ``kt_hi``: the group still counts, so the waits below stay uniform)."""
+def _issue_weights(words_smem, scales_smem, w_ptrs, s_ptrs, kt, kt_hi, BLOCK_K: gl.constexpr):
+    """Start the copy of K step ``kt``'s words and scale bytes into one ring stage (zero bytes read
+    past ``kt_hi``: the group still counts, so the waits below stay uniform)."""
     live = kt < kt_hi
     w_mask = gl.full(w_ptrs.shape, 0, gl.int32, layout=w_ptrs.type.layout) == 0
     s_mask = gl.full(s_ptrs.shape, 0, gl.int32, layout=s_ptrs.type.layout) == 0
-    x_mask = gl.full(xc_ptrs.shape, 0, gl.int32, layout=xc_ptrs.type.layout) == 0
     async_copy.async_copy_global_to_shared(words_smem, w_ptrs + kt * (BLOCK_K // 8), mask=w_mask & live)
     async_copy.async_copy_global_to_shared(scales_smem, s_ptrs + kt * (BLOCK_K // 16), mask=s_mask & live)
-    async_copy.async_copy_global_to_shared(x_smem, xc_ptrs + kt * BLOCK_K, mask=x_mask & live)
     async_copy.commit_group()
 
 
 @gluon.jit
-def _k_loop_staged(acc, words_ring, scales_ring, x_ring, w_ptrs, s_ptrs, xc_ptrs, kt_lo, kt_hi,
-                   BLOCK_K: gl.constexpr, STAGES: gl.constexpr, A_LAYOUT: gl.constexpr, B_LAYOUT: gl.constexpr,
-                   WORDS: gl.constexpr, SCALES: gl.constexpr, XRING: gl.constexpr, XRUN: gl.constexpr):
-    """:func:`_k_loop` with every operand through a ``STAGES``-deep shared-memory ring of cp.async
-    copies (``STAGES - 1`` K steps in flight without holding registers). One barrier a step: the
-    stage about to be refilled was read by every warp in the step before, and the stage about to be
-    read was filled by every thread (x is copied in another thread order than it is read)."""
+def _k_loop_staged(acc, words_ring, scales_ring, w_ptrs, s_ptrs, x_ptrs, kt_lo, kt_hi,
+                   BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                   A_LAYOUT: gl.constexpr, B_LAYOUT: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr):
+    """:func:`_k_loop` with the weights through a ``STAGES``-deep shared-memory ring of cp.async
+    copies (``STAGES - 1`` K steps in flight without holding registers); x one step ahead in
+    registers as there. One barrier a step: the stage about to be refilled was read by every warp in
+    the step before, and the stage about to be read was filled by every thread."""
     I: gl.constexpr = BLOCK_K // 32
-    BM: gl.constexpr = x_ring.shape[2]
     gl.thread_barrier()  # a previous loop over the ring (grouped kernel) is done reading it
     for j in gl.static_range(STAGES - 1):
-        _issue_step(words_ring.index(j), scales_ring.index(j), x_ring.index(j), w_ptrs, s_ptrs, xc_ptrs, kt_lo + j,
-                    kt_hi, BLOCK_K)
+        _issue_weights(words_ring.index(j), scales_ring.index(j), w_ptrs, s_ptrs, kt_lo + j, kt_hi, BLOCK_K)
+    x0 = gl.load(x_ptrs + kt_lo * BLOCK_K)
     for kt in range(kt_lo, kt_hi):
         async_copy.wait_group(STAGES - 2)
         gl.thread_barrier()
         stage = (kt - kt_lo) % STAGES  # the ring starts at stage 0 whatever the slice's first step
         ahead = (stage + STAGES - 1) % STAGES
-        _issue_step(words_ring.index(ahead), scales_ring.index(ahead), x_ring.index(ahead), w_ptrs, s_ptrs, xc_ptrs,
-                    kt + STAGES - 1, kt_hi, BLOCK_K)
+        _issue_weights(words_ring.index(ahead), scales_ring.index(ahead), w_ptrs, s_ptrs,
+                       kt + STAGES - 1, kt_hi, BLOCK_K)
+        x1 = gl.load(x_ptrs + gl.minimum(kt + 1, kt_hi - 1) * BLOCK_K)
         words = words_ring.index(stage).load(WORDS)
         scales = scales_ring.index(stage).reshape([words.shape[0], 4, I // 2]).load(SCALES)
-        chunks = x_ring.index(stage).load(XRING)  # (v, m, t, e)
-        run = gl.convert_layout(gl.reshape(gl.permute(chunks, (2, 0, 3, 1)), (4, 8 * I, BM)), XRUN,
-                                assert_trivial=True)
-        acc = mma_v2(_dequant_a(words, scales, A_LAYOUT, WORDS), _x_operand(run, B_LAYOUT), acc)
+        acc = mma_v2(_dequant_a(words, scales, A_LAYOUT, WORDS), _x_operand(x0, B_LAYOUT), acc)
+        x0 = x1
     async_copy.wait_group(0)  # the zero-byte copies past kt_hi, before the ring is reused or freed
     return acc
 
@@ -374,9 +318,9 @@ def _decode_kernel(
     kt_lo = pid_k * per_split
     kt_hi = gl.minimum(kt_lo + per_split, k_tiles)
 
+    x_ptrs = _x_pointers(x_ptr, pid_m * BLOCK_M, M, stride_xm, BLOCK_M, BLOCK_K, XRUN)
     acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=MMA)
     if STAGES == 0:
-        x_ptrs = _x_pointers(x_ptr, pid_m * BLOCK_M, M, stride_xm, BLOCK_M, BLOCK_K, XRUN)
         w_ptrs, s_ptrs = _weight_pointers(codes_ptr, scales_ptr, pid_n * BLOCK_N, N, stride_cn, stride_sn,
                                           BLOCK_N, BLOCK_K, WORDS, SCALES)
         if kt_lo < kt_hi:  # a split past the last K step (SPLIT_K not dividing the steps) adds nothing
@@ -386,15 +330,11 @@ def _decode_kernel(
         w_ptrs, _ = _weight_pointers(codes_ptr, scales_ptr, pid_n * BLOCK_N, N, stride_cn, stride_sn,
                                      BLOCK_N, BLOCK_K, WORDS, SCALES)
         s_ptrs = _scale_copy_pointers(scales_ptr, pid_n * BLOCK_N, N, stride_sn, BLOCK_N, BLOCK_K, SCOPY)
-        XCOPY: gl.constexpr = x_copy_layout(BLOCK_K, BLOCK_M, NUM_WARPS)
-        xc_ptrs = _x_copy_pointers(x_ptr, pid_m * BLOCK_M, M, stride_xm, BLOCK_M, BLOCK_K, XCOPY)
         words_ring = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 4, BLOCK_K // 32], ring_layout(3))
         scales_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, BLOCK_K // 64, 4], ring_layout(3))
-        x_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K // 32, BLOCK_M, 4, 8], ring_layout(4))
         if kt_lo < kt_hi:
-            acc = _k_loop_staged(acc, words_ring, scales_ring, x_ring, w_ptrs, s_ptrs, xc_ptrs, kt_lo, kt_hi, BLOCK_K,
-                                 STAGES, A_LAYOUT, B_LAYOUT, WORDS, SCALES,
-                                 x_ring_layout(BLOCK_K, BLOCK_M, NUM_WARPS), XRUN)
+            acc = _k_loop_staged(acc, words_ring, scales_ring, w_ptrs, s_ptrs, x_ptrs, kt_lo, kt_hi, BLOCK_K, STAGES,
+                                 A_LAYOUT, B_LAYOUT, WORDS, SCALES)
 
     on = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
     om = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
@@ -449,20 +389,16 @@ def _grouped_decode_kernel(
                                       SCOPY)
         words_ring = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 4, BLOCK_K // 32], ring_layout(3))
         scales_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, BLOCK_K // 64, 4], ring_layout(3))
-        x_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K // 32, BLOCK_M, 4, 8], ring_layout(4))
     decode = gl.load(ws2_ptr + expert * stride_w2) * (2.0 ** -OPERAND_LOG2_SCALE)
     on = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
     for m0 in range(lo, hi, BLOCK_M):  # no iteration for an expert without rows
+        x_ptrs = _x_pointers(x_ptr, m0, hi, stride_xm, BLOCK_M, BLOCK_K, XRUN)
         acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=MMA)
         if STAGES == 0:
-            x_ptrs = _x_pointers(x_ptr, m0, hi, stride_xm, BLOCK_M, BLOCK_K, XRUN)
             acc = _k_loop(acc, w_ptrs, s_ptrs, x_ptrs, 0, K // BLOCK_K, BLOCK_K, PREFETCH, A_LAYOUT, B_LAYOUT, WORDS)
         else:
-            xc_ptrs = _x_copy_pointers(x_ptr, m0, hi, stride_xm, BLOCK_M, BLOCK_K,
-                                       x_copy_layout(BLOCK_K, BLOCK_M, NUM_WARPS))
-            acc = _k_loop_staged(acc, words_ring, scales_ring, x_ring, w_ptrs, s_ptrs, xc_ptrs, 0, K // BLOCK_K,
-                                 BLOCK_K, STAGES, A_LAYOUT, B_LAYOUT, WORDS, SCALES,
-                                 x_ring_layout(BLOCK_K, BLOCK_M, NUM_WARPS), XRUN)
+            acc = _k_loop_staged(acc, words_ring, scales_ring, w_ptrs, s_ptrs, x_ptrs, 0, K // BLOCK_K, BLOCK_K, STAGES,
+                                 A_LAYOUT, B_LAYOUT, WORDS, SCALES)
         om = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
         y_ptrs = y_ptr + om[None, :].to(gl.int64) * stride_ym + on[:, None]
         gl.store(y_ptrs, (acc * decode).to(y_ptr.dtype.element_ty), mask=(on < N)[:, None] & (om < hi)[None, :])
@@ -489,9 +425,6 @@ def _check_config(cfg: dict[str, Any], k: int) -> None:
     if stages not in (0, *range(2, 9)) or (stages and block_n * block_k // 64 < 32 * warps):
         raise ValueError(f"STAGES must be 0 (registers) or 2..8, and with stages BLOCK_N * BLOCK_K / 64 at least "
                          f"32 * num_warps (the scale copy's threads), got {cfg}")
-    if stages and (block_k > 256 or x_copy_lane_rows(block_k) * warps > cfg["BLOCK_M"]):
-        raise ValueError(f"with STAGES the x copy needs BLOCK_K <= 256 and BLOCK_M >= {x_copy_lane_rows(min(block_k, 256))}"
-                         f" * num_warps (a row's 16-byte chunks per warp lane group), got {cfg}")
 
 
 def default_block_m(tokens: int) -> int:
