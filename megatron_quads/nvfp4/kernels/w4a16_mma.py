@@ -290,8 +290,9 @@ def _k_loop_staged(acc, words_ring, scales_ring, w_ptrs, s_ptrs, x_ptrs, kt_lo, 
 
 @gluon.constexpr_function
 def ring_layout(rank: int) -> gl.SwizzledSharedLayout:
-    """Row-major, unswizzled: a quad's 4 x 16-byte word runs of a row are 64 contiguous bytes and
-    the 8 lanes of a quarter warp read 128 (no bank conflict)."""
+    """The rings' shared layout, row-major and unswizzled: at ``BLOCK_K = 128`` a quad's 4 x 16-byte
+    word runs of a row are 64 contiguous bytes and the 8 lanes of a quarter warp read 128 (no bank
+    conflict)."""
     return gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=list(range(rank - 1, -1, -1)))
 
 
@@ -441,7 +442,8 @@ def w4a16_mma_linear_into(x: torch.Tensor, weight: NVFP4Tensor, out: torch.Tenso
     default :func:`default_block_m`), ``BLOCK_N`` (a multiple of ``16 * num_warps``), ``BLOCK_K``
     (a multiple of 64 dividing K), ``SPLIT_K``, ``num_warps``, ``PREFETCH`` (K steps loaded ahead
     into registers: 1 or 2), ``STAGES`` (0: weights loaded into registers as x; 2..8: through a ring
-    of that many shared-memory stages, :func:`_k_loop_staged`) and optionally ``maxnreg``.
+    of that many shared-memory stages, :func:`_k_loop_staged`, x then one step ahead whatever
+    ``PREFETCH``) and optionally ``maxnreg``.
     """
     n, k = weight.shape
     cfg: dict[str, Any] = {**DEFAULT_CONFIG, "BLOCK_M": default_block_m(x.shape[0]), **(config or {})}
