@@ -153,6 +153,24 @@ def bench_quantize_tiles(bandwidth: float, size: int) -> list[dict]:
             t2 = time_graph(lambda: kq.quantize_kernel(x, amax, block_2d=True, validate=False), calls=5)
         rows.append(row(f"quantize 1x16 default tile, {loop[0]} programs/SM, prefetch={loop[1]}", tq, q_bytes, 0, bandwidth))
         rows.append(row(f"quantize 16x16 default tile, {loop[0]} programs/SM, prefetch={loop[1]}", t2, q_bytes, 0, bandwidth))
+    return rows + _k_major_rows(x, amax, q_bytes, bandwidth)
+
+
+def _k_major_rows(x: torch.Tensor, amax: torch.Tensor, q_bytes: int, bandwidth: float) -> list[dict]:
+    """Quantize with the K-major program order (``quantize._k_major``) on the tiles where the default
+    order runs down many rows of a narrow column slice, each beside the default order in the same run."""
+    import megatron_quads.nvfp4.kernels.quantize as kq
+
+    rows = []
+    for block_2d, config in [(False, (1, 128, 4)), (False, (4, 16, 4)), (False, (16, 16, 4)), (True, (16, 16, 4)),
+                             (True, (16, 8, 4))]:
+        times = {}
+        for k_major in (False, True):
+            with mock.patch.object(kq, "_tile_config", lambda rows, block_2d, blocks, config=config: config), \
+                    mock.patch.object(kq, "_k_major", lambda block_2d=False, k_major=k_major: k_major):
+                times[k_major] = time_graph(lambda: kq.quantize_kernel(x, amax, block_2d=block_2d, validate=False), calls=5)
+        name = f"quantize {'16x16' if block_2d else '1x16'} tile {config[0]}x{config[1] * 16} ({config[2]} warps), K-major"
+        rows.append(row(name, times[True], q_bytes, 0, bandwidth, default_order_us=round(times[False], 2)))
     return rows
 
 

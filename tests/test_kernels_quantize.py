@@ -451,6 +451,19 @@ def test_every_row_config(config: tuple[int, int, int], kernel_device: str, monk
     _check_row_amax(_randn((m, k), 1.0, torch.bfloat16, kernel_device))
 
 
+@pytest.mark.parametrize("loop", [(1, 1), (kq._ONE_PER_TILE, 0)], ids=["persistent", "one per tile"])
+def test_k_major_launch_order(loop: tuple[int, int], kernel_device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """K-major program order (``_program_tile``): the same tiles, so the same bytes, whether each
+    program has one tile or walks several (1x16 and 16x16, a stack of matrices, partial tiles)."""
+    monkeypatch.setattr(kq, "_k_major", lambda block_2d=False: True)
+    monkeypatch.setattr(kq, "_loop_config", lambda block_2d=False: loop)
+    x = _randn((3, 40, 2064), 1.0, torch.bfloat16, kernel_device)
+    x[2, 33, 2050] = 300.0
+    _check_quantize(x)
+    _check_quantize(x, x.abs().amax(-1).float() * 0.9)
+    _check_quantize(x, block_2d=True)
+
+
 @pytest.mark.parametrize("prefetch", [0, 1])
 def test_persistent_programs_loop_over_tiles(prefetch: int, kernel_device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """One program per SM and K tile walks many row tiles (then matrices of a stack), loading the

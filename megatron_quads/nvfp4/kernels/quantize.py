@@ -99,6 +99,17 @@ def _tile_rows(row_tile, mat_rows, ROWS: tl.constexpr, BLOCK_2D: tl.constexpr):
 
 
 @triton.jit
+def _program_tile(K_MAJOR: tl.constexpr):
+    """``(K tile, first row tile)`` of this program in a ``(P, K tiles)`` grid: the grid's own axes,
+    or with ``K_MAJOR`` the program's launch rank split K tile first (ranks ``r`` and ``r + 1`` take
+    neighbouring K tiles of one row tile)."""
+    if K_MAJOR:
+        rank = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)  # launch order: axis 0 fastest
+        return rank % tl.num_programs(1), rank // tl.num_programs(1)
+    return tl.program_id(1), tl.program_id(0)
+
+
+@triton.jit
 def _e4m3_round(s):
     """fp32 ``s`` in ``[0, 448]`` to float8_e4m3fn, round to nearest even: ``(byte int32, value fp32)``.
 
@@ -405,16 +416,18 @@ def _amax_kernel(x_ptr, out_ptr, n_blocks, n_iter, BLOCK: tl.constexpr):
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _quantize_kernel(w_ptr, amax_ptr, codes_ptr, scales_ptr, R, mat_rows, amax_div, KB, m_bucket,
                      BLOCK_2D: tl.constexpr, IS_BF16: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr,
-                     PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr):
+                     PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr, K_MAJOR: tl.constexpr):
     """Grid ``(P, cdiv(KB, NB))``: program ``(p, k)`` quantizes the ``[ROWS, NB * 16]`` tiles of K
     tile ``k`` in row tiles ``p, p + P, ...`` of the ``R`` rows (``PERSISTENT``; otherwise ``P``
     covers every row tile). With ``PREFETCH`` the next tile's words are loaded into registers before
-    the current one is quantized, so a program always has reads in flight. ``m_bucket`` is only an
-    autotune key."""
-    blocks = tl.program_id(1) * NB + tl.arange(0, NB)
+    the current one is quantized, so a program always has reads in flight. With ``K_MAJOR`` the
+    programs launched one after the other take the K tiles of a row tile before the next row tile
+    (the launch order otherwise runs down the rows of one K tile). ``m_bucket`` is only an autotune
+    key."""
+    k_tile, row_tile = _program_tile(K_MAJOR)
+    blocks = k_tile * NB + tl.arange(0, NB)
     n_row_tiles = (R // mat_rows) * tl.cdiv(mat_rows, ROWS)  # mat_rows == R without BLOCK_2D
     enc_s, dec_s, decode_s = _global_scales(tl.load(amax_ptr))  # used when one amax covers every row
-    row_tile = tl.program_id(0)
     rows, row_mask = _tile_rows(row_tile, mat_rows, ROWS, BLOCK_2D)
     if amax_div == 0:
         enc, dec, _unused = _broadcast_rows(enc_s, dec_s, decode_s, ROWS)
@@ -540,6 +553,18 @@ against 68.9 us with half-block loads)."""
 _FAKE_QUANT_LOOP = (16, 3)
 """``(programs per SM, STAGES)`` of the persistent fake-quant kernel (``STAGES - 1`` tiles of async
 copies in flight)."""
+
+
+_K_MAJOR = {False: False, True: False}
+"""Launch order of the quantize kernel per ``block_2d``: ``True`` runs along K first
+(:func:`_program_tile`). Both False (the measured order) until the ``quantize_tiles`` bench times
+the K-major rows on the H200: the guess is that running down the rows of one 256-512-byte column
+slice at a time (16-row tiles, 16 KB row stride) concentrates the reads on few DRAM channels."""
+
+
+def _k_major(block_2d: bool = False) -> bool:
+    """Whether the quantize kernel runs K-major (a function so that benchmarks and tests can sweep it)."""
+    return _K_MAJOR[block_2d]
 
 
 def _loop_config(block_2d: bool = False) -> tuple[int, int]:
@@ -725,7 +750,7 @@ def _launch_quantize(x: torch.Tensor, amax_rows: tuple[torch.Tensor, int], codes
     _launch(_quantize_kernel, _QUANTIZE_TUNED, _tile_config(rows, block_2d, kb), grid,
             (_words_view(x), table, words, scales, rows, mat_rows, div, kb, rows),
             BLOCK_2D=block_2d, IS_BF16=x.dtype == torch.bfloat16, PERSISTENT=_loop_config(block_2d)[0] < _ONE_PER_TILE,
-            PREFETCH=bool(_loop_config(block_2d)[1]))
+            PREFETCH=bool(_loop_config(block_2d)[1]), K_MAJOR=_k_major(block_2d))
     if misaligned is not None:
         misaligned.copy_(words.view(torch.uint8))
 
