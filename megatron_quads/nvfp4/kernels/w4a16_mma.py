@@ -78,6 +78,12 @@ def mma_layout(num_warps: int) -> gl.NVMMADistributedLayout:
 
 
 @gluon.constexpr_function
+def operand_layout(index: int, num_warps: int) -> gl.DotOperandLayout:
+    """The A (0: dequantized weights) or B (1: x) operand of :func:`mma_layout`'s mma.sync."""
+    return gl.DotOperandLayout(operand_index=index, parent=mma_layout(num_warps), k_width=2)
+
+
+@gluon.constexpr_function
 def _row_bases(block_n: int, num_warps: int, rank: int) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
     """How the A fragments spread ``block_n`` weight rows: (lane, register, warp) bases.
 
@@ -297,6 +303,18 @@ def ring_layout(rank: int) -> gl.SwizzledSharedLayout:
 
 
 @gluon.jit
+def _weight_ring(scales_ptr, row0, N, stride_sn, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                 NUM_WARPS: gl.constexpr, STAGES: gl.constexpr):
+    """The ``STAGES > 0`` path's shared-memory rings (words, scale bytes) and the scale copy's
+    pointers (rows ``row0 ..``); the words are copied with :func:`_weight_pointers`' own pointers."""
+    s_ptrs = _scale_copy_pointers(scales_ptr, row0, N, stride_sn, BLOCK_N, BLOCK_K,
+                                  scale_copy_layout(BLOCK_N, BLOCK_K, NUM_WARPS))
+    words_ring = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 4, BLOCK_K // 32], ring_layout(3))
+    scales_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, BLOCK_K // 64, 4], ring_layout(3))
+    return s_ptrs, words_ring, scales_ring
+
+
+@gluon.jit
 def _decode_kernel(
     x_ptr, codes_ptr, scales_ptr, ws2_ptr, y_ptr, partials_ptr, counters_ptr,
     M, N, K, stride_xm, stride_cn, stride_sn, stride_ym,
@@ -305,8 +323,8 @@ def _decode_kernel(
 ):
     """Grid ``(cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M))``: one K slice of one ``y^T [BLOCK_N, BLOCK_M]`` tile."""
     MMA: gl.constexpr = mma_layout(NUM_WARPS)
-    A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    B_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    A_LAYOUT: gl.constexpr = operand_layout(0, NUM_WARPS)
+    B_LAYOUT: gl.constexpr = operand_layout(1, NUM_WARPS)
     WORDS: gl.constexpr = words_layout(BLOCK_N, BLOCK_K, NUM_WARPS)
     SCALES: gl.constexpr = scale_bytes_layout(BLOCK_N, BLOCK_K, NUM_WARPS)
     XRUN: gl.constexpr = x_run_layout(BLOCK_K, BLOCK_M, NUM_WARPS)
@@ -320,19 +338,15 @@ def _decode_kernel(
     kt_hi = gl.minimum(kt_lo + per_split, k_tiles)
 
     x_ptrs = _x_pointers(x_ptr, pid_m * BLOCK_M, M, stride_xm, BLOCK_M, BLOCK_K, XRUN)
+    w_ptrs, s_ptrs = _weight_pointers(codes_ptr, scales_ptr, pid_n * BLOCK_N, N, stride_cn, stride_sn,
+                                      BLOCK_N, BLOCK_K, WORDS, SCALES)
     acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=MMA)
     if STAGES == 0:
-        w_ptrs, s_ptrs = _weight_pointers(codes_ptr, scales_ptr, pid_n * BLOCK_N, N, stride_cn, stride_sn,
-                                          BLOCK_N, BLOCK_K, WORDS, SCALES)
         if kt_lo < kt_hi:  # a split past the last K step (SPLIT_K not dividing the steps) adds nothing
             acc = _k_loop(acc, w_ptrs, s_ptrs, x_ptrs, kt_lo, kt_hi, BLOCK_K, PREFETCH, A_LAYOUT, B_LAYOUT, WORDS)
     else:
-        SCOPY: gl.constexpr = scale_copy_layout(BLOCK_N, BLOCK_K, NUM_WARPS)
-        w_ptrs, _ = _weight_pointers(codes_ptr, scales_ptr, pid_n * BLOCK_N, N, stride_cn, stride_sn,
-                                     BLOCK_N, BLOCK_K, WORDS, SCALES)
-        s_ptrs = _scale_copy_pointers(scales_ptr, pid_n * BLOCK_N, N, stride_sn, BLOCK_N, BLOCK_K, SCOPY)
-        words_ring = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 4, BLOCK_K // 32], ring_layout(3))
-        scales_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, BLOCK_K // 64, 4], ring_layout(3))
+        s_ptrs, words_ring, scales_ring = _weight_ring(scales_ptr, pid_n * BLOCK_N, N, stride_sn, BLOCK_N, BLOCK_K,
+                                                       NUM_WARPS, STAGES)
         if kt_lo < kt_hi:
             acc = _k_loop_staged(acc, words_ring, scales_ring, w_ptrs, s_ptrs, x_ptrs, kt_lo, kt_hi, BLOCK_K, STAGES,
                                  A_LAYOUT, B_LAYOUT, WORDS, SCALES)
@@ -371,8 +385,8 @@ def _grouped_decode_kernel(
     """Grid ``(cdiv(N, BLOCK_N), E)``: expert ``e``'s rows ``offsets[e]:offsets[e+1]`` in chunks of
     ``BLOCK_M`` tokens, one N tile, the whole K (no split: the experts give the parallelism)."""
     MMA: gl.constexpr = mma_layout(NUM_WARPS)
-    A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    B_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    A_LAYOUT: gl.constexpr = operand_layout(0, NUM_WARPS)
+    B_LAYOUT: gl.constexpr = operand_layout(1, NUM_WARPS)
     WORDS: gl.constexpr = words_layout(BLOCK_N, BLOCK_K, NUM_WARPS)
     SCALES: gl.constexpr = scale_bytes_layout(BLOCK_N, BLOCK_K, NUM_WARPS)
     XRUN: gl.constexpr = x_run_layout(BLOCK_K, BLOCK_M, NUM_WARPS)
@@ -385,11 +399,8 @@ def _grouped_decode_kernel(
     w_ptrs, s_ptrs = _weight_pointers(codes_ptr + e64 * stride_ce, scales_ptr + e64 * stride_se, pid_n * BLOCK_N, N,
                                       stride_cn, stride_sn, BLOCK_N, BLOCK_K, WORDS, SCALES)
     if STAGES > 0:
-        SCOPY: gl.constexpr = scale_copy_layout(BLOCK_N, BLOCK_K, NUM_WARPS)
-        s_ptrs = _scale_copy_pointers(scales_ptr + e64 * stride_se, pid_n * BLOCK_N, N, stride_sn, BLOCK_N, BLOCK_K,
-                                      SCOPY)
-        words_ring = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 4, BLOCK_K // 32], ring_layout(3))
-        scales_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, BLOCK_K // 64, 4], ring_layout(3))
+        s_ptrs, words_ring, scales_ring = _weight_ring(scales_ptr + e64 * stride_se, pid_n * BLOCK_N, N, stride_sn,
+                                                       BLOCK_N, BLOCK_K, NUM_WARPS, STAGES)
     decode = gl.load(ws2_ptr + expert * stride_w2) * (2.0 ** -OPERAND_LOG2_SCALE)
     on = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
     for m0 in range(lo, hi, BLOCK_M):  # no iteration for an expert without rows
