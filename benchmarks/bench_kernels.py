@@ -214,18 +214,33 @@ register path spills there, offline sm_90) so each x load serves twice the weigh
 runs) are left out."""
 
 
+MMA_X_SLICE_CONFIGS = [(64, 128, 1, 255), (64, 128, 2, 0), (128, 128, 2, 0), (128, 128, 4, 128), (256, 128, 4, 0),
+                       (256, 128, 8, 128), (512, 128, 8, 0)]
+"""(BLOCK_N, BLOCK_K, num_warps, maxnreg or 0) of the dense kernel's ``X_SMEM`` path (x copied into
+shared memory once a program, its warps sharing it; 32 or 64 weight rows a warp in registers;
+``maxnreg`` 128 lets 16 warps share an SM). Left out after the 2026-11-30T07:47 run and a follow-up
+sweep: PREFETCH 2 (4-5% slower at every shape) and BLOCK_K 64 (slower everywhere)."""
+
+
 def _mma_name(bn: int, bk: int, warps: int, prefetch: int, stages: int) -> str:
     return f"{bn}x{bk} w{warps} p{prefetch}" + (f" st{stages}" if stages else "")
 
 
-def _mma_sweep(k: int) -> dict[str, dict[str, int]]:
-    """Named dense configs for a K: every split that leaves each slice a K step; 1-warp configs with
-    255 registers (ptxas caps them at 168 otherwise and spills; within 3% when both were timed)."""
-    return {_mma_name(bn, bk, warps, prefetch, stages) + f" s{split}" + (f" r{maxnreg}" if maxnreg else ""):
-            {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": warps, "PREFETCH": prefetch,
-             "STAGES": stages, **({"maxnreg": maxnreg} if maxnreg else {})}
-            for bn, bk, warps, prefetch, stages in MMA_CONFIGS for split in (1, 2, 4, 8, 16, 32) if k // bk >= split
-            for maxnreg in ((255,) if warps == 1 else (0,))}
+def _mma_sweep(k: int, staged: bool = True) -> dict[str, dict[str, int]]:
+    """Named dense configs for a K (``xs``: x through shared memory; ``staged=False`` leaves out the
+    weight-ring configs): every split that leaves each slice a K step; 1-warp configs with 255
+    registers (ptxas caps them at 168 otherwise and spills; within 3% when both were timed)."""
+    splits = (1, 2, 4, 8, 16, 32)
+    registers = {_mma_name(bn, bk, warps, prefetch, stages) + f" s{split}" + (" r255" if warps == 1 else ""):
+                 {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": warps, "PREFETCH": prefetch,
+                  "STAGES": stages, **({"maxnreg": 255} if warps == 1 else {})}
+                 for bn, bk, warps, prefetch, stages in MMA_CONFIGS if staged or not stages
+                 for split in splits if k // bk >= split}
+    x_slice = {_mma_name(bn, bk, warps, 1, 0) + f" xs s{split}" + (f" r{maxnreg}" if maxnreg else ""):
+               {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": warps, "PREFETCH": 1, "STAGES": 0,
+                "X_SMEM": 1, **({"maxnreg": maxnreg} if maxnreg else {})}
+               for bn, bk, warps, maxnreg in MMA_X_SLICE_CONFIGS for split in splits if k // bk >= split}
+    return registers | x_slice
 
 
 def _best_of_sweep(run: Callable[[dict], object], out: torch.Tensor, reference: torch.Tensor,
@@ -251,9 +266,10 @@ def _best_of_sweep(run: Callable[[dict], object], out: torch.Tensor, reference: 
     return best, timed.get(best, float("nan")), sweep
 
 
-def bench_w4a16_mma(bandwidth: float, quick: bool) -> list[dict]:
+def bench_w4a16_mma(bandwidth: float, quick: bool, grouped: bool = True) -> list[dict]:
     """The experimental Gluon decode kernel (register-operand mma.sync) against the Triton W4A16
-    kernel and cuBLAS FP8 / BF16: each shape's best config of a sweep (all of them under ``sweep``)."""
+    kernel and cuBLAS FP8 / BF16: each shape's best config of a sweep (all of them under ``sweep``;
+    ``quick`` leaves the weight-ring configs out); the grouped kernel's rows unless ``grouped=False``."""
     from megatron_quads.nvfp4.kernels.w4a16 import w4a16_linear_kernel
     from megatron_quads.nvfp4.kernels.w4a16_mma import w4a16_mma_linear_into
 
@@ -267,7 +283,7 @@ def bench_w4a16_mma(bandwidth: float, quick: bool) -> list[dict]:
         x8 = torch.randn(max(m, 16), k, device=DEV).to(torch.float8_e4m3fn)
         out = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)
         best, t_mma, sweep = _best_of_sweep(lambda cfg: w4a16_mma_linear_into(x, qw, out, cfg), out,
-                                            w4a16_linear_kernel(x, qw), _mma_sweep(k))
+                                            w4a16_linear_kernel(x, qw), _mma_sweep(k, staged=not quick))
         t4 = time_graph(lambda: w4a16_linear_kernel(x, qw))
         tb = time_graph(lambda: x @ w.t())
         t8 = time_graph(lambda: torch._scaled_mm(x8, w8.t(), one, one, out_dtype=torch.bfloat16))
@@ -275,8 +291,7 @@ def bench_w4a16_mma(bandwidth: float, quick: bool) -> list[dict]:
         rows.append(row(f"w4a16 mma M={m} K={k} N={n}", t_mma, fp4_bytes, 2 * m * n * k, bandwidth, best_config=best,
                         triton_us=round(t4, 2), fp8_us=round(t8, 2), bf16_us=round(tb, 2),
                         speedup_vs_fp8=round(t8 / t_mma, 2), speedup_vs_triton=round(t4 / t_mma, 2), sweep=sweep))
-    rows += _grouped_mma_rows(bandwidth, quick)
-    return rows
+    return rows + (_grouped_mma_rows(bandwidth, quick) if grouped else [])
 
 
 def _grouped_mma_rows(bandwidth: float, quick: bool) -> list[dict]:
@@ -445,7 +460,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--only", nargs="*", default=["quantize", "w4a16", "grouped", "rac"],
-                        help="sections; quantize_tiles (each quantize tile config) and w4a16_mma (the experimental Gluon kernel) are extra")
+                        help="sections; quantize_tiles (each quantize tile config), w4a16_mma (the experimental Gluon kernels) and "
+                             "w4a16_mma_dense (its dense rows only) are extra")
     parser.add_argument("--render", action="store_true", help="only rewrite kernels_gpu.md from kernels_gpu.json (no GPU)")
     args = parser.parse_args()
     out = Path(__file__).parent / "results" / "kernels_gpu.json"
@@ -457,7 +473,8 @@ def main() -> None:
     sections = {"quantize": lambda: bench_quantize(bandwidth, 8192), "quantize_tiles": lambda: bench_quantize_tiles(bandwidth, 8192),
                 "w4a16": lambda: bench_w4a16(bandwidth, args.quick),
                 "grouped": lambda: bench_grouped(bandwidth, args.quick), "rac": lambda: bench_rac(bandwidth, args.quick),
-                "w4a16_mma": lambda: bench_w4a16_mma(bandwidth, args.quick)}
+                "w4a16_mma": lambda: bench_w4a16_mma(bandwidth, args.quick),
+                "w4a16_mma_dense": lambda: bench_w4a16_mma(bandwidth, args.quick, grouped=False)}
     results = {}
     for name in args.only:
         results[name] = sections[name]()

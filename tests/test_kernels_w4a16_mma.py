@@ -45,6 +45,14 @@ CONFIGS = [
     {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 1, "PREFETCH": 1, "STAGES": 3},
     {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 5, "num_warps": 1, "PREFETCH": 1, "STAGES": 4,
      "maxnreg": 255},  # 128 weight rows a warp (spills without the ring)
+    # x copied into shared memory once a program: slices not a power of 2 of steps (masked copies)
+    # and splits past the last step, several warps sharing the slice, BLOCK_K 64 and 256
+    {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 3, "num_warps": 1, "PREFETCH": 1, "X_SMEM": 1},
+    {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 5, "num_warps": 1, "PREFETCH": 2, "X_SMEM": 1,
+     "maxnreg": 255},
+    {"BLOCK_M": 32, "BLOCK_N": 256, "BLOCK_K": 128, "SPLIT_K": 8, "num_warps": 4, "PREFETCH": 1, "X_SMEM": 1},
+    {"BLOCK_M": 8, "BLOCK_N": 128, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 2, "PREFETCH": 2, "X_SMEM": 1},
+    {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 2, "num_warps": 2, "PREFETCH": 1, "X_SMEM": 1},
 ]
 SHAPES = [(1, 40, 512), (3, 72, 256), (16, 200, 1024), (17, 24, 512), (64, 4096 + 40, 2048), (16, 2048, 4096)]
 """(M, N, K): 1..64 tokens (several token tiles at 17 and 64), N not a multiple of the tile; K a
@@ -159,6 +167,14 @@ def test_argument_errors() -> None:
         w4a16_mma.w4a16_mma_linear_into(x, weight, out, {"STAGES": 1})
     with pytest.raises(ValueError, match="scale copy"):
         w4a16_mma.w4a16_mma_linear_into(x, weight, out, {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 2, "STAGES": 3})
+    with pytest.raises(ValueError, match="X_SMEM must be 0 or 1"):
+        w4a16_mma.w4a16_mma_linear_into(x, weight, out, {"X_SMEM": 1, "STAGES": 2})
+    with pytest.raises(ValueError, match="X_SMEM must be 0 or 1"):
+        w4a16_mma.w4a16_mma_linear_into(x, weight, out, {"X_SMEM": 2})
+    long_x = torch.zeros(32, 4096, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="raise SPLIT_K or lower BLOCK_M"):  # 32 steps x 128 x 32 tokens x 2 B
+        w4a16_mma.w4a16_mma_linear_into(long_x, _raw_weight((32, 4096), "cpu"), torch.empty(32, 32, dtype=torch.bfloat16),
+                                        {"X_SMEM": 1, "SPLIT_K": 1, "BLOCK_M": 32})
     with pytest.raises(ValueError, match="BLOCK_M 8, 16 or 32"):
         w4a16_mma.w4a16_mma_linear_into(x, weight, out, {"BLOCK_M": 64})
     with pytest.raises(ValueError, match="x must be"):
@@ -175,6 +191,8 @@ def test_argument_errors() -> None:
         w4a16_mma.grouped_w4a16_mma_into(x, stacked, offsets.long(), out)
     with pytest.raises(ValueError, match="K % BLOCK_K == 0"):
         w4a16_mma.grouped_w4a16_mma_into(x, stacked, offsets, out, {"BLOCK_K": 256})
+    with pytest.raises(ValueError, match="dense kernel only"):
+        w4a16_mma.grouped_w4a16_mma_into(x, stacked, offsets, out, {"X_SMEM": 1})
 
 
 def test_launch_grid_and_options_follow_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -194,7 +212,10 @@ def test_launch_grid_and_options_follow_the_config(monkeypatch: pytest.MonkeyPat
     w4a16_mma.w4a16_mma_linear_into(x, _raw_weight((96, 256), "cpu"), out, dense_config)
     offsets = expert_offsets_from_counts(torch.tensor([5, 15, 0, 0]))
     w4a16_mma.grouped_w4a16_mma_into(x, _raw_weight((4, 96, 256), "cpu"), offsets, out)
-    (dense_grid, dense), (grouped_grid, grouped) = launches
+    w4a16_mma.w4a16_mma_linear_into(torch.zeros(20, 768, dtype=torch.bfloat16), _raw_weight((96, 768), "cpu"), out,
+                                    {"X_SMEM": 1, "SPLIT_K": 1})
+    (dense_grid, dense), (grouped_grid, grouped), (_, x_slice) = launches
     assert dense_grid == (3, 4, 1) and dense["BLOCK_M"] == 32 and dense["maxnreg"] == 255 and dense["num_warps"] == 1
-    assert dense["STAGES"] == 5 and grouped["STAGES"] == 0
+    assert dense["STAGES"] == 5 and grouped["STAGES"] == 0 and dense["X_STEPS"] == 0
+    assert x_slice["X_STEPS"] == 8  # 6 K steps of 128, rounded up to a power of 2
     assert grouped_grid == (2, 4) and grouped["BLOCK_M"] == 16 and "maxnreg" not in grouped and grouped["num_warps"] == 2

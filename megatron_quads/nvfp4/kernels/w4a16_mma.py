@@ -1,8 +1,9 @@
 """Experimental decode W4A16 kernel in Gluon: mma.sync on register operands.
 
 Not dispatched (the Triton kernels of :mod:`megatron_quads.nvfp4.kernels.w4a16` are): measured on
-the H200 (``benchmarks/bench_kernels.py --only w4a16_mma``, docs/kernels.md) it matches them at
-M <= 16 and is slower beyond, so it stays as the measured alternative for the next design.
+the H200 (``benchmarks/bench_kernels.py --only w4a16_mma``, docs/kernels.md) it is within 5% of them
+at M <= 16 (faster with ``X_SMEM``) and slower beyond, far from the targets either way, so it stays
+as the measured alternative for the next design.
 
 Why: the Triton decode kernel runs wgmma, whose B operand (x) must sit in shared memory, so every K
 step copies x in, reorders it and synchronizes twice; with two CTAs per SM the profile reads as
@@ -22,7 +23,8 @@ latency-bound at ~45% of the byte floor (docs/kernels.md). Here both MMA operand
 No barrier and no shared memory in the K loop: warps run independently, so small CTAs (1-2 warps)
 and many of them per SM hide the DRAM latency instead of a pipeline of shared-memory stages. The
 alternative, ``STAGES > 0``, puts the weights through such a pipeline (:func:`_k_loop_staged`);
-it measured slower at every shape tried.
+it measured slower at every shape tried. ``X_SMEM = 1`` instead copies each program's x slice into
+shared memory once for all its warps (:func:`_k_loop_x_slice`): x's global loads leave the loop.
 bf16 activations, 8 to 32 tokens per tile, ``K % BLOCK_K == 0``; the same operands and fp32
 accumulation as the Triton kernel (results equal up to fp32 summation order).
 """
@@ -171,12 +173,16 @@ def _x_operand(run, B_LAYOUT: gl.constexpr):
 
 
 @gluon.jit
+def _load_weights(w_ptrs, s_ptrs, kt, BLOCK_K: gl.constexpr):
+    """One K step's code words and scale bytes."""
+    return gl.load(w_ptrs + kt * (BLOCK_K // 8)), gl.load(s_ptrs + kt * (BLOCK_K // 16))
+
+
+@gluon.jit
 def _load_step(w_ptrs, s_ptrs, x_ptrs, kt, BLOCK_K: gl.constexpr):
     """One K step's operands: code words, scale bytes and x runs."""
-    words = gl.load(w_ptrs + kt * (BLOCK_K // 8))
-    scales = gl.load(s_ptrs + kt * (BLOCK_K // 16))
-    run = gl.load(x_ptrs + kt * BLOCK_K)
-    return words, scales, run
+    words, scales = _load_weights(w_ptrs, s_ptrs, kt, BLOCK_K)
+    return words, scales, gl.load(x_ptrs + kt * BLOCK_K)
 
 
 @gluon.jit
@@ -230,6 +236,125 @@ def _k_loop(acc, w_ptrs, s_ptrs, x_ptrs, kt_lo, kt_hi, BLOCK_K: gl.constexpr, PR
             acc = mma_v2(_dequant_a(w0, s0, A_LAYOUT, WORDS), _x_operand(x0, B_LAYOUT), acc)
             w0, s0, x0 = w1, s1, x1
             w1, s1, x1 = w2, s2, x2
+    return acc
+
+
+@gluon.constexpr_function
+def x_slice_layout() -> gl.SwizzledSharedLayout:
+    """One K step of :func:`_k_loop_x_slice`'s x in shared memory: ``[BM * I / 2, 64]`` bf16, 128-byte lines
+    (a token row's ``BK`` values over ``I / 2`` lines) with each line's 16-byte chunks XOR-ed by the
+    line index mod 8. The copy writes whole lines; the 8 lanes of a quarter warp reading
+    :func:`x_slice_read_layout` (4 runs of 2 tokens) then land on 8 distinct chunk positions."""
+    return gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+
+
+@gluon.constexpr_function
+def x_slice_read_layout(block_k: int, block_m: int, num_warps: int) -> gl.DistributedLinearLayout:
+    """bf16 ``[BM * I / 2, 64]`` read from :func:`x_slice_layout`: the registers of
+    :func:`x_run_layout`. Thread-in-quad ``t``'s value ``j = 8 c + v`` of token ``m`` is x's
+    column ``8 p + v`` of the step (``p = I t + c``): line ``m I / 2 + p // 8``, column ``8 (p % 8) + v``."""
+    i_words = block_k // 32
+
+    def at(p: int) -> list[int]:  # p chunks further along a token's row: (lines, columns)
+        return [p // 8, 8 * (p % 8)]
+
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4]] + [at(c) for c in _bits(i_words)]
+        + [[8 * b * (i_words // 2), 0] for b in _bits(block_m // 8)],
+        lane_bases=[at(i_words), at(2 * i_words)] + [[b * (i_words // 2), 0] for b in (1, 2, 4)],
+        warp_bases=[[0, 0]] * (num_warps.bit_length() - 1), block_bases=[], shape=[block_m * i_words // 2, 64],
+    )
+
+
+@gluon.constexpr_function
+def x_slice_copy_layout(num_warps: int) -> gl.BlockedLayout:
+    """bf16 ``[BM * I / 2, 64]`` for the copy into :func:`x_slice_layout`: 16 bytes a thread, whole
+    128-byte lines (4 a warp instruction)."""
+    return gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[num_warps, 1],
+                            order=[1, 0])
+
+
+@gluon.jit
+def _x_slice_pointers(x_ptr, m0, m_end, stride_xm, kt_lo, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
+                      NUM_WARPS: gl.constexpr):
+    """Pointers to K step ``kt_lo``'s x (token rows ``m0 .. m0 + BM``) as :func:`x_slice_layout`'s
+    lines, in :func:`x_slice_copy_layout`; rows from ``m_end`` on repeat row ``m_end - 1``."""
+    COPY: gl.constexpr = x_slice_copy_layout(NUM_WARPS)
+    line = gl.arange(0, BLOCK_M * BLOCK_K // 64, layout=gl.SliceLayout(1, COPY))
+    col = gl.arange(0, 64, layout=gl.SliceLayout(0, COPY))
+    rows = gl.minimum(m0 + line // (BLOCK_K // 64), m_end - 1).to(gl.int64)
+    return x_ptr + (rows * stride_xm + (line % (BLOCK_K // 64)) * 64 + kt_lo * BLOCK_K)[:, None] + col[None, :]
+
+
+@gluon.jit
+def _x_slice_copy(x_smem, ptrs, kt_lo, kt_hi, FIRST: gl.constexpr, LAST: gl.constexpr, BLOCK_K: gl.constexpr):
+    """Start copying K steps ``kt_lo + FIRST .. kt_lo + LAST`` (those before ``kt_hi``) of x into
+    :func:`_k_loop_x_slice`'s buffer, as one commit group."""
+    everywhere = gl.full(ptrs.shape, 0, gl.int32, layout=ptrs.type.layout) == 0
+    for step in gl.static_range(FIRST, LAST):  # the buffer rounds the slice up to a power of 2: mask the rest
+        async_copy.async_copy_global_to_shared(x_smem.index(step), ptrs + step * BLOCK_K,
+                                               mask=everywhere & (kt_lo + step < kt_hi))
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _x_slice_ready(outstanding: gl.constexpr):
+    """This thread's copies but the last ``outstanding`` groups have landed, and every warp's."""
+    async_copy.wait_group(outstanding)
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _x_step_run(x_smem, step, XREAD: gl.constexpr, BLOCK_K: gl.constexpr):
+    """One K step's x runs ``[4, 8 I, BM]`` read from :func:`_k_loop_x_slice`'s buffer (for :func:`_x_operand`)."""
+    I: gl.constexpr = BLOCK_K // 32
+    BLOCK_M: gl.constexpr = x_smem.shape[1] * 64 // BLOCK_K
+    lines = x_smem.index(step).load(XREAD)  # [BM * I / 2, 64]: (m, p // 8) x (p % 8, v)
+    v = gl.reshape(lines, (BLOCK_M, 4, I, 8))  # (m, t, c, v): p = I t + c
+    return gl.reshape(gl.permute(v, (1, 2, 3, 0)), (4, 8 * I, BLOCK_M))
+
+
+@gluon.jit
+def _k_loop_x_slice(acc, w_ptrs, s_ptrs, x_ptr, m0, m_end, stride_xm, kt_lo, kt_hi,
+                    BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, X_STEPS: gl.constexpr, NUM_WARPS: gl.constexpr,
+                    PREFETCH: gl.constexpr, A_LAYOUT: gl.constexpr, B_LAYOUT: gl.constexpr, WORDS: gl.constexpr):
+    """:func:`_k_loop` with x read from shared memory: the program copies its x slice (token rows
+    ``m0 ..``, K steps ``kt_lo .. kt_hi``, at most ``X_STEPS``) there once and its warps share it;
+    the weights stay ``PREFETCH`` steps ahead in registers. The first step's x is its own copy
+    group, waited for before the loop (the first weights already in flight); the rest is waited for
+    after the first step's MMA."""
+    XREAD: gl.constexpr = x_slice_read_layout(BLOCK_K, BLOCK_M, NUM_WARPS)
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [X_STEPS, BLOCK_M * BLOCK_K // 64, 64], x_slice_layout())
+    x_ptrs = _x_slice_pointers(x_ptr, m0, m_end, stride_xm, kt_lo, BLOCK_M, BLOCK_K, NUM_WARPS)
+    _x_slice_copy(x_smem, x_ptrs, kt_lo, kt_hi, 0, 1, BLOCK_K)
+    w0, s0 = _load_weights(w_ptrs, s_ptrs, kt_lo, BLOCK_K)
+    _x_slice_copy(x_smem, x_ptrs, kt_lo, kt_hi, 1, X_STEPS, BLOCK_K)
+    if PREFETCH == 1:
+        _x_slice_ready(1)
+        for kt in range(kt_lo, kt_hi):
+            w1, s1 = _load_weights(w_ptrs, s_ptrs, gl.minimum(kt + 1, kt_hi - 1), BLOCK_K)
+            acc = _x_slice_step(acc, w0, s0, x_smem, kt, kt_lo, XREAD, BLOCK_K, A_LAYOUT, B_LAYOUT, WORDS)
+            w0, s0 = w1, s1
+    else:
+        w1, s1 = _load_weights(w_ptrs, s_ptrs, gl.minimum(kt_lo + 1, kt_hi - 1), BLOCK_K)
+        _x_slice_ready(1)
+        for kt in range(kt_lo, kt_hi):
+            w2, s2 = _load_weights(w_ptrs, s_ptrs, gl.minimum(kt + 2, kt_hi - 1), BLOCK_K)
+            acc = _x_slice_step(acc, w0, s0, x_smem, kt, kt_lo, XREAD, BLOCK_K, A_LAYOUT, B_LAYOUT, WORDS)
+            w0, s0 = w1, s1
+            w1, s1 = w2, s2
+    return acc
+
+
+@gluon.jit
+def _x_slice_step(acc, words, scales, x_smem, kt, kt_lo, XREAD: gl.constexpr, BLOCK_K: gl.constexpr,
+                  A_LAYOUT: gl.constexpr, B_LAYOUT: gl.constexpr, WORDS: gl.constexpr):
+    """One K step of :func:`_k_loop_x_slice`: ``acc += dq(words) @ x^T``, then, after the first
+    step, wait for the rest of the slice (every warp, so the barrier stays uniform)."""
+    run = _x_step_run(x_smem, kt - kt_lo, XREAD, BLOCK_K)
+    acc = mma_v2(_dequant_a(words, scales, A_LAYOUT, WORDS), _x_operand(run, B_LAYOUT), acc)
+    if kt == kt_lo:
+        _x_slice_ready(0)
     return acc
 
 
@@ -319,7 +444,7 @@ def _decode_kernel(
     x_ptr, codes_ptr, scales_ptr, ws2_ptr, y_ptr, partials_ptr, counters_ptr,
     M, N, K, stride_xm, stride_cn, stride_sn, stride_ym,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, SPLIT_K: gl.constexpr,
-    NUM_WARPS: gl.constexpr, PREFETCH: gl.constexpr, STAGES: gl.constexpr,
+    NUM_WARPS: gl.constexpr, PREFETCH: gl.constexpr, STAGES: gl.constexpr, X_STEPS: gl.constexpr,
 ):
     """Grid ``(cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M))``: one K slice of one ``y^T [BLOCK_N, BLOCK_M]`` tile."""
     MMA: gl.constexpr = mma_layout(NUM_WARPS)
@@ -341,7 +466,11 @@ def _decode_kernel(
     w_ptrs, s_ptrs = _weight_pointers(codes_ptr, scales_ptr, pid_n * BLOCK_N, N, stride_cn, stride_sn,
                                       BLOCK_N, BLOCK_K, WORDS, SCALES)
     acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=MMA)
-    if STAGES == 0:
+    if X_STEPS > 0:
+        if kt_lo < kt_hi:  # uniform over the program: its barriers are reached by every warp or none
+            acc = _k_loop_x_slice(acc, w_ptrs, s_ptrs, x_ptr, pid_m * BLOCK_M, M, stride_xm, kt_lo, kt_hi, BLOCK_M,
+                                  BLOCK_K, X_STEPS, NUM_WARPS, PREFETCH, A_LAYOUT, B_LAYOUT, WORDS)
+    elif STAGES == 0:
         if kt_lo < kt_hi:  # a split past the last K step (SPLIT_K not dividing the steps) adds nothing
             acc = _k_loop(acc, w_ptrs, s_ptrs, x_ptrs, kt_lo, kt_hi, BLOCK_K, PREFETCH, A_LAYOUT, B_LAYOUT, WORDS)
     else:
@@ -416,7 +545,7 @@ def _grouped_decode_kernel(
         gl.store(y_ptrs, (acc * decode).to(y_ptr.dtype.element_ty), mask=(on < N)[:, None] & (om < hi)[None, :])
 
 
-DEFAULT_CONFIG = {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "num_warps": 2, "PREFETCH": 1, "STAGES": 0}
+DEFAULT_CONFIG = {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "num_warps": 2, "PREFETCH": 1, "STAGES": 0, "X_SMEM": 0}
 
 
 def _launch_options(cfg: dict[str, Any]) -> dict[str, int]:
@@ -437,6 +566,19 @@ def _check_config(cfg: dict[str, Any], k: int) -> None:
     if stages not in (0, *range(2, 9)) or (stages and block_n * block_k // 64 < 32 * warps):
         raise ValueError(f"STAGES must be 0 (registers) or 2..8, and with stages BLOCK_N * BLOCK_K / 64 at least "
                          f"32 * num_warps (the scale copy's threads), got {cfg}")
+    if cfg.get("X_SMEM", 0) not in (0, 1) or (cfg.get("X_SMEM", 0) and stages):
+        raise ValueError(f"X_SMEM must be 0 or 1, and 1 only with STAGES = 0, got {cfg}")
+
+
+X_SLICE_MAX_BYTES = 160 * 1024
+"""Shared memory the ``X_SMEM`` path may take for its x slice (the H100/H200 give a CTA up to 227 KiB;
+at most a third of an SM keeps several CTAs resident)."""
+
+
+def x_slice_steps(k_tiles: int, split_k: int) -> int:
+    """K steps of x a program of the ``X_SMEM`` path holds: its slice's, rounded up to a power of 2
+    (a tensor shape)."""
+    return triton.next_power_of_2(triton.cdiv(k_tiles, split_k))
 
 
 def default_block_m(tokens: int) -> int:
@@ -454,7 +596,9 @@ def w4a16_mma_linear_into(x: torch.Tensor, weight: NVFP4Tensor, out: torch.Tenso
     (a multiple of 64 dividing K), ``SPLIT_K``, ``num_warps``, ``PREFETCH`` (K steps loaded ahead
     into registers: 1 or 2), ``STAGES`` (0: weights loaded into registers as x; 2..8: through a ring
     of that many shared-memory stages, :func:`_k_loop_staged`, x then one step ahead whatever
-    ``PREFETCH``) and optionally ``maxnreg``.
+    ``PREFETCH``), ``X_SMEM`` (1: each program copies its x slice into shared memory once and its
+    warps read their B fragments from there, :func:`_k_loop_x_slice`; 0: every warp loads x from global
+    memory each step) and optionally ``maxnreg``.
     """
     n, k = weight.shape
     cfg: dict[str, Any] = {**DEFAULT_CONFIG, "BLOCK_M": default_block_m(x.shape[0]), **(config or {})}
@@ -475,11 +619,16 @@ def w4a16_mma_linear_into(x: torch.Tensor, weight: NVFP4Tensor, out: torch.Tenso
     partials = _triton_w4a16._new_partials(  # looked up there: the tests poison it in one place
         split_k * n_tiles * block_n * m_tiles * block_m if split_k > 1 else 1, x.device)
     counters = _split_counters(x.device, n_tiles * m_tiles)
+    x_steps = x_slice_steps(k // block_k, split_k) if cfg["X_SMEM"] else 0
+    if x_steps * block_k * block_m * 2 > X_SLICE_MAX_BYTES:
+        raise ValueError(f"X_SMEM: the x slice of {x_steps} K steps x {block_k} x {block_m} tokens needs "
+                         f"{x_steps * block_k * block_m * 2} bytes of shared memory, more than {X_SLICE_MAX_BYTES}; "
+                         "raise SPLIT_K or lower BLOCK_M")
     _decode_kernel[(n_tiles, split_k, m_tiles)](
         x, codes, scales, ws2, out, partials, counters,
         m, n, k, x.stride(0), codes.stride(0), scales.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, NUM_WARPS=warps, PREFETCH=cfg["PREFETCH"],
-        STAGES=cfg["STAGES"], num_warps=warps,
+        STAGES=cfg["STAGES"], X_STEPS=x_steps, num_warps=warps,
         **_launch_options(cfg),
     )
     return out
@@ -510,6 +659,8 @@ def grouped_w4a16_mma_into(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets:
     mean_rows = triton.cdiv(2 * x.shape[0], max(num_experts, 1))  # twice the mean: most experts fit one tile
     cfg: dict[str, Any] = {**GROUPED_DEFAULT_CONFIG, "BLOCK_M": default_block_m(mean_rows), **(config or {})}
     _check_config(cfg, k)
+    if cfg.get("X_SMEM"):
+        raise ValueError("X_SMEM is a path of the dense kernel only (grouped programs walk several token tiles)")
     block_m, block_n, block_k, warps = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]
     if out.numel() == 0:
         return out
