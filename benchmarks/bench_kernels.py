@@ -222,14 +222,20 @@ shared memory once a program, its warps sharing it; 32 or 64 weight rows a warp 
 sweep: PREFETCH 2 (4-5% slower at every shape) and BLOCK_K 64 (slower everywhere)."""
 
 
+MMA_WIDE_CONFIGS = [(32, 128, 1, 255), (64, 128, 2, 0), (128, 128, 4, 0), (256, 128, 8, 0)]
+"""(BLOCK_N, BLOCK_K, num_warps, maxnreg or 0) of the 64-token ``X_SMEM`` path (``BLOCK_M`` 64: the
+weights read once at M = 64; 32 weight rows a warp), swept when M > 32."""
+
+
 def _mma_name(bn: int, bk: int, warps: int, prefetch: int, stages: int) -> str:
     return f"{bn}x{bk} w{warps} p{prefetch}" + (f" st{stages}" if stages else "")
 
 
-def _mma_sweep(k: int, staged: bool = True) -> dict[str, dict[str, int]]:
-    """Named dense configs for a K (``xs``: x through shared memory; ``staged=False`` leaves out the
-    weight-ring configs): every split that leaves each slice a K step; 1-warp configs with 255
-    registers (ptxas caps them at 168 otherwise and spills; within 3% when both were timed)."""
+def _mma_sweep(k: int, staged: bool = True, m: int = 16) -> dict[str, dict[str, int]]:
+    """Named dense configs for a K and M (``xs``: x through shared memory, ``m64``: 64 tokens a
+    program, for M > 32; ``staged=False`` leaves out the weight-ring configs): every split that
+    leaves each slice a K step; 1-warp configs with 255 registers (ptxas caps them at 168 otherwise
+    and spills; within 3% when both were timed)."""
     splits = (1, 2, 4, 8, 16, 32)
     registers = {_mma_name(bn, bk, warps, prefetch, stages) + f" s{split}" + (" r255" if warps == 1 else ""):
                  {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": warps, "PREFETCH": prefetch,
@@ -240,7 +246,11 @@ def _mma_sweep(k: int, staged: bool = True) -> dict[str, dict[str, int]]:
                {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": warps, "PREFETCH": 1, "STAGES": 0,
                 "X_SMEM": 1, **({"maxnreg": maxnreg} if maxnreg else {})}
                for bn, bk, warps, maxnreg in MMA_X_SLICE_CONFIGS for split in splits if k // bk >= split}
-    return registers | x_slice
+    wide = {"m64 " + _mma_name(bn, bk, warps, 1, 0) + f" xs s{split}" + (f" r{maxnreg}" if maxnreg else ""):
+            {"BLOCK_M": 64, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": warps, "PREFETCH": 1,
+             "STAGES": 0, "X_SMEM": 1, **({"maxnreg": maxnreg} if maxnreg else {})}
+            for bn, bk, warps, maxnreg in MMA_WIDE_CONFIGS for split in splits if k // bk >= split} if m > 32 else {}
+    return registers | x_slice | wide
 
 
 def _best_of_sweep(run: Callable[[dict], object], out: torch.Tensor, reference: torch.Tensor,
@@ -266,16 +276,18 @@ def _best_of_sweep(run: Callable[[dict], object], out: torch.Tensor, reference: 
     return best, timed.get(best, float("nan")), sweep
 
 
-def bench_w4a16_mma(bandwidth: float, quick: bool, grouped: bool = True) -> list[dict]:
+def bench_w4a16_mma(bandwidth: float, quick: bool, grouped: bool = True,
+                    shapes: list[tuple[int, int, int]] | None = None) -> list[dict]:
     """The experimental Gluon decode kernel (register-operand mma.sync) against the Triton W4A16
     kernel and cuBLAS FP8 / BF16: each shape's best config of a sweep (all of them under ``sweep``;
-    ``quick`` leaves the weight-ring configs out); the grouped kernel's rows unless ``grouped=False``."""
+    ``quick`` leaves the weight-ring configs out); the grouped kernel's rows unless ``grouped=False``;
+    ``shapes`` ((M, K, N) each) replaces the dense shapes."""
     from megatron_quads.nvfp4.kernels.w4a16 import w4a16_linear_kernel
     from megatron_quads.nvfp4.kernels.w4a16_mma import w4a16_mma_linear_into
 
     rows = []
-    shapes = [(16, 8192, 8192), (16, 4096, 4096), (64, 8192, 8192), (1, 8192, 8192), (64, 4096, 4096)]
-    for m, k, n in shapes[:3] if quick else shapes:
+    default = [(16, 8192, 8192), (16, 4096, 4096), (64, 8192, 8192), (1, 8192, 8192), (64, 4096, 4096)]
+    for m, k, n in shapes or (default[:3] if quick else default):
         w, qw = _weight(n, k)
         w8 = w.to(torch.float8_e4m3fn)
         one = torch.ones((), device=DEV)
@@ -283,7 +295,7 @@ def bench_w4a16_mma(bandwidth: float, quick: bool, grouped: bool = True) -> list
         x8 = torch.randn(max(m, 16), k, device=DEV).to(torch.float8_e4m3fn)
         out = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)
         best, t_mma, sweep = _best_of_sweep(lambda cfg: w4a16_mma_linear_into(x, qw, out, cfg), out,
-                                            w4a16_linear_kernel(x, qw), _mma_sweep(k, staged=not quick))
+                                            w4a16_linear_kernel(x, qw), _mma_sweep(k, staged=not quick, m=m))
         t4 = time_graph(lambda: w4a16_linear_kernel(x, qw))
         tb = time_graph(lambda: x @ w.t())
         t8 = time_graph(lambda: torch._scaled_mm(x8, w8.t(), one, one, out_dtype=torch.bfloat16))
@@ -455,6 +467,14 @@ def markdown_view(history: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _shape_arg(text: str) -> tuple[int, int, int]:
+    """``"M,K,N"`` to a shape (argparse type)."""
+    parts = text.split(",")
+    if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected M,K,N (three positive integers), got {text!r}")
+    return tuple(int(p) for p in parts)
+
+
 def main() -> None:
     """All cases, one record."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -463,6 +483,8 @@ def main() -> None:
                         help="sections; quantize_tiles (each quantize tile config), w4a16_mma (the experimental Gluon kernels) and "
                              "w4a16_mma_dense (its dense rows only) are extra")
     parser.add_argument("--render", action="store_true", help="only rewrite kernels_gpu.md from kernels_gpu.json (no GPU)")
+    parser.add_argument("--mma-shape", action="append", type=_shape_arg, default=None, metavar="M,K,N",
+                        help="dense shape of the w4a16_mma sections instead of their default list (repeatable)")
     args = parser.parse_args()
     out = Path(__file__).parent / "results" / "kernels_gpu.json"
     if args.render:
@@ -473,8 +495,8 @@ def main() -> None:
     sections = {"quantize": lambda: bench_quantize(bandwidth, 8192), "quantize_tiles": lambda: bench_quantize_tiles(bandwidth, 8192),
                 "w4a16": lambda: bench_w4a16(bandwidth, args.quick),
                 "grouped": lambda: bench_grouped(bandwidth, args.quick), "rac": lambda: bench_rac(bandwidth, args.quick),
-                "w4a16_mma": lambda: bench_w4a16_mma(bandwidth, args.quick),
-                "w4a16_mma_dense": lambda: bench_w4a16_mma(bandwidth, args.quick, grouped=False)}
+                "w4a16_mma": lambda: bench_w4a16_mma(bandwidth, args.quick, shapes=args.mma_shape),
+                "w4a16_mma_dense": lambda: bench_w4a16_mma(bandwidth, args.quick, grouped=False, shapes=args.mma_shape)}
     results = {}
     for name in args.only:
         results[name] = sections[name]()
@@ -483,7 +505,8 @@ def main() -> None:
     record = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(), "command": "python benchmarks/bench_kernels.py"
-        + (" --quick" if args.quick else "") + (f" --only {' '.join(args.only)}" if args.only != parser.get_default("only") else ""),
+        + (" --quick" if args.quick else "") + (f" --only {' '.join(args.only)}" if args.only != parser.get_default("only") else "")
+        + "".join(f" --mma-shape {','.join(map(str, shape))}" for shape in args.mma_shape or []),
         "copy_GBps": round(bandwidth / 1e9, 1), "results": results, "eager_timed": sorted(EAGER_TIMED),
     }
     history = json.loads(out.read_text()) if out.exists() else []
