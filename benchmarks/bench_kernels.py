@@ -222,20 +222,14 @@ shared memory once a program, its warps sharing it; 32 or 64 weight rows a warp 
 sweep: PREFETCH 2 (4-5% slower at every shape) and BLOCK_K 64 (slower everywhere)."""
 
 
-MMA_WIDE_CONFIGS = [(32, 128, 1, 255), (64, 128, 2, 0), (128, 128, 4, 0), (256, 128, 8, 0)]
-"""(BLOCK_N, BLOCK_K, num_warps, maxnreg or 0) of the 64-token ``X_SMEM`` path (``BLOCK_M`` 64: the
-weights read once at M = 64; 32 weight rows a warp), swept when M > 32."""
-
-
 def _mma_name(bn: int, bk: int, warps: int, prefetch: int, stages: int) -> str:
     return f"{bn}x{bk} w{warps} p{prefetch}" + (f" st{stages}" if stages else "")
 
 
-def _mma_sweep(k: int, staged: bool = True, m: int = 16) -> dict[str, dict[str, int]]:
-    """Named dense configs for a K and M (``xs``: x through shared memory, ``m64``: 64 tokens a
-    program, for M > 32; ``staged=False`` leaves out the weight-ring configs): every split that
-    leaves each slice a K step; 1-warp configs with 255 registers (ptxas caps them at 168 otherwise
-    and spills; within 3% when both were timed)."""
+def _mma_sweep(k: int, staged: bool = True) -> dict[str, dict[str, int]]:
+    """Named dense configs for a K (``xs``: x through shared memory; ``staged=False`` leaves out the
+    weight-ring configs): every split that leaves each slice a K step; 1-warp configs with 255
+    registers (ptxas caps them at 168 otherwise and spills; within 3% when both were timed)."""
     splits = (1, 2, 4, 8, 16, 32)
     registers = {_mma_name(bn, bk, warps, prefetch, stages) + f" s{split}" + (" r255" if warps == 1 else ""):
                  {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": warps, "PREFETCH": prefetch,
@@ -246,11 +240,7 @@ def _mma_sweep(k: int, staged: bool = True, m: int = 16) -> dict[str, dict[str, 
                {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": warps, "PREFETCH": 1, "STAGES": 0,
                 "X_SMEM": 1, **({"maxnreg": maxnreg} if maxnreg else {})}
                for bn, bk, warps, maxnreg in MMA_X_SLICE_CONFIGS for split in splits if k // bk >= split}
-    wide = {"m64 " + _mma_name(bn, bk, warps, 1, 0) + f" xs s{split}" + (f" r{maxnreg}" if maxnreg else ""):
-            {"BLOCK_M": 64, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": warps, "PREFETCH": 1,
-             "STAGES": 0, "X_SMEM": 1, **({"maxnreg": maxnreg} if maxnreg else {})}
-            for bn, bk, warps, maxnreg in MMA_WIDE_CONFIGS for split in splits if k // bk >= split} if m > 32 else {}
-    return registers | x_slice | wide
+    return registers | x_slice
 
 
 def _best_of_sweep(run: Callable[[dict], object], out: torch.Tensor, reference: torch.Tensor,
@@ -295,7 +285,7 @@ def bench_w4a16_mma(bandwidth: float, quick: bool, grouped: bool = True,
         x8 = torch.randn(max(m, 16), k, device=DEV).to(torch.float8_e4m3fn)
         out = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)
         best, t_mma, sweep = _best_of_sweep(lambda cfg: w4a16_mma_linear_into(x, qw, out, cfg), out,
-                                            w4a16_linear_kernel(x, qw), _mma_sweep(k, staged=not quick, m=m))
+                                            w4a16_linear_kernel(x, qw), _mma_sweep(k, staged=not quick))
         t4 = time_graph(lambda: w4a16_linear_kernel(x, qw))
         tb = time_graph(lambda: x @ w.t())
         t8 = time_graph(lambda: torch._scaled_mm(x8, w8.t(), one, one, out_dtype=torch.bfloat16))

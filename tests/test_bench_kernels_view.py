@@ -1,4 +1,4 @@
-"""The Markdown view of the GPU kernel benchmark history (benchmarks/bench_kernels.py)."""
+"""The Markdown view of the GPU kernel benchmark history and the shape option (benchmarks/bench_kernels.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from bench_kernels import markdown_view
+import argparse
+
+import pytest
+from bench_kernels import _shape_arg, markdown_view
 
 
 def _record(date: str, command: str, results: dict[str, list[dict]]) -> dict:
@@ -31,3 +34,10 @@ def test_each_section_comes_from_its_newest_run_in_a_fixed_order() -> None:
     assert "Note: kernel X was a variant since reverted" in rac  # a run's note shows with its sections only
     assert "Note:" not in view[:view.index("## rac")]
     assert "2026-11-01: `full`" in view[view.index("## quantize"):view.index("## rac")]
+
+
+def test_mma_shape_option_parses_three_positive_integers() -> None:
+    assert _shape_arg("64,8192,4096") == (64, 8192, 4096)
+    for bad in ("64,8192", "64,0,8", "a,b,c", "1,2,3,4"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected M,K,N"):
+            _shape_arg(bad)

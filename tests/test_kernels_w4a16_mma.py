@@ -53,17 +53,10 @@ CONFIGS = [
     {"BLOCK_M": 32, "BLOCK_N": 256, "BLOCK_K": 128, "SPLIT_K": 8, "num_warps": 4, "PREFETCH": 1, "X_SMEM": 1},
     {"BLOCK_M": 8, "BLOCK_N": 128, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 2, "PREFETCH": 2, "X_SMEM": 1},
     {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 2, "num_warps": 2, "PREFETCH": 1, "X_SMEM": 1},
-    # 64 tokens a program (four 16-token accumulators over one dequantized tile): M = 1..64 in one
-    # token tile, BLOCK_K 64 / 128 / 256, 1 to 4 warps
-    {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 5, "num_warps": 2, "PREFETCH": 1, "X_SMEM": 1},
-    {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 16, "num_warps": 1, "PREFETCH": 1, "X_SMEM": 1,
-     "maxnreg": 255},
-    {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 256, "SPLIT_K": 8, "num_warps": 4, "PREFETCH": 1, "X_SMEM": 1},
 ]
-SHAPES = [(1, 40, 512), (3, 72, 256), (16, 200, 1024), (17, 24, 512), (64, 4096 + 40, 2048), (16, 2048, 4096),
-          (80, 136, 1024)]
-"""(M, N, K): 1..80 tokens (several token tiles at 17, 64 and 80), N not a multiple of the tile; K
-a multiple of every BLOCK_K above (the kernel's requirement)."""
+SHAPES = [(1, 40, 512), (3, 72, 256), (16, 200, 1024), (17, 24, 512), (64, 4096 + 40, 2048), (16, 2048, 4096)]
+"""(M, N, K): 1..64 tokens (several token tiles at 17 and 64), N not a multiple of the tile; K a
+multiple of every BLOCK_K above (the kernel's requirement)."""
 
 
 def _config_id(config: dict[str, int]) -> str:
@@ -182,12 +175,8 @@ def test_argument_errors() -> None:
     with pytest.raises(ValueError, match="raise SPLIT_K or lower BLOCK_M"):  # 32 steps x 128 x 32 tokens x 2 B
         w4a16_mma.w4a16_mma_linear_into(long_x, _raw_weight((32, 4096), "cpu"), torch.empty(32, 32, dtype=torch.bfloat16),
                                         {"X_SMEM": 1, "SPLIT_K": 1, "BLOCK_M": 32})
-    with pytest.raises(ValueError, match="BLOCK_M 8, 16, 32 or 64"):
-        w4a16_mma.w4a16_mma_linear_into(x, weight, out, {"BLOCK_M": 128})
-    with pytest.raises(ValueError, match="BLOCK_M 64 needs X_SMEM"):
-        w4a16_mma.w4a16_mma_linear_into(x, weight, out, {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 1})
-    with pytest.raises(ValueError, match="32 weight rows a warp"):
-        w4a16_mma.w4a16_mma_linear_into(x, weight, out, {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 2, "X_SMEM": 1})
+    with pytest.raises(ValueError, match="BLOCK_M 8, 16 or 32"):
+        w4a16_mma.w4a16_mma_linear_into(x, weight, out, {"BLOCK_M": 64})
     with pytest.raises(ValueError, match="x must be"):
         w4a16_mma.w4a16_mma_linear_into(x.unsqueeze(0), weight, out)
     with pytest.raises(TypeError, match="bfloat16 activations"):

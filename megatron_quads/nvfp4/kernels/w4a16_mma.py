@@ -305,20 +305,13 @@ def _x_slice_ready(outstanding: gl.constexpr):
 
 
 @gluon.jit
-def _x_lines_run(lines_smem, XREAD: gl.constexpr, BLOCK_K: gl.constexpr):
-    """The x runs ``[4, 8 I, BM]`` (for :func:`_x_operand`) of one K step's lines of
-    :func:`x_slice_layout` (all of them, or a multiple of 8 lines: a token sub-tile)."""
-    I: gl.constexpr = BLOCK_K // 32
-    BLOCK_M: gl.constexpr = lines_smem.shape[0] * 64 // BLOCK_K
-    lines = lines_smem.load(XREAD)  # [BM * I / 2, 64]: (m, p // 8) x (p % 8, v)
-    v = gl.reshape(lines, (BLOCK_M, 4, I, 8))  # (m, t, c, v): p = I t + c
-    return gl.reshape(gl.permute(v, (1, 2, 3, 0)), (4, 8 * I, BLOCK_M))
-
-
-@gluon.jit
 def _x_step_run(x_smem, step, XREAD: gl.constexpr, BLOCK_K: gl.constexpr):
     """One K step's x runs ``[4, 8 I, BM]`` read from :func:`_k_loop_x_slice`'s buffer (for :func:`_x_operand`)."""
-    return _x_lines_run(x_smem.index(step), XREAD, BLOCK_K)
+    I: gl.constexpr = BLOCK_K // 32
+    BLOCK_M: gl.constexpr = x_smem.shape[1] * 64 // BLOCK_K
+    lines = x_smem.index(step).load(XREAD)  # [BM * I / 2, 64]: (m, p // 8) x (p % 8, v)
+    v = gl.reshape(lines, (BLOCK_M, 4, I, 8))  # (m, t, c, v): p = I t + c
+    return gl.reshape(gl.permute(v, (1, 2, 3, 0)), (4, 8 * I, BLOCK_M))
 
 
 @gluon.jit
@@ -363,42 +356,6 @@ def _x_slice_step(acc, words, scales, x_smem, kt, kt_lo, XREAD: gl.constexpr, BL
     if kt == kt_lo:
         _x_slice_ready(0)
     return acc
-
-
-@gluon.jit
-def _k_loop_x_slice_wide(w_ptrs, s_ptrs, x_ptr, m0, m_end, stride_xm, kt_lo, kt_hi,
-                         BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, X_STEPS: gl.constexpr, NUM_WARPS: gl.constexpr,
-                         MMA: gl.constexpr, A_LAYOUT: gl.constexpr, B_LAYOUT: gl.constexpr, WORDS: gl.constexpr):
-    """:func:`_k_loop_x_slice` (``PREFETCH = 1``) for 64 tokens a program: each K step's weights are
-    dequantized once and multiplied with four 16-token sub-tiles of the shared x slice into four
-    accumulators (one 64-token MMA would hold x's whole B operand and a 64-column accumulator in
-    registers at once), so at M = 64 the weights are read once instead of once per 32-token tile.
-    Returns ``y^T [BLOCK_N, 64]`` (fp32, ``MMA`` layout)."""
-    SUB: gl.constexpr = 16 * BLOCK_K // 64  # lines of a 16-token sub-tile
-    XREAD: gl.constexpr = x_slice_read_layout(BLOCK_K, 16, NUM_WARPS)
-    x_smem = gl.allocate_shared_memory(gl.bfloat16, [X_STEPS, 4 * SUB, 64], x_slice_layout())
-    x_ptrs = _x_slice_pointers(x_ptr, m0, m_end, stride_xm, kt_lo, 64, BLOCK_K, NUM_WARPS)
-    _x_slice_copy(x_smem, x_ptrs, kt_lo, kt_hi, 0, 1, BLOCK_K)
-    w0, s0 = _load_weights(w_ptrs, s_ptrs, kt_lo, BLOCK_K)
-    _x_slice_copy(x_smem, x_ptrs, kt_lo, kt_hi, 1, X_STEPS, BLOCK_K)
-    acc0 = gl.zeros((BLOCK_N, 16), gl.float32, layout=MMA)
-    acc1 = gl.zeros((BLOCK_N, 16), gl.float32, layout=MMA)
-    acc2 = gl.zeros((BLOCK_N, 16), gl.float32, layout=MMA)
-    acc3 = gl.zeros((BLOCK_N, 16), gl.float32, layout=MMA)
-    _x_slice_ready(1)
-    for kt in range(kt_lo, kt_hi):
-        w1, s1 = _load_weights(w_ptrs, s_ptrs, gl.minimum(kt + 1, kt_hi - 1), BLOCK_K)
-        a = _dequant_a(w0, s0, A_LAYOUT, WORDS)
-        step = x_smem.index(kt - kt_lo)
-        acc0 = mma_v2(a, _x_operand(_x_lines_run(step.slice(0, SUB), XREAD, BLOCK_K), B_LAYOUT), acc0)
-        acc1 = mma_v2(a, _x_operand(_x_lines_run(step.slice(SUB, SUB), XREAD, BLOCK_K), B_LAYOUT), acc1)
-        acc2 = mma_v2(a, _x_operand(_x_lines_run(step.slice(2 * SUB, SUB), XREAD, BLOCK_K), B_LAYOUT), acc2)
-        acc3 = mma_v2(a, _x_operand(_x_lines_run(step.slice(3 * SUB, SUB), XREAD, BLOCK_K), B_LAYOUT), acc3)
-        if kt == kt_lo:
-            _x_slice_ready(0)
-        w0, s0 = w1, s1
-    both = gl.join(gl.join(acc0, acc1), gl.join(acc2, acc3))  # [BN, 16, 2, 2]: sub-tile 2 b + a at (a, b)
-    return gl.convert_layout(gl.reshape(gl.permute(both, (0, 3, 2, 1)), (BLOCK_N, 64)), MMA)
 
 
 @gluon.constexpr_function
@@ -509,11 +466,7 @@ def _decode_kernel(
     w_ptrs, s_ptrs = _weight_pointers(codes_ptr, scales_ptr, pid_n * BLOCK_N, N, stride_cn, stride_sn,
                                       BLOCK_N, BLOCK_K, WORDS, SCALES)
     acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=MMA)
-    if X_STEPS > 0 and BLOCK_M == 64:
-        if kt_lo < kt_hi:  # uniform over the program: its barriers are reached by every warp or none
-            acc = _k_loop_x_slice_wide(w_ptrs, s_ptrs, x_ptr, pid_m * BLOCK_M, M, stride_xm, kt_lo, kt_hi, BLOCK_N,
-                                       BLOCK_K, X_STEPS, NUM_WARPS, MMA, A_LAYOUT, B_LAYOUT, WORDS)
-    elif X_STEPS > 0:
+    if X_STEPS > 0:
         if kt_lo < kt_hi:  # uniform over the program: its barriers are reached by every warp or none
             acc = _k_loop_x_slice(acc, w_ptrs, s_ptrs, x_ptr, pid_m * BLOCK_M, M, stride_xm, kt_lo, kt_hi, BLOCK_M,
                                   BLOCK_K, X_STEPS, NUM_WARPS, PREFETCH, A_LAYOUT, B_LAYOUT, WORDS)
@@ -607,11 +560,8 @@ def _check_config(cfg: dict[str, Any], k: int) -> None:
     if k % block_k or block_k % 64 or block_n % (16 * warps):
         raise ValueError(f"need K % BLOCK_K == 0, BLOCK_K % 64 == 0 and BLOCK_N % (16 * num_warps) == 0, got "
                          f"K={k}, {cfg}")
-    if cfg["PREFETCH"] not in (1, 2) or cfg.get("SPLIT_K", 1) < 1 or cfg["BLOCK_M"] not in (8, 16, 32, 64):
-        raise ValueError(f"PREFETCH must be 1 or 2, SPLIT_K at least 1 and BLOCK_M 8, 16, 32 or 64, got {cfg}")
-    if cfg["BLOCK_M"] == 64 and (not cfg.get("X_SMEM") or cfg["PREFETCH"] != 1 or block_n != 32 * warps):
-        raise ValueError(f"BLOCK_M 64 needs X_SMEM = 1, PREFETCH = 1 and 32 weight rows a warp (BLOCK_N == 32 * "
-                         f"num_warps: four 16-token accumulators beside the dequantized tile), got {cfg}")
+    if cfg["PREFETCH"] not in (1, 2) or cfg.get("SPLIT_K", 1) < 1 or cfg["BLOCK_M"] not in (8, 16, 32):
+        raise ValueError(f"PREFETCH must be 1 or 2, SPLIT_K at least 1 and BLOCK_M 8, 16 or 32, got {cfg}")
     stages = cfg["STAGES"]
     if stages not in (0, *range(2, 9)) or (stages and block_n * block_k // 64 < 32 * warps):
         raise ValueError(f"STAGES must be 0 (registers) or 2..8, and with stages BLOCK_N * BLOCK_K / 64 at least "
@@ -641,8 +591,8 @@ def w4a16_mma_linear_into(x: torch.Tensor, weight: NVFP4Tensor, out: torch.Tenso
                           config: dict[str, int] | None = None) -> torch.Tensor:
     """``out [M, N] = x [M, K] @ dq(W).T`` (bf16) with :func:`_decode_kernel`.
 
-    ``config`` (default :data:`DEFAULT_CONFIG`) holds ``BLOCK_M`` (tokens per tile: 8, 16 or 32,
-    default :func:`default_block_m`; 64 with ``X_SMEM``, :func:`_k_loop_x_slice_wide`), ``BLOCK_N`` (a multiple of ``16 * num_warps``), ``BLOCK_K``
+    ``config`` (default :data:`DEFAULT_CONFIG`) holds ``BLOCK_M`` (tokens per tile: 8, 16 or 32;
+    default :func:`default_block_m`), ``BLOCK_N`` (a multiple of ``16 * num_warps``), ``BLOCK_K``
     (a multiple of 64 dividing K), ``SPLIT_K``, ``num_warps``, ``PREFETCH`` (K steps loaded ahead
     into registers: 1 or 2), ``STAGES`` (0: weights loaded into registers as x; 2..8: through a ring
     of that many shared-memory stages, :func:`_k_loop_staged`, x then one step ahead whatever
