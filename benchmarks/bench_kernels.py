@@ -143,10 +143,36 @@ def bench_quantize_tiles(bandwidth: float, size: int) -> list[dict]:
             tf = time_graph(lambda: kq.fake_quant_kernel(x, amax), calls=5)
         rows.append(row(f"quantize 1x16 tile {config[0]}x{config[1] * 16} ({config[2]} warps)", tq, q_bytes, 0, bandwidth,
                         fake_quant_us=round(tf, 2), fake_quant_frac=round(n * 4 / bandwidth / (tf * 1e-6), 3)))
-    for config in [(16, 8, 4), (16, 16, 4), (16, 32, 4), (32, 16, 4), (16, 64, 8)]:
+    for config in [(16, 8, 4), (16, 16, 4), (16, 32, 4), (16, 16, 8), (32, 16, 4), (16, 64, 8)]:
         with mock.patch.object(kq, "_tile_config", lambda rows, block_2d, blocks, config=config: config):
             tq = time_graph(lambda: kq.quantize_kernel(x, amax, block_2d=True, validate=False), calls=5)
         rows.append(row(f"quantize 16x16 tile {config[0]}x{config[1] * 16} ({config[2]} warps)", tq, q_bytes, 0, bandwidth))
+    return rows + _direct_store_rows(x, amax, q_bytes, bandwidth) + _loop_rows(x, amax, q_bytes, bandwidth)
+
+
+def _direct_store_rows(x: torch.Tensor, amax: torch.Tensor, q_bytes: int, bandwidth: float) -> list[dict]:
+    """16-row tiles (1x16 and 16x16) with the PTX codes and direct stores (``quantize._fast_max_rows``),
+    each beside Triton's arithmetic and stores in the same run."""
+    import megatron_quads.nvfp4.kernels.quantize as kq
+
+    rows = []
+    for block_2d, config in [(False, (16, 8, 4)), (False, (16, 16, 4)), (True, (16, 8, 4)), (True, (16, 16, 4)),
+                             (True, (16, 32, 4)), (True, (16, 16, 8)), (True, (16, 8, 2))]:
+        times = {}
+        for fast_rows in (0, 16):
+            with mock.patch.object(kq, "_tile_config", lambda rows, block_2d, blocks, config=config: config), \
+                    mock.patch.object(kq, "_fast_max_rows", lambda block_2d=False, fast_rows=fast_rows: fast_rows):
+                times[fast_rows] = time_graph(lambda: kq.quantize_kernel(x, amax, block_2d=block_2d, validate=False), calls=5)
+        name = f"quantize {'16x16' if block_2d else '1x16'} tile {config[0]}x{config[1] * 16} ({config[2]} warps), direct stores"
+        rows.append(row(name, times[16], q_bytes, 0, bandwidth, triton_stores_us=round(times[0], 2)))
+    return rows
+
+
+def _loop_rows(x: torch.Tensor, amax: torch.Tensor, q_bytes: int, bandwidth: float) -> list[dict]:
+    """Quantize with each persistent-loop config (``quantize._loop_config``), 1x16 and 16x16 default tiles."""
+    import megatron_quads.nvfp4.kernels.quantize as kq
+
+    rows = []
     for loop in [(16, 0), (32, 0), (16, 1), (32, 1), (64, 1), (1 << 20, 0)]:
         with mock.patch.object(kq, "_loop_config", lambda block_2d=False, loop=loop: loop):
             tq = time_graph(lambda: kq.quantize_kernel(x, amax, validate=False), calls=5)

@@ -238,12 +238,18 @@ def _load_halves(w_ptr, rows, row_mask, blocks, KB, EVICT: tl.constexpr):
     block amax needs no exchange between lanes and each block's scale (an e4m3 rounding and an IEEE
     division) is computed once, not once per lane holding a part of it. Both loads touch the same
     32-byte sectors, so DRAM still reads each byte once.
+
+    The loads are built block-major ``[NB, ROWS, 4]`` and permuted: Triton's coalescing then puts the
+    lanes along a row's blocks (a warp reads 512 bytes or more of one or two rows), where on
+    ``[ROWS, NB, 4]`` it put them down the rows first (16 rows x 64 bytes a warp on 16-row tiles).
+    Measured on 16-row tiles (8192^2 bf16, H200, the ``quantize_tiles`` rows of 2026-11-30T07:27 and T08:47): 1x16 16 x 128 61.2 us
+    against 70.7, 16x16 16 x 512 66.8 against 81.0 with the same (Triton) stores.
     """
-    first = (rows.to(tl.int64) * (KB * 8))[:, None, None] + (blocks * 8)[None, :, None] + tl.arange(0, 4)[None, None, :]
-    mask = (row_mask[:, None] & (blocks < KB)[None, :])[:, :, None]
+    first = (blocks * 8)[:, None, None] + (rows.to(tl.int64) * (KB * 8))[None, :, None] + tl.arange(0, 4)[None, None, :]
+    mask = ((blocks < KB)[:, None] & row_mask[None, :])[:, :, None]
     low = tl.load(w_ptr + first, mask=mask, other=0, eviction_policy=EVICT)
     high = tl.load(w_ptr + (first + 4), mask=mask, other=0, eviction_policy=EVICT)
-    return low, high
+    return tl.permute(low, (1, 0, 2)), tl.permute(high, (1, 0, 2))
 
 
 @triton.jit
@@ -376,15 +382,14 @@ def _store_quantized(code_words_ptr, scales_ptr, words, byte, rows, row_mask, bl
 
 @triton.jit
 def _quantize_tile(code_words_ptr, scales_ptr, low, high, enc, dec, rows, row_mask, blocks, KB,
-                   ROWS: tl.constexpr, NB: tl.constexpr, BLOCK_2D: tl.constexpr, IS_BF16: tl.constexpr):
+                   ROWS: tl.constexpr, NB: tl.constexpr, BLOCK_2D: tl.constexpr, IS_BF16: tl.constexpr,
+                   FAST_MAX_ROWS: tl.constexpr):
     """Quantize the half-block words ``[ROWS, NB, 4]`` of :func:`_load_halves` with per-row ``S_enc`` /
-    ``S_dec`` and store codes and scales."""
+    ``S_dec`` and store codes and scales; tiles of at most ``FAST_MAX_ROWS`` rows take the PTX codes
+    and direct stores (:func:`_pack_codes`, :func:`_store_as_laid_out`)."""
     low_even, low_odd, high_even, high_odd, block_amax = _halves_to_f32(low, high, IS_BF16)
     element_encode, byte, _ = _block_scales(block_amax, enc, dec, ROWS, NB, BLOCK_2D)
-    # tiles of up to 8 rows of one matrix. On 16-row tiles (2D included) this path measured 88-101 us
-    # against 69-72 us with Triton's arithmetic and stores (8192^2 bf16, H200), and the PTX codes
-    # with Triton's stores were no faster than Triton's arithmetic (70.1 against 69.7 us for 2D)
-    FAST: tl.constexpr = low.dtype == tl.int32 and not _INTERPRETED and not BLOCK_2D and ROWS <= 8
+    FAST: tl.constexpr = low.dtype == tl.int32 and not _INTERPRETED and ROWS <= FAST_MAX_ROWS
     code_words = tl.join(_pack_codes(low_even, low_odd, element_encode, ROWS, NB, FAST),
                          _pack_codes(high_even, high_odd, element_encode, ROWS, NB, FAST))
     _store_quantized(code_words_ptr, scales_ptr, code_words, byte, rows, row_mask, blocks, KB, FAST)
@@ -416,7 +421,8 @@ def _amax_kernel(x_ptr, out_ptr, n_blocks, n_iter, BLOCK: tl.constexpr):
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _quantize_kernel(w_ptr, amax_ptr, codes_ptr, scales_ptr, R, mat_rows, amax_div, KB, m_bucket,
                      BLOCK_2D: tl.constexpr, IS_BF16: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr,
-                     PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr, K_MAJOR: tl.constexpr):
+                     PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr, K_MAJOR: tl.constexpr,
+                     FAST_MAX_ROWS: tl.constexpr):
     """Grid ``(P, cdiv(KB, NB))``: program ``(p, k)`` quantizes the ``[ROWS, NB * 16]`` tiles of K
     tile ``k`` in row tiles ``p, p + P, ...`` of the ``R`` rows (``PERSISTENT``; otherwise ``P``
     covers every row tile). With ``PREFETCH`` the next tile's words are loaded into registers before
@@ -435,7 +441,8 @@ def _quantize_kernel(w_ptr, amax_ptr, codes_ptr, scales_ptr, R, mat_rows, amax_d
         enc, dec, _unused = _table_scales(amax_ptr, rows, row_mask, amax_div)
     if not PERSISTENT:  # the grid covers every tile
         low, high = _load_halves(w_ptr, rows, row_mask, blocks, KB, "evict_first")
-        _quantize_tile(codes_ptr, scales_ptr, low, high, enc, dec, rows, row_mask, blocks, KB, ROWS, NB, BLOCK_2D, IS_BF16)
+        _quantize_tile(codes_ptr, scales_ptr, low, high, enc, dec, rows, row_mask, blocks, KB, ROWS, NB, BLOCK_2D, IS_BF16,
+                       FAST_MAX_ROWS)
     else:
         step = tl.num_programs(0)
         low, high = _load_halves(w_ptr, rows, row_mask & (row_tile < n_row_tiles), blocks, KB, "evict_first")
@@ -446,7 +453,8 @@ def _quantize_kernel(w_ptr, amax_ptr, codes_ptr, scales_ptr, R, mat_rows, amax_d
                                                    "evict_first")
             if amax_div != 0:
                 enc, dec, _unused = _table_scales(amax_ptr, rows, row_mask, amax_div)
-            _quantize_tile(codes_ptr, scales_ptr, low, high, enc, dec, rows, row_mask, blocks, KB, ROWS, NB, BLOCK_2D, IS_BF16)
+            _quantize_tile(codes_ptr, scales_ptr, low, high, enc, dec, rows, row_mask, blocks, KB, ROWS, NB, BLOCK_2D,
+                           IS_BF16, FAST_MAX_ROWS)
             row_tile += step
             if PREFETCH:
                 low, high, rows, row_mask = next_low, next_high, next_rows, next_mask
@@ -496,7 +504,8 @@ def _row_amax_quantize_kernel(w_ptr, codes_ptr, scales_ptr, amax_ptr, decode_ptr
     for b0 in range(0, KB, NB):
         blocks = b0 + tl.arange(0, NB)
         low, high = _load_halves(w_ptr, rows, row_mask, blocks, KB, "evict_first")
-        _quantize_tile(codes_ptr, scales_ptr, low, high, enc, dec, rows, row_mask, blocks, KB, ROWS, NB, False, IS_BF16)
+        _quantize_tile(codes_ptr, scales_ptr, low, high, enc, dec, rows, row_mask, blocks, KB, ROWS, NB, False, IS_BF16,
+                       ROWS)
     tl.store(amax_ptr + rows, amax, mask=row_mask)
     tl.store(decode_ptr + rows, decode, mask=row_mask)
 
@@ -521,12 +530,14 @@ def _tile_config(rows: int, block_2d: bool, blocks: int) -> tuple[int, int, int]
     From the tile sweep of ``benchmarks/bench_kernels.py --only quantize_tiles`` on the H200 (8192 x
     8192 bf16, 2026-11-30, half-block loads): a row segment of 128 blocks per program (1 x 128, 4
     warps: one block a thread) quantized in 55.8 us and fake-quantized in 73.1 us, against 92.8 /
-    107.6 us for 32-row tiles. 2D scaling needs whole 16-row tiles: 16 x 16 blocks (69.0 us; 16 x 8
-    71.1, 16 x 32 80.7).
+    107.6 us for 32-row tiles. 2D scaling needs whole 16-row tiles: 16 x 32 blocks, 4 warps (four
+    blocks a thread), one program per tile and direct stores: 60.3 us in the 2026-11-30T08:50 run
+    (59.9 in its tile rows; 16 x 16 blocks 63.0, 16 x 8 on 2 warps 63.1, 16 x 16 on 8 warps 67.4,
+    programs looping over row tiles 64.8-75.9).
     Short rows keep several rows per program so that a tile still holds one block per thread.
     """
     if block_2d:
-        return 16, 16, 4
+        return 16, 32, 4
     if blocks >= 128:
         return 1, 128, 4
     if blocks >= 64 and rows >= 2:
@@ -560,6 +571,20 @@ _K_MAJOR = {False: False, True: False}
 (:func:`_program_tile`). Both False (the measured order) until the ``quantize_tiles`` bench times
 the K-major rows on the H200: the guess is that running down the rows of one 256-512-byte column
 slice at a time (16-row tiles, 16 KB row stride) concentrates the reads on few DRAM channels."""
+
+
+_FAST_MAX_ROWS = {False: 16, True: 16}
+"""Tiles of up to this many rows (per ``block_2d``) take the PTX codes and direct stores of
+:func:`_quantize_tile`; larger ones Triton's arithmetic and stores. Since the loads run along a
+row's blocks (:func:`_load_halves`), the direct path is the faster one on every 16-row tile of the
+``quantize_tiles`` sweep (8192^2 bf16, H200, 2026-11-30T08:47): 16x16 blocks 16 x 512 59.9 us
+against 66.8, 16 x 256 63.3 against 68.6; 1x16 16 x 256 58.3 against 61.6. (With the loads down 16
+rows of a tile it had been the slower one there: 88-101 us against 69-72.)"""
+
+
+def _fast_max_rows(block_2d: bool = False) -> int:
+    """:data:`_FAST_MAX_ROWS` (a function so that benchmarks and tests can sweep it)."""
+    return _FAST_MAX_ROWS[block_2d]
 
 
 def _k_major(block_2d: bool = False) -> bool:
@@ -750,7 +775,7 @@ def _launch_quantize(x: torch.Tensor, amax_rows: tuple[torch.Tensor, int], codes
     _launch(_quantize_kernel, _QUANTIZE_TUNED, _tile_config(rows, block_2d, kb), grid,
             (_words_view(x), table, words, scales, rows, mat_rows, div, kb, rows),
             BLOCK_2D=block_2d, IS_BF16=x.dtype == torch.bfloat16, PERSISTENT=_loop_config(block_2d)[0] < _ONE_PER_TILE,
-            PREFETCH=bool(_loop_config(block_2d)[1]), K_MAJOR=_k_major(block_2d))
+            PREFETCH=bool(_loop_config(block_2d)[1]), K_MAJOR=_k_major(block_2d), FAST_MAX_ROWS=_fast_max_rows(block_2d))
     if misaligned is not None:
         misaligned.copy_(words.view(torch.uint8))
 
