@@ -196,12 +196,20 @@ def _weight_pointers(codes_ptr, scales_ptr, row0, N, stride_cn, stride_sn,
     wi = gl.arange(0, I, layout=gl.SliceLayout(0, gl.SliceLayout(1, WORDS)))
     w_rows = gl.minimum(row0 + wr, N - 1).to(gl.int64)
     w_ptrs = codes_ptr + (w_rows * stride_cn)[:, None, None] + (wt * I)[None, :, None] + wi[None, None, :]
+    return w_ptrs, _scale_pointers(scales_ptr, row0, N, stride_sn, BLOCK_N, BLOCK_K, SCALES)
+
+
+@gluon.jit
+def _scale_pointers(scales_ptr, row0, N, stride_sn, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                    SCALES: gl.constexpr):
+    """Pointers to the first K step's scale bytes ``[BN, 4, I/2]`` of rows ``row0 ..`` (rows past N
+    clamped), in :func:`scale_bytes_layout`."""
+    I: gl.constexpr = BLOCK_K // 32
     sr = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, SCALES)))
     st = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, SCALES)))
     si = gl.arange(0, I // 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, SCALES)))
     s_rows = gl.minimum(row0 + sr, N - 1).to(gl.int64)
-    s_ptrs = scales_ptr + (s_rows * stride_sn)[:, None, None] + (st * (I // 2))[None, :, None] + si[None, None, :]
-    return w_ptrs, s_ptrs
+    return scales_ptr + (s_rows * stride_sn)[:, None, None] + (st * (I // 2))[None, :, None] + si[None, None, :]
 
 
 @gluon.jit
@@ -440,6 +448,35 @@ def _weight_ring(scales_ptr, row0, N, stride_sn, BLOCK_N: gl.constexpr, BLOCK_K:
 
 
 @gluon.jit
+def _store_tile(acc, y_ptr, partials_ptr, counters_ptr, ws2_ptr, pid_n, pid_k, pid_m, M, N, stride_ym,
+                BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, SPLIT_K: gl.constexpr, MMA: gl.constexpr):
+    """Store this program's ``y^T [BLOCK_N, BLOCK_M]`` tile (times ``weight_scale_2``), or with
+    split-K its partial, the last program of the tile to arrive summing all of them in a fixed order."""
+    on = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+    om = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
+    y_ptrs = y_ptr + om[None, :].to(gl.int64) * stride_ym + on[:, None]
+    y_mask = (on < N)[:, None] & (om < M)[None, :]
+    decode = gl.load(ws2_ptr) * (2.0 ** -OPERAND_LOG2_SCALE)
+    if SPLIT_K == 1:
+        gl.store(y_ptrs, (acc * decode).to(y_ptr.dtype.element_ty), mask=y_mask)
+    else:
+        tile = pid_m * gl.num_programs(0) + pid_n
+        TILE: gl.constexpr = BLOCK_N * BLOCK_M
+        local = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))[:, None] * BLOCK_M + \
+            gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))[None, :]
+        base = partials_ptr + tile.to(gl.int64) * (SPLIT_K * TILE)
+        gl.store(base + pid_k * TILE + local, acc)
+        gl.thread_barrier()  # every thread's partial is stored before the release below
+        arrived = gl.atomic_add(counters_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=MMA)
+            for s in gl.static_range(SPLIT_K):  # fixed order: the result does not depend on timing
+                total += gl.load(base + s * TILE + local, cache_modifier=".cg")
+            gl.store(y_ptrs, (total * decode).to(y_ptr.dtype.element_ty), mask=y_mask)
+            gl.atomic_xchg(counters_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+@gluon.jit
 def _decode_kernel(
     x_ptr, codes_ptr, scales_ptr, ws2_ptr, y_ptr, partials_ptr, counters_ptr,
     M, N, K, stride_xm, stride_cn, stride_sn, stride_ym,
@@ -480,28 +517,8 @@ def _decode_kernel(
             acc = _k_loop_staged(acc, words_ring, scales_ring, w_ptrs, s_ptrs, x_ptrs, kt_lo, kt_hi, BLOCK_K, STAGES,
                                  A_LAYOUT, B_LAYOUT, WORDS, SCALES)
 
-    on = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
-    om = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
-    y_ptrs = y_ptr + om[None, :].to(gl.int64) * stride_ym + on[:, None]
-    y_mask = (on < N)[:, None] & (om < M)[None, :]
-    decode = gl.load(ws2_ptr) * (2.0 ** -OPERAND_LOG2_SCALE)
-    if SPLIT_K == 1:
-        gl.store(y_ptrs, (acc * decode).to(y_ptr.dtype.element_ty), mask=y_mask)
-    else:
-        tile = pid_m * gl.num_programs(0) + pid_n
-        TILE: gl.constexpr = BLOCK_N * BLOCK_M
-        local = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))[:, None] * BLOCK_M + \
-            gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))[None, :]
-        base = partials_ptr + tile.to(gl.int64) * (SPLIT_K * TILE)
-        gl.store(base + pid_k * TILE + local, acc)
-        gl.thread_barrier()  # every thread's partial is stored before the release below
-        arrived = gl.atomic_add(counters_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            total = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=MMA)
-            for s in gl.static_range(SPLIT_K):  # fixed order: the result does not depend on timing
-                total += gl.load(base + s * TILE + local, cache_modifier=".cg")
-            gl.store(y_ptrs, (total * decode).to(y_ptr.dtype.element_ty), mask=y_mask)
-            gl.atomic_xchg(counters_ptr + tile, 0, sem="relaxed", scope="gpu")
+    _store_tile(acc, y_ptr, partials_ptr, counters_ptr, ws2_ptr, pid_n, pid_k, pid_m, M, N, stride_ym,
+                BLOCK_N, BLOCK_M, SPLIT_K, MMA)
 
 
 @gluon.jit
