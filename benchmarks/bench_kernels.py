@@ -310,9 +310,11 @@ def bench_w4a16_mma(bandwidth: float, quick: bool, grouped: bool = True,
     return rows + (_grouped_mma_rows(bandwidth, quick) if grouped else [])
 
 
-TMA_CONFIGS = [(64, 128, 1, stages, 255) for stages in (3, 4, 6, 8)] + [
-    (32, 128, 1, 4, 255), (128, 128, 2, 4, 0), (128, 128, 4, 4, 0), (256, 128, 4, 3, 0)]
-"""(BLOCK_N, BLOCK_K, num_warps, STAGES, maxnreg or 0) of the TMA-ring kernel's sweep."""
+TMA_CONFIGS = [(64, 128, 1, stages, 1, 255) for stages in (2, 4, 6, 8)] + [
+    (32, 128, 1, 4, 1, 255), (128, 128, 2, 4, 1, 0), (64, 128, 1, 4, 0, 255), (128, 128, 2, 4, 0, 0),
+    (128, 128, 4, 4, 0, 0), (256, 128, 4, 3, 0, 0)]
+"""(BLOCK_N, BLOCK_K, num_warps, STAGES, X_RING, maxnreg or 0) of the TMA-ring kernel's sweep: x
+through the ring (1) for the small CTAs, the shared x slice (0) where several warps share it."""
 
 
 def bench_w4a16_tma(bandwidth: float, quick: bool, shapes: list[tuple[int, int, int]] | None = None) -> list[dict]:
@@ -320,10 +322,12 @@ def bench_w4a16_tma(bandwidth: float, quick: bool, shapes: list[tuple[int, int, 
     from megatron_quads.nvfp4.kernels.w4a16_tma import w4a16_tma_linear_into
 
     def configs(k: int) -> dict[str, dict]:
-        return {f"{bn}x{bk} w{warps} st{stages} s{split}" + (f" r{maxnreg}" if maxnreg else ""):
-                {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": warps, "STAGES": stages,
+        return {f"{bn}x{bk} w{warps} st{stages}" + (" xr" if x_ring else " xs") + f" s{split}"
+                + (f" r{maxnreg}" if maxnreg else ""):
+                {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": warps, "STAGES": stages, "X_RING": x_ring,
                  **({"maxnreg": maxnreg} if maxnreg else {})}
-                for bn, bk, warps, stages, maxnreg in TMA_CONFIGS for split in (2, 4, 8, 16, 32) if k // bk >= split}
+                for bn, bk, warps, stages, x_ring, maxnreg in TMA_CONFIGS for split in (2, 4, 8, 16, 32)
+                if k // bk >= split}
 
     return _dense_sweep_rows(bandwidth, shapes or DENSE_DECODE_SHAPES[:3 if quick else None], "tma",
                              w4a16_tma_linear_into, configs)
