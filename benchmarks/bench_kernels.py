@@ -292,34 +292,71 @@ def _best_of_sweep(run: Callable[[dict], object], out: torch.Tensor, reference: 
     return best, timed.get(best, float("nan")), sweep
 
 
-def bench_w4a16_mma(bandwidth: float, quick: bool, grouped: bool = True,
-                    shapes: list[tuple[int, int, int]] | None = None) -> list[dict]:
-    """The experimental Gluon decode kernel (register-operand mma.sync) against the Triton W4A16
-    kernel and cuBLAS FP8 / BF16: each shape's best config of a sweep (all of them under ``sweep``;
-    ``quick`` leaves the weight-ring configs out); the grouped kernel's rows unless ``grouped=False``;
-    ``shapes`` ((M, K, N) each) replaces the dense shapes."""
+DENSE_DECODE_SHAPES = [(16, 8192, 8192), (16, 4096, 4096), (64, 8192, 8192), (1, 8192, 8192), (64, 4096, 4096)]
+"""(M, K, N) of the Gluon decode kernels' dense rows; ``--quick`` takes the first three."""
+
+
+def _dense_sweep_rows(bandwidth: float, shapes: list[tuple[int, int, int]], label: str,
+                      run_into: Callable[..., object], configs: Callable[[int], dict[str, dict]]) -> list[dict]:
+    """Per shape: the best of ``configs(K)`` for ``run_into(x, weight, out, config)`` (each checked
+    against the Triton kernel first; all under ``sweep``) beside the Triton W4A16 kernel and cuBLAS
+    FP8 / BF16 in the same run."""
     from megatron_quads.nvfp4.kernels.w4a16 import w4a16_linear_kernel
-    from megatron_quads.nvfp4.kernels.w4a16_mma import w4a16_mma_linear_into
 
     rows = []
-    default = [(16, 8192, 8192), (16, 4096, 4096), (64, 8192, 8192), (1, 8192, 8192), (64, 4096, 4096)]
-    for m, k, n in shapes or (default[:3] if quick else default):
+    for m, k, n in shapes:
         w, qw = _weight(n, k)
         w8 = w.to(torch.float8_e4m3fn)
         one = torch.ones((), device=DEV)
         x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
         x8 = torch.randn(max(m, 16), k, device=DEV).to(torch.float8_e4m3fn)
         out = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)
-        best, t_mma, sweep = _best_of_sweep(lambda cfg: w4a16_mma_linear_into(x, qw, out, cfg), out,
-                                            w4a16_linear_kernel(x, qw), _mma_sweep(k, staged=not quick))
+        best, t_best, sweep = _best_of_sweep(lambda cfg: run_into(x, qw, out, cfg), out, w4a16_linear_kernel(x, qw),
+                                             configs(k))
         t4 = time_graph(lambda: w4a16_linear_kernel(x, qw))
         tb = time_graph(lambda: x @ w.t())
         t8 = time_graph(lambda: torch._scaled_mm(x8, w8.t(), one, one, out_dtype=torch.bfloat16))
         fp4_bytes = n * k // 2 + n * k // 16 + m * k * 2 + m * n * 2
-        rows.append(row(f"w4a16 mma M={m} K={k} N={n}", t_mma, fp4_bytes, 2 * m * n * k, bandwidth, best_config=best,
+        rows.append(row(f"w4a16 {label} M={m} K={k} N={n}", t_best, fp4_bytes, 2 * m * n * k, bandwidth, best_config=best,
                         triton_us=round(t4, 2), fp8_us=round(t8, 2), bf16_us=round(tb, 2),
-                        speedup_vs_fp8=round(t8 / t_mma, 2), speedup_vs_triton=round(t4 / t_mma, 2), sweep=sweep))
+                        speedup_vs_fp8=round(t8 / t_best, 2), speedup_vs_triton=round(t4 / t_best, 2), sweep=sweep))
+    return rows
+
+
+def bench_w4a16_mma(bandwidth: float, quick: bool, grouped: bool = True,
+                    shapes: list[tuple[int, int, int]] | None = None) -> list[dict]:
+    """The experimental Gluon decode kernel (register-operand mma.sync) against the Triton W4A16
+    kernel and cuBLAS FP8 / BF16 (:func:`_dense_sweep_rows`; ``quick`` leaves the weight-ring
+    configs out); the grouped kernel's rows unless ``grouped=False``; ``shapes`` ((M, K, N) each)
+    replaces the dense shapes."""
+    from megatron_quads.nvfp4.kernels.w4a16_mma import w4a16_mma_linear_into
+
+    rows = _dense_sweep_rows(bandwidth, shapes or DENSE_DECODE_SHAPES[:3 if quick else None], "mma",
+                             w4a16_mma_linear_into, lambda k: _mma_sweep(k, staged=not quick))
     return rows + (_grouped_mma_rows(bandwidth, quick) if grouped else [])
+
+
+TMA_CONFIGS = [(64, 128, 1, stages, 1, 255) for stages in (2, 4, 6, 8)] + [
+    (32, 128, 1, 4, 1, 255), (128, 128, 2, 4, 1, 0), (64, 128, 1, 4, 0, 255), (128, 128, 2, 4, 0, 0),
+    (128, 128, 4, 4, 0, 0), (256, 128, 4, 3, 0, 0)]
+"""(BLOCK_N, BLOCK_K, num_warps, STAGES, X_RING, maxnreg or 0) of the TMA-ring kernel's sweep: x
+through the ring (1) for the small CTAs, the shared x slice (0) where several warps share it."""
+
+
+def bench_w4a16_tma(bandwidth: float, quick: bool, shapes: list[tuple[int, int, int]] | None = None) -> list[dict]:
+    """The experimental TMA-ring Gluon decode kernel (``w4a16_tma``), as :func:`bench_w4a16_mma`'s dense rows."""
+    from megatron_quads.nvfp4.kernels.w4a16_tma import w4a16_tma_linear_into
+
+    def configs(k: int) -> dict[str, dict]:
+        return {f"{bn}x{bk} w{warps} st{stages}" + (" xr" if x_ring else " xs") + f" s{split}"
+                + (f" r{maxnreg}" if maxnreg else ""):
+                {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": warps, "STAGES": stages, "X_RING": x_ring,
+                 **({"maxnreg": maxnreg} if maxnreg else {})}
+                for bn, bk, warps, stages, x_ring, maxnreg in TMA_CONFIGS for split in (2, 4, 8, 16, 32)
+                if k // bk >= split}
+
+    return _dense_sweep_rows(bandwidth, shapes or DENSE_DECODE_SHAPES[:3 if quick else None], "tma",
+                             w4a16_tma_linear_into, configs)
 
 
 def _grouped_mma_rows(bandwidth: float, quick: bool) -> list[dict]:
@@ -496,11 +533,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--only", nargs="*", default=["quantize", "w4a16", "grouped", "rac"],
-                        help="sections; quantize_tiles (each quantize tile config), w4a16_mma (the experimental Gluon kernels) and "
-                             "w4a16_mma_dense (its dense rows only) are extra")
+                        help="sections; quantize_tiles (each quantize tile config), w4a16_mma (the experimental Gluon kernels), "
+                             "w4a16_mma_dense (its dense rows only) and w4a16_tma (the TMA-ring kernel) are extra")
     parser.add_argument("--render", action="store_true", help="only rewrite kernels_gpu.md from kernels_gpu.json (no GPU)")
     parser.add_argument("--mma-shape", action="append", type=_shape_arg, default=None, metavar="M,K,N",
-                        help="dense shape of the w4a16_mma sections instead of their default list (repeatable)")
+                        help="dense shape of the w4a16_mma / w4a16_tma sections instead of their default list (repeatable)")
     args = parser.parse_args()
     out = Path(__file__).parent / "results" / "kernels_gpu.json"
     if args.render:
@@ -512,7 +549,8 @@ def main() -> None:
                 "w4a16": lambda: bench_w4a16(bandwidth, args.quick),
                 "grouped": lambda: bench_grouped(bandwidth, args.quick), "rac": lambda: bench_rac(bandwidth, args.quick),
                 "w4a16_mma": lambda: bench_w4a16_mma(bandwidth, args.quick, shapes=args.mma_shape),
-                "w4a16_mma_dense": lambda: bench_w4a16_mma(bandwidth, args.quick, grouped=False, shapes=args.mma_shape)}
+                "w4a16_mma_dense": lambda: bench_w4a16_mma(bandwidth, args.quick, grouped=False, shapes=args.mma_shape),
+                "w4a16_tma": lambda: bench_w4a16_tma(bandwidth, args.quick, shapes=args.mma_shape)}
     results = {}
     for name in args.only:
         results[name] = sections[name]()

@@ -8,6 +8,8 @@ interpreter, so everything but the argument checks needs the GPU.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -63,33 +65,48 @@ def _config_id(config: dict[str, int]) -> str:
     return "-".join(f"{k[0]}{k[-1]}{v}" for k, v in config.items())
 
 
-def _run(x: torch.Tensor, weight, config: dict[str, int]) -> torch.Tensor:
+def run_into(linear_into: Callable, x: torch.Tensor, weight, config: dict[str, int]) -> torch.Tensor:
+    """``linear_into(x, weight, out, config)`` into a NaN-filled ``out``; the split-K counters must be back at 0."""
     out = torch.full((x.shape[0], weight.shape[0]), float("nan"), dtype=x.dtype, device=x.device)
-    assert w4a16_mma.w4a16_mma_linear_into(x, weight, out, config) is out
+    assert linear_into(x, weight, out, config) is out
     assert all(int(c.abs().sum()) == 0 for c in w4a16._COUNTERS.values()), "split-K counters were not reset"
     return out
+
+
+def check_exact(run: Callable[[torch.Tensor, object], torch.Tensor], device: str) -> None:
+    """``run(x, weight)`` bit for bit on every shape of :data:`SHAPES`, inputs whose fp32 sums are exact."""
+    for m, n, k in SHAPES:
+        for decode in (None, 2.0**-7):
+            weight = _raw_weight((n, k), device, scale_bytes=(0x28, 0x4F), decode=decode)
+            x = _grid_activations((m, k), torch.bfloat16, device, bound=8 if k <= 256 else 1)
+            assert _same_bits(run(x, weight), _exact_expected(x, weight, torch.bfloat16)), (m, n, k, decode)
+
+
+def check_within_fp32_bound(run: Callable[[torch.Tensor, object], torch.Tensor], device: str) -> None:
+    """``run(x, weight)`` within the fp32 accumulation bound on every shape, realistic and raw weights."""
+    for m, n, k in SHAPES:
+        for weight in (_gaussian_weight((n, k), device), _raw_weight((n, k), device)):
+            x = _activations((m, k), torch.bfloat16, device)
+            exact, magnitude = _oracle(x, weight)
+            _assert_within(run(x, weight), exact, _tolerance(exact, magnitude, k, torch.bfloat16))
+
+
+def _run(x: torch.Tensor, weight, config: dict[str, int]) -> torch.Tensor:
+    return run_into(w4a16_mma.w4a16_mma_linear_into, x, weight, config)
 
 
 @pytest.mark.gpu
 @pytest.mark.usefixtures("poisoned_partials")
 @pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
 def test_exact_on_exactly_summable_inputs(kernel_device: str, config: dict[str, int]) -> None:
-    for m, n, k in SHAPES:
-        for decode in (None, 2.0**-7):
-            weight = _raw_weight((n, k), kernel_device, scale_bytes=(0x28, 0x4F), decode=decode)
-            x = _grid_activations((m, k), torch.bfloat16, kernel_device, bound=8 if k <= 256 else 1)
-            assert _same_bits(_run(x, weight, config), _exact_expected(x, weight, torch.bfloat16)), (m, n, k, decode)
+    check_exact(lambda x, weight: _run(x, weight, config), kernel_device)
 
 
 @pytest.mark.gpu
 @pytest.mark.usefixtures("poisoned_partials")
 @pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
 def test_within_fp32_accumulation_error(kernel_device: str, config: dict[str, int]) -> None:
-    for m, n, k in SHAPES:
-        for weight in (_gaussian_weight((n, k), kernel_device), _raw_weight((n, k), kernel_device)):
-            x = _activations((m, k), torch.bfloat16, kernel_device)
-            exact, magnitude = _oracle(x, weight)
-            _assert_within(_run(x, weight, config), exact, _tolerance(exact, magnitude, k, torch.bfloat16))
+    check_within_fp32_bound(lambda x, weight: _run(x, weight, config), kernel_device)
 
 
 @pytest.mark.gpu

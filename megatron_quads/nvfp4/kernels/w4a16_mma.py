@@ -196,12 +196,20 @@ def _weight_pointers(codes_ptr, scales_ptr, row0, N, stride_cn, stride_sn,
     wi = gl.arange(0, I, layout=gl.SliceLayout(0, gl.SliceLayout(1, WORDS)))
     w_rows = gl.minimum(row0 + wr, N - 1).to(gl.int64)
     w_ptrs = codes_ptr + (w_rows * stride_cn)[:, None, None] + (wt * I)[None, :, None] + wi[None, None, :]
+    return w_ptrs, _scale_pointers(scales_ptr, row0, N, stride_sn, BLOCK_N, BLOCK_K, SCALES)
+
+
+@gluon.jit
+def _scale_pointers(scales_ptr, row0, N, stride_sn, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                    SCALES: gl.constexpr):
+    """Pointers to the first K step's scale bytes ``[BN, 4, I/2]`` of rows ``row0 ..`` (rows past N
+    clamped), in :func:`scale_bytes_layout`."""
+    I: gl.constexpr = BLOCK_K // 32
     sr = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, SCALES)))
     st = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, SCALES)))
     si = gl.arange(0, I // 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, SCALES)))
     s_rows = gl.minimum(row0 + sr, N - 1).to(gl.int64)
-    s_ptrs = scales_ptr + (s_rows * stride_sn)[:, None, None] + (st * (I // 2))[None, :, None] + si[None, None, :]
-    return w_ptrs, s_ptrs
+    return scales_ptr + (s_rows * stride_sn)[:, None, None] + (st * (I // 2))[None, :, None] + si[None, None, :]
 
 
 @gluon.jit
@@ -440,46 +448,10 @@ def _weight_ring(scales_ptr, row0, N, stride_sn, BLOCK_N: gl.constexpr, BLOCK_K:
 
 
 @gluon.jit
-def _decode_kernel(
-    x_ptr, codes_ptr, scales_ptr, ws2_ptr, y_ptr, partials_ptr, counters_ptr,
-    M, N, K, stride_xm, stride_cn, stride_sn, stride_ym,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, SPLIT_K: gl.constexpr,
-    NUM_WARPS: gl.constexpr, PREFETCH: gl.constexpr, STAGES: gl.constexpr, X_STEPS: gl.constexpr,
-):
-    """Grid ``(cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M))``: one K slice of one ``y^T [BLOCK_N, BLOCK_M]`` tile."""
-    MMA: gl.constexpr = mma_layout(NUM_WARPS)
-    A_LAYOUT: gl.constexpr = operand_layout(0, NUM_WARPS)
-    B_LAYOUT: gl.constexpr = operand_layout(1, NUM_WARPS)
-    WORDS: gl.constexpr = words_layout(BLOCK_N, BLOCK_K, NUM_WARPS)
-    SCALES: gl.constexpr = scale_bytes_layout(BLOCK_N, BLOCK_K, NUM_WARPS)
-    XRUN: gl.constexpr = x_run_layout(BLOCK_K, BLOCK_M, NUM_WARPS)
-
-    pid_n = gl.program_id(0)
-    pid_k = gl.program_id(1)
-    pid_m = gl.program_id(2)
-    k_tiles = K // BLOCK_K
-    per_split = gl.cdiv(k_tiles, SPLIT_K)
-    kt_lo = pid_k * per_split
-    kt_hi = gl.minimum(kt_lo + per_split, k_tiles)
-
-    x_ptrs = _x_pointers(x_ptr, pid_m * BLOCK_M, M, stride_xm, BLOCK_M, BLOCK_K, XRUN)
-    w_ptrs, s_ptrs = _weight_pointers(codes_ptr, scales_ptr, pid_n * BLOCK_N, N, stride_cn, stride_sn,
-                                      BLOCK_N, BLOCK_K, WORDS, SCALES)
-    acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=MMA)
-    if X_STEPS > 0:
-        if kt_lo < kt_hi:  # uniform over the program: its barriers are reached by every warp or none
-            acc = _k_loop_x_slice(acc, w_ptrs, s_ptrs, x_ptr, pid_m * BLOCK_M, M, stride_xm, kt_lo, kt_hi, BLOCK_M,
-                                  BLOCK_K, X_STEPS, NUM_WARPS, PREFETCH, A_LAYOUT, B_LAYOUT, WORDS)
-    elif STAGES == 0:
-        if kt_lo < kt_hi:  # a split past the last K step (SPLIT_K not dividing the steps) adds nothing
-            acc = _k_loop(acc, w_ptrs, s_ptrs, x_ptrs, kt_lo, kt_hi, BLOCK_K, PREFETCH, A_LAYOUT, B_LAYOUT, WORDS)
-    else:
-        s_ptrs, words_ring, scales_ring = _weight_ring(scales_ptr, pid_n * BLOCK_N, N, stride_sn, BLOCK_N, BLOCK_K,
-                                                       NUM_WARPS, STAGES)
-        if kt_lo < kt_hi:
-            acc = _k_loop_staged(acc, words_ring, scales_ring, w_ptrs, s_ptrs, x_ptrs, kt_lo, kt_hi, BLOCK_K, STAGES,
-                                 A_LAYOUT, B_LAYOUT, WORDS, SCALES)
-
+def _store_tile(acc, y_ptr, partials_ptr, counters_ptr, ws2_ptr, pid_n, pid_k, pid_m, M, N, stride_ym,
+                BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, SPLIT_K: gl.constexpr, MMA: gl.constexpr):
+    """Store this program's ``y^T [BLOCK_N, BLOCK_M]`` tile (times ``weight_scale_2``), or with
+    split-K its partial, the last program of the tile to arrive summing all of them in a fixed order."""
     on = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
     om = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
     y_ptrs = y_ptr + om[None, :].to(gl.int64) * stride_ym + on[:, None]
@@ -502,6 +474,57 @@ def _decode_kernel(
                 total += gl.load(base + s * TILE + local, cache_modifier=".cg")
             gl.store(y_ptrs, (total * decode).to(y_ptr.dtype.element_ty), mask=y_mask)
             gl.atomic_xchg(counters_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+@gluon.jit
+def _split_steps(K, pid_k, BLOCK_K: gl.constexpr, SPLIT_K: gl.constexpr):
+    """K steps ``[kt_lo, kt_hi)`` of split ``pid_k`` (empty for a split past the last step)."""
+    k_tiles = K // BLOCK_K
+    per_split = gl.cdiv(k_tiles, SPLIT_K)
+    kt_lo = pid_k * per_split
+    return kt_lo, gl.minimum(kt_lo + per_split, k_tiles)
+
+
+@gluon.jit
+def _decode_kernel(
+    x_ptr, codes_ptr, scales_ptr, ws2_ptr, y_ptr, partials_ptr, counters_ptr,
+    M, N, K, stride_xm, stride_cn, stride_sn, stride_ym,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, SPLIT_K: gl.constexpr,
+    NUM_WARPS: gl.constexpr, PREFETCH: gl.constexpr, STAGES: gl.constexpr, X_STEPS: gl.constexpr,
+):
+    """Grid ``(cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M))``: one K slice of one ``y^T [BLOCK_N, BLOCK_M]`` tile."""
+    MMA: gl.constexpr = mma_layout(NUM_WARPS)
+    A_LAYOUT: gl.constexpr = operand_layout(0, NUM_WARPS)
+    B_LAYOUT: gl.constexpr = operand_layout(1, NUM_WARPS)
+    WORDS: gl.constexpr = words_layout(BLOCK_N, BLOCK_K, NUM_WARPS)
+    SCALES: gl.constexpr = scale_bytes_layout(BLOCK_N, BLOCK_K, NUM_WARPS)
+    XRUN: gl.constexpr = x_run_layout(BLOCK_K, BLOCK_M, NUM_WARPS)
+
+    pid_n = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    pid_m = gl.program_id(2)
+    kt_lo, kt_hi = _split_steps(K, pid_k, BLOCK_K, SPLIT_K)
+
+    x_ptrs = _x_pointers(x_ptr, pid_m * BLOCK_M, M, stride_xm, BLOCK_M, BLOCK_K, XRUN)
+    w_ptrs, s_ptrs = _weight_pointers(codes_ptr, scales_ptr, pid_n * BLOCK_N, N, stride_cn, stride_sn,
+                                      BLOCK_N, BLOCK_K, WORDS, SCALES)
+    acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=MMA)
+    if X_STEPS > 0:
+        if kt_lo < kt_hi:  # uniform over the program: its barriers are reached by every warp or none
+            acc = _k_loop_x_slice(acc, w_ptrs, s_ptrs, x_ptr, pid_m * BLOCK_M, M, stride_xm, kt_lo, kt_hi, BLOCK_M,
+                                  BLOCK_K, X_STEPS, NUM_WARPS, PREFETCH, A_LAYOUT, B_LAYOUT, WORDS)
+    elif STAGES == 0:
+        if kt_lo < kt_hi:  # a split past the last K step (SPLIT_K not dividing the steps) adds nothing
+            acc = _k_loop(acc, w_ptrs, s_ptrs, x_ptrs, kt_lo, kt_hi, BLOCK_K, PREFETCH, A_LAYOUT, B_LAYOUT, WORDS)
+    else:
+        s_ptrs, words_ring, scales_ring = _weight_ring(scales_ptr, pid_n * BLOCK_N, N, stride_sn, BLOCK_N, BLOCK_K,
+                                                       NUM_WARPS, STAGES)
+        if kt_lo < kt_hi:
+            acc = _k_loop_staged(acc, words_ring, scales_ring, w_ptrs, s_ptrs, x_ptrs, kt_lo, kt_hi, BLOCK_K, STAGES,
+                                 A_LAYOUT, B_LAYOUT, WORDS, SCALES)
+
+    _store_tile(acc, y_ptr, partials_ptr, counters_ptr, ws2_ptr, pid_n, pid_k, pid_m, M, N, stride_ym,
+                BLOCK_N, BLOCK_M, SPLIT_K, MMA)
 
 
 @gluon.jit
@@ -587,6 +610,20 @@ def default_block_m(tokens: int) -> int:
     return 8 if tokens <= 8 else 16 if tokens <= 16 else 32
 
 
+def dense_call(x: torch.Tensor, weight: NVFP4Tensor, out: torch.Tensor, default: dict[str, int],
+               config: dict[str, int] | None) -> tuple[dict[str, Any], int, int, int]:
+    """Check a dense decode call's operands (x ``[M, K]``, ``out`` bf16 ``[M, N]``) and merge ``config``
+    over ``default`` (``BLOCK_M`` from :func:`default_block_m`): ``(config, M, N, K)``."""
+    n, k = weight.shape
+    cfg: dict[str, Any] = {**default, "BLOCK_M": default_block_m(x.shape[0]), **(config or {})}
+    _check_weight_parts(x, weight, k)
+    if x.ndim != 2:
+        raise ValueError(f"x must be [M, {k}], got shape {tuple(x.shape)}")
+    m = x.shape[0]
+    _check_out(out, (m, n), (torch.bfloat16,), x.device)
+    return cfg, m, n, k
+
+
 def w4a16_mma_linear_into(x: torch.Tensor, weight: NVFP4Tensor, out: torch.Tensor,
                           config: dict[str, int] | None = None) -> torch.Tensor:
     """``out [M, N] = x [M, K] @ dq(W).T`` (bf16) with :func:`_decode_kernel`.
@@ -600,13 +637,7 @@ def w4a16_mma_linear_into(x: torch.Tensor, weight: NVFP4Tensor, out: torch.Tenso
     warps read their B fragments from there, :func:`_k_loop_x_slice`; 0: every warp loads x from global
     memory each step) and optionally ``maxnreg``.
     """
-    n, k = weight.shape
-    cfg: dict[str, Any] = {**DEFAULT_CONFIG, "BLOCK_M": default_block_m(x.shape[0]), **(config or {})}
-    _check_weight_parts(x, weight, k)
-    m = x.shape[0]
-    if x.ndim != 2:
-        raise ValueError(f"x must be [M, {k}], got shape {tuple(x.shape)}")
-    _check_out(out, (m, n), (torch.bfloat16,), x.device)
+    cfg, m, n, k = dense_call(x, weight, out, DEFAULT_CONFIG, config)
     _check_config(cfg, k)
     block_n, block_k, split_k, warps = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"], cfg["num_warps"]
     if m == 0:
