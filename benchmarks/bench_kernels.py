@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import statistics
 import warnings
@@ -428,8 +429,48 @@ def bench_grouped(bandwidth: float, quick: bool) -> list[dict]:
             tb = time_graph(lambda: torch._grouped_mm(x, w_t, offs=ends))
             rows.append(row(f"grouped w4a16 {proj} tokens={tokens} (rows {x.shape[0]}, {active} experts)", t4, fp4_bytes,
                             flops, bandwidth, bf16_grouped_us=round(tb, 2), speedup_vs_bf16=round(tb / t4, 2),
-                            **_token_tile_sweep(lambda: grouped_w4a16_kernel(x, qw, offsets))))
+                            **_token_tile_sweep(lambda: grouped_w4a16_kernel(x, qw, offsets)),
+                            **_x_mma_order_sweep(x, qw, offsets, tokens, tb)))
     return rows
+
+
+GROUPED_X_MMA_ORDER_CONFIGS = [(128, 4, 4), (128, 4, 3), (256, 8, 4)]
+"""(BLOCK_N, num_warps, num_stages) of the grouped kernel timed with x already in its K order
+(``x_mma_order``, BLOCK_K 128): the best three of a session-9 sweep at 512 tokens."""
+
+
+def _x_mma_order_sweep(x: torch.Tensor, qw, offsets: torch.Tensor, tokens: int, bf16_us: float) -> dict[str, float | str]:
+    """The grouped kernel on x whose rows are already in its K order (``x_mma_order``: x tiles go from
+    shared memory to the MMA as loaded), best of :data:`GROUPED_X_MMA_ORDER_CONFIGS`, each checked bit
+    for bit against the natural-order kernel with the same config; the x-order autotuner's pick; and
+    what putting x in that order costs as a separate copy (the routed rows, and the ``tokens`` rows
+    before the MoE gather, which is where :class:`~megatron_quads.rollout.grouped_experts.GroupedExperts`
+    does it)."""
+    from megatron_quads.nvfp4.kernels.w4a16 import (
+        grouped_w4a16_into,
+        grouped_w4a16_kernel,
+        mma_k_order_rows,
+    )
+
+    natural = grouped_w4a16_kernel(x, qw, offsets)  # [T, N], refilled by each config below
+    ordered_x = mma_k_order_rows(x, 128)
+    out = torch.empty_like(natural)
+    times = {}
+    for (bn, warps, stages), block_m in itertools.product(GROUPED_X_MMA_ORDER_CONFIGS, (16, 32) if tokens <= 64 else (32, 64)):
+        cfg = {"BLOCK_N": bn, "BLOCK_K": 128, "BLOCK_M": block_m, "num_warps": warps, "num_stages": stages}
+        grouped_w4a16_into(x, qw, offsets, natural, cfg)
+        grouped_w4a16_into(ordered_x, qw, offsets, out, cfg, x_mma_order=True)
+        if not torch.equal(out, natural):
+            raise AssertionError(f"x_mma_order with config {cfg} differs from the natural-order kernel")
+        times[f"{bn}x128 m{block_m} w{warps} st{stages}"] = time_graph(
+            lambda: grouped_w4a16_into(ordered_x, qw, offsets, out, cfg, x_mma_order=True))
+    best = min(times, key=times.get)
+    hidden = x[:tokens]
+    tuned = time_graph(lambda: grouped_w4a16_kernel(ordered_x, qw, offsets, x_mma_order=True))
+    return {"x_mma_order_us": round(times[best], 2), "x_mma_order_config": best, "x_mma_order_tuned_us": round(tuned, 2),
+            "x_mma_order_speedup_vs_bf16": round(bf16_us / times[best], 2),
+            "order_routed_rows_us": round(time_graph(lambda: mma_k_order_rows(x, 128)), 2),
+            "order_tokens_us": round(time_graph(lambda: mma_k_order_rows(hidden, 128)), 2)}
 
 
 def _both_rac_paths(call, kind: str) -> tuple[float, float]:

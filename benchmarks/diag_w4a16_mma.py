@@ -1,7 +1,7 @@
 """Where the Gluon dense decode kernel's time goes: timed variants of the same kernel (H200).
 
     python benchmarks/diag_w4a16_mma.py            # appends a record to results/diag_w4a16_mma.json
-    COMPILE_ONLY=1 python benchmarks/diag_w4a16_mma.py   # builds the variant modules only (no GPU)
+    COMPILE_ONLY=1 python benchmarks/diag_w4a16_mma.py   # compiles each variant for sm_90 only (no GPU)
 
 Each variant is a source-transformed copy of ``megatron_quads/nvfp4/kernels/w4a16_mma.py`` (the
 kernel itself is untouched), timed by CUDA-graph replay beside the real kernel:
@@ -67,7 +67,7 @@ def variant_source(name: str) -> str:
     """The kernel module's source for variant ``name`` (``real``, ``loads``, ``loadsw``, ``nodq``);
     every variant takes a ``REPLICAS`` constexpr (x copy ``program % REPLICAS``)."""
     src = _replace(SOURCE, _SIGNATURE, _SIGNATURE.replace("X_STEPS: gl.constexpr,", "X_STEPS: gl.constexpr, REPLICAS: gl.constexpr,"))
-    anchor = "    k_tiles = K // BLOCK_K\n    per_split"
+    anchor = "    kt_lo, kt_hi = _split_steps(K, pid_k, BLOCK_K, SPLIT_K)\n"
     src = _replace(src, anchor, "    x_ptr = x_ptr + ((pid_n * SPLIT_K + pid_k) % REPLICAS).to(gl.int64) * M * stride_xm\n" + anchor)
     if name in ("loads", "loadsw"):
         src = _replace(src, _K_LOOP, _LOADS_ONLY)
@@ -140,13 +140,36 @@ def _time_case(modules: dict, shape: tuple[int, int, int], config: tuple[int, in
     return results
 
 
+def compile_offline(module, config: tuple[int, int, int, int, int, int], block_m: int = 16) -> int:
+    """Compile ``module``'s ``_decode_kernel`` for sm_90 without a GPU (what ``COMPILE_ONLY`` checks):
+    the SASS size in bytes."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    bn, bk, split, warps, x_smem, maxnreg = config
+    kernel = module._decode_kernel
+    pointers = {"x_ptr": "*bf16", "y_ptr": "*bf16", "codes_ptr": "*i32", "scales_ptr": "*u8", "ws2_ptr": "*fp32",
+                "partials_ptr": "*fp32", "counters_ptr": "*i32"}
+    constexprs = {"BLOCK_M": block_m, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "NUM_WARPS": warps, "PREFETCH": 1,
+                  "STAGES": 0, "X_STEPS": module.x_slice_steps(8192 // bk, split) if x_smem else 0, "REPLICAS": 1}
+    signature = {name: "constexpr" if name in constexprs else pointers.get(name, "i32") for name in kernel.arg_names}
+    # what the launcher specializes on the GPU: pointers, K and the strides divisible by 16
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+               if signature[name] != "constexpr" and name not in ("M", "N")}
+    source = GluonASTSource(fn=kernel, signature=signature, attrs=aligned,
+                            constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "maxnreg": maxnreg})
+    return len(compiled.asm["cubin"])
+
+
 def main() -> None:
     """Time every case; append one record to results/diag_w4a16_mma.json."""
     directory = Path(os.environ.get("TMPDIR", "/tmp")) / "diag_w4a16_mma"
     directory.mkdir(parents=True, exist_ok=True)
     modules = {name: load_variant(name, directory) for name in ("real", "loads", "loadsw", "nodq")}
     if os.environ.get("COMPILE_ONLY"):
-        print("variant modules built:", ", ".join(modules))
+        for name, module in modules.items():
+            print(f"{name}: cubin {compile_offline(module, CASES[0][1])} bytes for sm_90", flush=True)
         return
     results = {}
     for shape, config, variants in CASES:

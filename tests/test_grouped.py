@@ -11,6 +11,7 @@ from megatron_quads.rollout.grouped import (
     expert_weight,
     grouped_rac_linear,
     grouped_w4a16_linear,
+    kernel_x_order,
 )
 from megatron_quads.rollout.rac import rac_linear, reblock_columns, select_channels
 
@@ -63,3 +64,46 @@ def test_grouped_rac_uses_each_experts_channels_and_residual_weight() -> None:
 def test_bad_offsets_are_rejected_with_the_reason(offsets: list[int], pattern: str) -> None:
     with pytest.raises(ValueError, match=pattern):
         grouped_w4a16_linear(torch.randn(6, K), _stacked_weight(), torch.tensor(offsets, dtype=torch.int32))
+
+
+def test_x_in_the_kernel_order_is_refused_off_the_kernel_path() -> None:
+    """The reference path takes x in its natural K order only (CPU here: no kernel, no block)."""
+    x = torch.randn(6, K)
+    assert kernel_x_order(x, rows_per_expert=64) is None
+    with pytest.raises(ValueError, match="needs the grouped W4A16 kernel"):
+        grouped_w4a16_linear(x, _stacked_weight(), expert_offsets_from_counts(torch.tensor([1, 2, 0, 3])), x_mma_order=True)
+
+
+def _grouped_experts(precision: str, hidden: int, ffn: int, experts: int, device: str):
+    from megatron_quads.rollout.grouped_experts import GroupedExperts, GroupedProjection
+    from megatron_quads.rollout.precision import Precision
+
+    def stack(n: int, k: int) -> NVFP4Tensor:
+        w = torch.randn(experts, n, k, device=device) * 0.05
+        return quantize(w, global_amax=w.abs().amax(dim=(1, 2)).unsqueeze(1))
+
+    kind = Precision(precision)
+    return GroupedExperts(GroupedProjection(kind, stack(2 * ffn, hidden)), GroupedProjection(kind, stack(hidden, ffn)))
+
+
+@pytest.mark.gpu
+def test_grouped_experts_with_x_in_the_kernel_order_match_the_natural_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA with bf16 activations the W4A16 layer puts the tokens' rows in the kernel's K order
+    before the gather; its output is the natural-order kernel's within fp32 summation order (the
+    two autotuners may pick different tiles)."""
+    import megatron_quads.rollout.grouped as grouped_module
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.manual_seed(0)
+    layer = _grouped_experts("aqat", hidden=256, ffn=128, experts=8, device="cuda")
+    hidden = torch.randn(80, 256, device="cuda", dtype=torch.bfloat16)
+    top_k_index = torch.rand(80, 8, device="cuda").topk(2, dim=1).indices  # 20 rows an expert
+    top_k_weights = torch.rand(80, 2, device="cuda")
+    assert layer.gate_up.input_order(hidden, 20) == 128 and layer.gate_up.input_order(hidden, 4) is None
+    ordered = layer(hidden, top_k_index, top_k_weights, torch.nn.functional.silu)
+    monkeypatch.setattr(grouped_module, "X_ORDER_MIN_ROWS_PER_EXPERT", 1 << 30)
+    assert layer.gate_up.input_order(hidden, 20) is None
+    natural = layer(hidden, top_k_index, top_k_weights, torch.nn.functional.silu)
+    torch.testing.assert_close(ordered.float(), natural.float(), rtol=2e-2, atol=2e-2 * float(natural.abs().max()))
+    assert not torch.equal(ordered, torch.zeros_like(ordered))

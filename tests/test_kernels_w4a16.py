@@ -17,6 +17,7 @@ Outputs are poisoned (NaN) before each run and the split-K workspace is poisoned
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -448,3 +449,78 @@ def test_launches_without_host_sync(kernel_device: str) -> None:
         w4a16.w4a16_linear_kernel(x[:16], dense_weight)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+# ----------------------------------------------------------------------------------------- x in the MMA K order
+
+
+def test_mma_k_order_rows_is_the_kernel_permutation() -> None:
+    """:func:`w4a16.mma_k_order_rows` puts element ``8 (I t + i) + 4 h + 2 q1 + q0`` of each run at
+    ``32 i + 16 q1 + 8 q0 + 2 t + h`` (what ``mma_k_order_x`` does to a loaded tile), run by run."""
+    for block_k in (64, 128, 256):
+        x = torch.arange(3 * 2 * block_k, dtype=torch.float32).reshape(3, 2 * block_k)
+        y = w4a16.mma_k_order_rows(x, block_k)
+        i_runs = block_k // 32
+        for kt, t, i, h, q1, q0 in itertools.product(range(2), range(4), range(i_runs), range(2), range(2), range(2)):
+            new = kt * block_k + 32 * i + 16 * q1 + 8 * q0 + 2 * t + h
+            old = kt * block_k + 8 * (i_runs * t + i) + 4 * h + 2 * q1 + q0
+            assert torch.equal(y[:, new], x[:, old]), (block_k, kt, t, i, h, q1, q0)
+    with pytest.raises(ValueError, match="multiple of 64 dividing K"):
+        w4a16.mma_k_order_rows(torch.zeros(2, 192), 128)
+
+
+def _grouped_run_x_order(x: torch.Tensor, weight: NVFP4Tensor, counts: list[int],
+                         config: dict[str, int] | None) -> torch.Tensor:
+    offsets = expert_offsets_from_counts(torch.tensor(counts)).to(x.device)
+    out = torch.full((x.shape[0], weight.shape[1]), float("nan"), dtype=x.dtype, device=x.device)
+    ordered = w4a16.mma_k_order_rows(x, w4a16.X_ORDER_BLOCK_K)
+    assert w4a16.grouped_w4a16_into(ordered, weight, offsets, out, config, x_mma_order=True) is out
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [
+    None,  # the x-order autotuner
+    {"BLOCK_N": 32, "BLOCK_K": 128, "BLOCK_M": 16, "num_warps": 4, "num_stages": 2},
+    {"BLOCK_N": 128, "BLOCK_K": 128, "BLOCK_M": 64, "num_warps": 4, "num_stages": 4},
+    {"BLOCK_N": 256, "BLOCK_K": 128, "BLOCK_M": 32, "num_warps": 8, "num_stages": 3},
+], ids=_config_id)
+def test_grouped_x_in_mma_order(kernel_device: str, config: dict[str, int] | None) -> None:
+    """``x_mma_order`` on x put in the kernel's K order: with a given config the natural-order kernel's
+    output bit for bit (the same products in the same order); always exact on exactly summable inputs
+    and within the fp32 bound on realistic ones."""
+    cases = [([3, 0, 17, 5], 40, 512), ([0, 70, 0, 1], 72, 256)]
+    if kernel_device == "cuda":
+        counts = torch.distributions.Categorical(logits=torch.randn(128) * 1.5).sample((512 * 8,))
+        cases.append((torch.bincount(counts, minlength=128).tolist(), 1536, 2048))
+    for counts, n, k in cases:
+        weight = _raw_weight((len(counts), n, k), kernel_device, scale_bytes=(0x28, 0x4F))
+        x = _grid_activations((sum(counts), k), torch.bfloat16, kernel_device, bound=8 if k <= 256 else 1)
+        ordered = _grouped_run_x_order(x, weight, counts, config)
+        if config is not None:
+            assert _same_bits(ordered, _grouped_run(x, weight, counts, config)), (counts, n, k)
+        start = 0
+        for e, rows in enumerate(counts):
+            if rows:
+                expected = _exact_expected(x[start : start + rows], _expert(weight, e), torch.bfloat16)
+                assert _same_bits(ordered[start : start + rows], expected), (counts, e)
+            start += rows
+        weight = _gaussian_weight((len(counts), n, k), kernel_device)
+        x = _activations((sum(counts), k), torch.bfloat16, kernel_device)
+        exact, magnitude = _grouped_oracle(x, weight, counts)
+        _assert_within(_grouped_run_x_order(x, weight, counts, config), exact,
+                       _tolerance(exact, magnitude, k, torch.bfloat16))
+
+
+@pytest.mark.gpu
+def test_grouped_x_order_argument_errors(kernel_device: str) -> None:
+    weight = _gaussian_weight((2, 40, 192), kernel_device)
+    offsets = expert_offsets_from_counts(torch.tensor([1, 2])).to(kernel_device)
+    x = torch.zeros(3, 192, dtype=torch.bfloat16, device=kernel_device)
+    with pytest.raises(ValueError, match="x_mma_order needs K % 128 == 0"):
+        w4a16.grouped_w4a16_kernel(x, weight, offsets, x_mma_order=True)
+    weight = _gaussian_weight((2, 40, 256), kernel_device)
+    with pytest.raises(ValueError, match="BLOCK_K 128 in a given config"):
+        w4a16.grouped_w4a16_into(torch.zeros(3, 256, dtype=torch.bfloat16, device=kernel_device), weight, offsets,
+                                 torch.empty(3, 40, dtype=torch.bfloat16, device=kernel_device),
+                                 {"BLOCK_N": 32, "BLOCK_K": 64}, x_mma_order=True)

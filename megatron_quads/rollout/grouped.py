@@ -56,14 +56,39 @@ def validate_grouped(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets: torch
         raise ValueError(f"expert_offsets must rise from 0 to the token count {x.shape[0]}, got {bounds}")
 
 
-def grouped_w4a16_linear(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets: torch.Tensor) -> torch.Tensor:
+X_ORDER_MIN_ROWS_PER_EXPERT = 16
+"""Mean routed rows per expert from which :func:`kernel_x_order` reorders x. H200, Qwen3-30B-A3B
+gate/up (benchmarks/bench_kernels.py --only grouped, 2026-11-30T09:10): at 32 rows an expert (512
+tokens, top-8 of 128) 139.5 us with x reordered plus 4.7 us for the reordering against 160.4 us; at
+4 rows (64 tokens) 88.8 + 2.7 us against 87.9, a loss."""
+
+
+def kernel_x_order(x: torch.Tensor, rows_per_expert: float) -> int | None:
+    """The K-order block (``X_ORDER_BLOCK_K``) in which :func:`grouped_w4a16_linear` should take
+    ``x [T, K]`` for the grouped W4A16 kernel, or ``None`` (natural order): a block when x runs on the
+    kernel, K allows it and the mean routed rows per expert reach :data:`X_ORDER_MIN_ROWS_PER_EXPERT`.
+
+    Putting the tokens' rows in that order (``mma_k_order_rows``) before the MoE gather costs one copy
+    of them and saves the kernel reordering every x tile in registers."""
+    if not (use_kernels(x) and x.dtype == torch.bfloat16) or rows_per_expert < X_ORDER_MIN_ROWS_PER_EXPERT:
+        return None
+    from megatron_quads.nvfp4.kernels.w4a16 import X_ORDER_BLOCK_K
+
+    return X_ORDER_BLOCK_K if x.shape[-1] % X_ORDER_BLOCK_K == 0 else None
+
+
+def grouped_w4a16_linear(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets: torch.Tensor,
+                         x_mma_order: bool = False) -> torch.Tensor:
     """``y[rows of e] = x[rows of e] @ dq(W_e).T`` for every expert (weight-only NVFP4), ``[T, N]``.
 
-    On CUDA with bf16 activations: one Triton kernel launch, no host synchronisation."""
+    On CUDA with bf16 activations: one Triton kernel launch, no host synchronisation. ``x_mma_order``:
+    x's rows are in the kernel's K order (only where :func:`kernel_x_order` gave a block)."""
     if use_kernels(x) and x.dtype == torch.bfloat16:
         from megatron_quads.nvfp4.kernels.w4a16 import grouped_w4a16_kernel
 
-        return grouped_w4a16_kernel(x, weight, expert_offsets)
+        return grouped_w4a16_kernel(x, weight, expert_offsets, x_mma_order=x_mma_order)
+    if x_mma_order:
+        raise ValueError("x in the kernel's K order needs the grouped W4A16 kernel (CUDA, bf16): see kernel_x_order")
     validate_grouped(x, weight, expert_offsets)
     out = x.new_empty(x.shape[0], weight.shape[1])
     bounds = expert_offsets.tolist()

@@ -23,6 +23,7 @@ from megatron_quads.rollout.grouped import (
     expert_weight,
     grouped_rac_linear,
     grouped_w4a16_linear,
+    kernel_x_order,
 )
 from megatron_quads.rollout.precision import LinearState, Precision
 
@@ -52,11 +53,18 @@ class GroupedProjection:
     residual: NVFP4Tensor | None = None
     states: Sequence[LinearState] = ()
 
-    def __call__(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """The projection of ``x [T, K]``, rows sorted by expert as ``offsets [E + 1]`` says."""
+    def __call__(self, x: torch.Tensor, offsets: torch.Tensor, x_mma_order: bool = False) -> torch.Tensor:
+        """The projection of ``x [T, K]``, rows sorted by expert as ``offsets [E + 1]`` says
+        (``x_mma_order``: rows in the W4A16 kernel's K order, from :meth:`input_order`)."""
         if self.precision.kind == "aqat":
-            return grouped_w4a16_linear(x, self.weight, offsets)
+            return grouped_w4a16_linear(x, self.weight, offsets, x_mma_order)
+        if x_mma_order:
+            raise ValueError(f"only the W4A16 ('aqat') projection takes x in the kernel's K order, not {self.precision.kind!r}")
         return grouped_rac_linear(x, self.weight, offsets, self.channels, self.residual)
+
+    def input_order(self, x: torch.Tensor, rows_per_expert: float) -> int | None:
+        """The K-order block this projection wants ``x`` in (:func:`kernel_x_order`), ``None`` for natural."""
+        return kernel_x_order(x, rows_per_expert) if self.precision.kind == "aqat" else None
 
     def view_states(self) -> None:
         """Point each expert's state at its slice of the stacks, so the weights are held once."""
@@ -116,7 +124,13 @@ class GroupedExperts:
         order = torch.argsort(flat, stable=True)  # by expert, then token: the per-expert loop's order
         token_idx = order // top_k
         offsets = expert_offsets_from_counts(torch.bincount(flat, minlength=self.num_experts))
-        gate, up = self.gate_up(hidden_states[token_idx], offsets).chunk(2, dim=-1)
+        block_k = self.gate_up.input_order(hidden_states, flat.numel() / self.num_experts)
+        source = hidden_states
+        if block_k is not None:  # the tokens' rows in the kernel's K order once, before the gather copies them top-k times
+            from megatron_quads.nvfp4.kernels.w4a16 import mma_k_order_rows
+
+            source = mma_k_order_rows(hidden_states, block_k)
+        gate, up = self.gate_up(source[token_idx], offsets, block_k is not None).chunk(2, dim=-1)
         y = self.down(act_fn(gate) * up, offsets) * top_k_weights.reshape(-1)[order, None]
         out = torch.zeros_like(hidden_states)
         out.index_add_(0, token_idx, y.to(out.dtype))

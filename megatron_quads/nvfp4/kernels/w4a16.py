@@ -205,15 +205,31 @@ def mma_k_order_x(xt):
     return tl.reshape(xt, (BK, BM))
 
 
+X_ORDER_BLOCK_K = 128
+"""BLOCK_K of the grouped kernel's ``x_mma_order`` path (the K order depends on it)."""
+
+
+def mma_k_order_rows(x: torch.Tensor, block_k: int) -> torch.Tensor:
+    """``x [T, K]`` with each ``block_k`` run of a row in :func:`mma_k_order_x`'s K order (a copy), for
+    the grouped kernel's ``X_MMA_ORDER`` path: position ``32 i + 16 q1 + 8 q0 + 2 t + h`` of a run takes
+    element ``8 (I t + i) + 4 h + 2 q1 + q0`` (``I = block_k / 32``)."""
+    t_rows, k = x.shape
+    if block_k % 64 or k % block_k:
+        raise ValueError(f"block_k must be a multiple of 64 dividing K = {k}, got {block_k}")
+    runs = x.reshape(t_rows, k // block_k, 4, block_k // 32, 2, 2, 2)  # (T, kt, t, i, h, q1, q0)
+    return runs.permute(0, 1, 3, 5, 6, 2, 4).reshape(t_rows, k)  # (T, kt, i, q1, q0, t, h)
+
+
 @triton.jit
 def _accumulate(acc, x_rows, x_live, w_rows, s_rows, stride_xk, kt_lo, kt_hi, K,
-                BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr):
+                BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, X_MMA_ORDER: tl.constexpr = False):
     """``acc [BN, BM] += dq(W)[rows, k] @ x[rows, k]^T`` over K tiles ``kt_lo..kt_hi``.
 
     ``x_rows [1, BM]``, ``w_rows [BN, 1]`` and ``s_rows [BN, 1]`` point at the first element of each
     row of x, of the packed codes (int32 words) and of the scale bytes. Token columns outside
     ``x_live [1, BM]`` load zeros without touching memory (one token must not cost 16 rows of
-    traffic); out-of-range K is masked to 0 on both operands.
+    traffic); out-of-range K is masked to 0 on both operands. With ``X_MMA_ORDER`` x's rows are
+    already in :func:`mma_k_order_x`'s K order (:func:`mma_k_order_rows`), so the tile goes to the dot as loaded.
     """
     offs_k = tl.arange(0, BLOCK_K)
     offs_w = tl.arange(0, BLOCK_K // 8)
@@ -232,7 +248,8 @@ def _accumulate(acc, x_rows, x_live, w_rows, s_rows, stride_xk, kt_lo, kt_hi, K,
             packed = tl.load(w_ptrs, mask=(k0 // 8 + offs_w)[None, :] < K // 8, other=0)
             sb = tl.load(s_ptrs, mask=(k0 // 16 + offs_s)[None, :] < K // 16, other=0)
         w = dequant_mma_tile(packed, sb)
-        xt = mma_k_order_x(xt)
+        if not X_MMA_ORDER:
+            xt = mma_k_order_x(xt)
         if DOT_F32:  # the interpreter's bf16 tl.dot multiplies raw bit patterns; fp32 is exact here
             acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
         else:
@@ -344,6 +361,7 @@ def _grouped_kernel(
     stride_tce, stride_tcn, stride_tse, stride_tsn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_K2: tl.constexpr, HAS_TAIL: tl.constexpr, DOT_F32: tl.constexpr, ROW_SCALE: tl.constexpr,
+    X_MMA_ORDER: tl.constexpr = False,
 ):
     """Grid ``(cdiv(N, BLOCK_N), E)``: expert ``e``'s rows ``offsets[e]:offsets[e+1]``, one N tile;
     ``HAS_TAIL`` and ``ROW_SCALE`` as in :func:`_dense_kernel` (the tail weight stacked ``[E, N, K2]``)."""
@@ -364,7 +382,7 @@ def _grouped_kernel(
         x_rows = x_ptr + rows_m[None, :] * stride_xm
         acc = _accumulate(
             acc, x_rows, offs_m[None, :] < hi, w_rows, s_rows,
-            stride_xk, 0, k_tiles, K, BLOCK_K, EVEN_K, DOT_F32,
+            stride_xk, 0, k_tiles, K, BLOCK_K, EVEN_K, DOT_F32, X_MMA_ORDER,
         )
         if HAS_TAIL:
             acc = _accumulate(
@@ -399,10 +417,15 @@ def _dense_configs(splits: tuple[int, ...]) -> list[triton.Config]:
     return [_config(bn, bk, s, w, st) for bn, bk, w, st in tiles for s in splits]
 
 
-def _grouped_configs() -> list[triton.Config]:
+def _grouped_configs(block_k: int | None = None) -> list[triton.Config]:
+    """The grouped kernel's autotune candidates; with ``block_k`` (the ``x_mma_order`` path) those
+    of that BLOCK_K, 128 x 128 on 4 warps with 3 stages added (the best at 512 tokens with x in the
+    MMA order, H200 2026-11-30T09:02: 139 us for gate/up)."""
     if _INTERPRET:
-        return [_config(32, 64, None, 4, 1)]
+        return [_config(32, block_k or 64, None, 4, 1)]
     tiles = ((64, 128, 4, 4), (128, 128, 4, 4), (128, 128, 8, 4), (128, 256, 8, 3), (256, 64, 8, 4))
+    if block_k is not None:
+        tiles = tuple(t for t in tiles if t[1] == block_k) + ((128, block_k, 4, 3),)
     return [_config(bn, bk, None, w, st) for bn, bk, w, st in tiles]
 
 
@@ -465,6 +488,8 @@ _dense_tuned_large = triton.autotune(
 )(_dense_heuristic)
 _grouped_heuristic = triton.heuristics({"EVEN_K": _even_k, "EVEN_K2": _even_k2, "HAS_TAIL": _has_tail})(_grouped_kernel)
 _grouped_tuned = triton.autotune(configs=_grouped_configs(), key=["BLOCK_M", "N", "K", "K2"])(_grouped_heuristic)
+_grouped_tuned_x_order = triton.autotune(configs=_grouped_configs(X_ORDER_BLOCK_K), key=["BLOCK_M", "N", "K", "K2"])(
+    _grouped_heuristic)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -655,11 +680,15 @@ def grouped_w4a16_into(
     config: dict[str, int] | None = None,
     tail: NVFP4Tensor | None = None,
     row_scale: torch.Tensor | None = None,
+    x_mma_order: bool = False,
 ) -> torch.Tensor:
     """Write the grouped W4A16 product into ``out [T, N]`` and return it (see :func:`grouped_w4a16_kernel`).
 
     Only shapes are checked (no host synchronisation): ``expert_offsets`` must rise from 0 to ``T``.
     ``config`` (``BLOCK_N``, ``BLOCK_K``, optional ``BLOCK_M``/``num_warps``/``num_stages``) skips the autotuner.
+    ``x_mma_order`` says x's rows are already in the kernel's K order for :data:`X_ORDER_BLOCK_K`
+    (:func:`mma_k_order_rows`): x tiles then go from shared memory to the MMA as loaded, and every
+    config (autotuned or given) uses that ``BLOCK_K``.
     ``tail`` (stacked ``[E, N, K2]``, the weight's ``weight_scale_2``) and ``row_scale`` (fp32 ``[T]``)
     make it the grouped W4A4 + RAC decode GEMM, as :func:`w4a16_augmented_into` does for one weight:
     x then holds ``K + K2`` values a row.
@@ -681,6 +710,10 @@ def grouped_w4a16_into(
     # the RAC path (row_scale) writes the caller's dtype; plain W4A16 writes x's
     _check_out(out, (x.shape[0], n), (x.dtype,) if row_scale is None else _OUT_DTYPES, x.device)
     _check_config(config)
+    if x_mma_order and (tail is not None or k % X_ORDER_BLOCK_K
+                        or (config is not None and config["BLOCK_K"] != X_ORDER_BLOCK_K)):
+        raise ValueError(f"x_mma_order needs K % {X_ORDER_BLOCK_K} == 0 (got K={k}), no tail and BLOCK_K "
+                         f"{X_ORDER_BLOCK_K} in a given config")
     if out.numel() == 0:
         return out
     x = _rows_contiguous(x)
@@ -695,28 +728,33 @@ def grouped_w4a16_into(
         1 if ws2.numel() > 1 else 0, out.stride(0), out.stride(1),
         tail_codes.stride(0), tail_codes.stride(1), tail_scales.stride(0), tail_scales.stride(1),
     )
-    common = {"BLOCK_M": block_m, "DOT_F32": _INTERPRET and x.dtype == torch.bfloat16, "ROW_SCALE": row_scale is not None}
+    common = {"BLOCK_M": block_m, "DOT_F32": _INTERPRET and x.dtype == torch.bfloat16, "ROW_SCALE": row_scale is not None,
+              "X_MMA_ORDER": x_mma_order}
 
     def grid(meta: dict[str, Any]) -> tuple[int, int]:
         return (triton.cdiv(n, meta["BLOCK_N"]), num_experts)
 
     if config is None:
-        _grouped_tuned[grid](*args, **common)
+        (_grouped_tuned_x_order if x_mma_order else _grouped_tuned)[grid](*args, **common)
     else:
         launch = {key: config[key] for key in ("BLOCK_N", "BLOCK_K")}
-        _grouped_heuristic[grid](*args, **common, **launch, num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 3))
+        _grouped_heuristic[grid](*args, **common, **launch, num_warps=config.get("num_warps", 4),
+                                 num_stages=config.get("num_stages", 3))
     return out
 
 
-def grouped_w4a16_kernel(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets: torch.Tensor) -> torch.Tensor:
+def grouped_w4a16_kernel(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets: torch.Tensor,
+                         x_mma_order: bool = False) -> torch.Tensor:
     """Grouped MoE W4A16: ``y[rows of e] = x[rows of e] @ dq(W_e).T`` for every expert, ``[T, N]``.
 
-    ``x [T, K]`` bf16 sorted by expert, ``weight`` stacked ``[E, N, K]`` with ``weight_scale_2``
-    ``[E]``, ``[E, 1]`` or one shared value, ``expert_offsets`` int32 ``[E + 1]``. Launches without a
-    host sync; matches :func:`megatron_quads.rollout.grouped.grouped_w4a16_linear` up to fp32 summation order.
+    ``x [T, K]`` bf16 sorted by expert (with ``x_mma_order``, each row already in the kernel's K
+    order: :func:`mma_k_order_rows` with :data:`X_ORDER_BLOCK_K`), ``weight`` stacked ``[E, N, K]``
+    with ``weight_scale_2`` ``[E]``, ``[E, 1]`` or one shared value, ``expert_offsets`` int32
+    ``[E + 1]``. Launches without a host sync; matches
+    :func:`megatron_quads.rollout.grouped.grouped_w4a16_linear` up to fp32 summation order.
     """
     if isinstance(x, torch.Tensor) and x.dtype not in _KERNEL_DTYPES:
         raise TypeError(f"W4A16 kernels take bfloat16 activations, got {x.dtype}: use the reference path")
     out = torch.empty(x.shape[0], weight.shape[1], dtype=x.dtype, device=x.device)
-    return grouped_w4a16_into(x, weight, expert_offsets, out)
+    return grouped_w4a16_into(x, weight, expert_offsets, out, x_mma_order=x_mma_order)
 
