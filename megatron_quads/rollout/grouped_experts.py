@@ -7,7 +7,9 @@ the routed copies of the tokens are sorted by expert once, and each projection i
 :func:`~megatron_quads.rollout.grouped.grouped_w4a16_linear` (``aqat``, served as W4A16) or
 :func:`~megatron_quads.rollout.grouped.grouped_rac_linear` (``w4a4``, ``quads``) call, which on CUDA
 is one Triton launch. Per expert the arithmetic is the per-expert path's (the same reference
-functions), and each token's expert outputs are summed in the same (expert) order.
+functions), and each token's expert outputs are summed in the same (expert) order. Where the W4A16
+kernel runs on enough rows per expert, the tokens' rows are put in its K order before the gather
+(:func:`~megatron_quads.rollout.grouped.kernel_x_order`), which saves the kernel reordering x.
 """
 
 from __future__ import annotations
