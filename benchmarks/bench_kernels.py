@@ -20,6 +20,7 @@ Results: benchmarks/results/kernels_gpu.json (appended) and kernels_gpu.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import itertools
 import json
@@ -148,7 +149,27 @@ def bench_quantize_tiles(bandwidth: float, size: int) -> list[dict]:
         with mock.patch.object(kq, "_tile_config", lambda rows, block_2d, blocks, config=config: config):
             tq = time_graph(lambda: kq.quantize_kernel(x, amax, block_2d=True, validate=False), calls=5)
         rows.append(row(f"quantize 16x16 tile {config[0]}x{config[1] * 16} ({config[2]} warps)", tq, q_bytes, 0, bandwidth))
-    return rows + _direct_store_rows(x, amax, q_bytes, bandwidth) + _loop_rows(x, amax, q_bytes, bandwidth)
+    return (rows + _direct_store_rows(x, amax, q_bytes, bandwidth) + _tile_scale_rows(x, amax, q_bytes, bandwidth)
+            + _loop_rows(x, amax, q_bytes, bandwidth))
+
+
+def _tile_scale_rows(x: torch.Tensor, amax: torch.Tensor, q_bytes: int, bandwidth: float) -> list[dict]:
+    """16x16 quantize with each tile's scale computed once (``quantize._tile_scales_enabled``, the default
+    where a tile's rows share their amax) beside once per row, on the default tile and two others."""
+    import megatron_quads.nvfp4.kernels.quantize as kq
+
+    rows = []
+    for config in [None, (16, 16, 4), (16, 16, 2)]:
+        tile = mock.patch.object(kq, "_tile_config", lambda rows, block_2d, blocks, config=config: config) if config \
+            else contextlib.nullcontext()
+        times = {}
+        for once in (False, True):
+            with tile, mock.patch.object(kq, "_tile_scales_enabled", lambda once=once: once):
+                times[once] = time_graph(lambda: kq.quantize_kernel(x, amax, block_2d=True, validate=False), calls=5)
+        name = "default tile" if config is None else f"tile {config[0]}x{config[1] * 16} ({config[2]} warps)"
+        rows.append(row(f"quantize 16x16 {name}, scales once a tile", times[True], q_bytes, 0, bandwidth,
+                        scales_per_row_us=round(times[False], 2)))
+    return rows
 
 
 def _direct_store_rows(x: torch.Tensor, amax: torch.Tensor, q_bytes: int, bandwidth: float) -> list[dict]:

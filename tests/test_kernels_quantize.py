@@ -197,8 +197,13 @@ def test_quantize_amax_modes(dtype: torch.dtype, kernel_device: str) -> None:
     _check_quantize(x[0, 0], torch.tensor(true_amax, device=kernel_device))  # 1D input
 
 
+@pytest.mark.parametrize("tile_scales", [True, False], ids=["scales once a tile", "scales once a row"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_quantize_2d_blocks(dtype: torch.dtype, kernel_device: str) -> None:
+def test_quantize_2d_blocks(dtype: torch.dtype, tile_scales: bool, kernel_device: str,
+                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """16x16 tiles with one amax, per-row amax (always scaled row by row) and per-matrix amax, each
+    tile's scale computed once (where its rows share their amax) or once per row: the same bytes."""
+    monkeypatch.setattr(kq, "_tile_scales_enabled", lambda: tile_scales)
     big = _big(kernel_device)
     shapes = [(1000, 512), (4, 129, 256), (2, 3, 40, 128)] if big else [(20, 64), (3, 21, 48), (2, 2, 16, 32), (1, 32), (7, 16)]
     for shape in shapes:
