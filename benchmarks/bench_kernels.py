@@ -183,7 +183,7 @@ def _direct_store_rows(x: torch.Tensor, amax: torch.Tensor, q_bytes: int, bandwi
         times = {}
         for fast_rows in (0, 16):
             with mock.patch.object(kq, "_tile_config", lambda rows, block_2d, blocks, config=config: config), \
-                    mock.patch.object(kq, "_fast_max_rows", lambda block_2d=False, fast_rows=fast_rows: fast_rows):
+                    mock.patch.object(kq, "_fast_max_rows", lambda fast_rows=fast_rows: fast_rows):
                 times[fast_rows] = time_graph(lambda: kq.quantize_kernel(x, amax, block_2d=block_2d, validate=False), calls=5)
         name = f"quantize {'16x16' if block_2d else '1x16'} tile {config[0]}x{config[1] * 16} ({config[2]} warps), direct stores"
         rows.append(row(name, times[16], q_bytes, 0, bandwidth, triton_stores_us=round(times[0], 2)))
@@ -473,7 +473,7 @@ def _x_mma_order_sweep(x: torch.Tensor, qw, offsets: torch.Tensor, tokens: int, 
         mma_k_order_rows,
     )
 
-    natural = grouped_w4a16_kernel(x, qw, offsets)  # [T, N], refilled by each config below
+    natural = torch.empty(x.shape[0], qw.shape[1], device=x.device, dtype=x.dtype)  # each config's natural-order output
     ordered_x = mma_k_order_rows(x, 128)
     out = torch.empty_like(natural)
     times = {}

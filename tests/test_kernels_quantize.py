@@ -442,7 +442,7 @@ def test_every_tile_config(config: tuple[int, int, int], fast_max_rows: int, ker
     """Each autotune candidate (a different tiling and thread layout) is exact, 2D scaling included,
     with Triton's code arithmetic and stores and with the PTX codes and direct stores (GPU only)."""
     monkeypatch.setattr(kq, "_tile_config", lambda rows, block_2d, blocks: config)
-    monkeypatch.setattr(kq, "_fast_max_rows", lambda block_2d=False: fast_max_rows)
+    monkeypatch.setattr(kq, "_fast_max_rows", lambda: fast_max_rows)
     m, k = (200, 2064) if _big(kernel_device) else (37, 2064)  # partial tiles in both directions
     x = _randn((m, k), 1.0, torch.bfloat16, kernel_device)
     x[3, 100] = 300.0

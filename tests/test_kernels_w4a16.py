@@ -358,11 +358,25 @@ def _with_ws2(weight: NVFP4Tensor, layout: str) -> NVFP4Tensor:
     return NVFP4Tensor(weight.codes, weight.scales, new, weight.shape, weight.dtype)
 
 
-def _grouped_run(x: torch.Tensor, weight: NVFP4Tensor, counts: list[int], config: dict[str, int] | None) -> torch.Tensor:
+def _grouped_run(x: torch.Tensor, weight: NVFP4Tensor, counts: list[int], config: dict[str, int] | None,
+                 x_mma_order: bool = False) -> torch.Tensor:
+    """The grouped kernel into a NaN-filled output; with ``x_mma_order`` on x put in its K order first."""
     offsets = expert_offsets_from_counts(torch.tensor(counts)).to(x.device)
     out = torch.full((x.shape[0], weight.shape[1]), float("nan"), dtype=x.dtype, device=x.device)
-    assert w4a16.grouped_w4a16_into(x, weight, offsets, out, config) is out
+    if x_mma_order:
+        x = w4a16.mma_k_order_rows(x, w4a16.X_ORDER_BLOCK_K)
+    assert w4a16.grouped_w4a16_into(x, weight, offsets, out, config, x_mma_order=x_mma_order) is out
     return out
+
+
+def assert_grouped_exact(y: torch.Tensor, x: torch.Tensor, weight: NVFP4Tensor, counts: list[int]) -> None:
+    """Each expert's rows of ``y`` are bit for bit the exact product of its rows of ``x`` (exactly summable inputs)."""
+    start = 0
+    for e, rows in enumerate(counts):
+        if rows:
+            expected = _exact_expected(x[start : start + rows], _expert(weight, e), y.dtype)
+            assert _same_bits(y[start : start + rows], expected), (counts, e)
+        start += rows
 
 
 @pytest.mark.gpu
@@ -372,12 +386,7 @@ def test_grouped_exact_on_exactly_summable_inputs(kernel_device: str, dtype: tor
     for counts, n, k in _grouped_cases(kernel_device):
         weight = _raw_weight((len(counts), n, k), kernel_device, scale_bytes=(0x28, 0x4F))
         x = _grid_activations((sum(counts), k), dtype, kernel_device, bound=8 if k <= 256 else 1)
-        y = _grouped_run(x, weight, counts, config)
-        start = 0
-        for e, rows in enumerate(counts):
-            expected = _exact_expected(x[start : start + rows], _expert(weight, e), dtype) if rows else y[start:start]
-            assert _same_bits(y[start : start + rows], expected), (counts, e)
-            start += rows
+        assert_grouped_exact(_grouped_run(x, weight, counts, config), x, weight, counts)
 
 
 @pytest.mark.gpu
@@ -469,15 +478,6 @@ def test_mma_k_order_rows_is_the_kernel_permutation() -> None:
         w4a16.mma_k_order_rows(torch.zeros(2, 192), 128)
 
 
-def _grouped_run_x_order(x: torch.Tensor, weight: NVFP4Tensor, counts: list[int],
-                         config: dict[str, int] | None) -> torch.Tensor:
-    offsets = expert_offsets_from_counts(torch.tensor(counts)).to(x.device)
-    out = torch.full((x.shape[0], weight.shape[1]), float("nan"), dtype=x.dtype, device=x.device)
-    ordered = w4a16.mma_k_order_rows(x, w4a16.X_ORDER_BLOCK_K)
-    assert w4a16.grouped_w4a16_into(ordered, weight, offsets, out, config, x_mma_order=True) is out
-    return out
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [
     None,  # the x-order autotuner
@@ -496,19 +496,14 @@ def test_grouped_x_in_mma_order(kernel_device: str, config: dict[str, int] | Non
     for counts, n, k in cases:
         weight = _raw_weight((len(counts), n, k), kernel_device, scale_bytes=(0x28, 0x4F))
         x = _grid_activations((sum(counts), k), torch.bfloat16, kernel_device, bound=8 if k <= 256 else 1)
-        ordered = _grouped_run_x_order(x, weight, counts, config)
+        ordered = _grouped_run(x, weight, counts, config, x_mma_order=True)
         if config is not None:
             assert _same_bits(ordered, _grouped_run(x, weight, counts, config)), (counts, n, k)
-        start = 0
-        for e, rows in enumerate(counts):
-            if rows:
-                expected = _exact_expected(x[start : start + rows], _expert(weight, e), torch.bfloat16)
-                assert _same_bits(ordered[start : start + rows], expected), (counts, e)
-            start += rows
+        assert_grouped_exact(ordered, x, weight, counts)
         weight = _gaussian_weight((len(counts), n, k), kernel_device)
         x = _activations((sum(counts), k), torch.bfloat16, kernel_device)
         exact, magnitude = _grouped_oracle(x, weight, counts)
-        _assert_within(_grouped_run_x_order(x, weight, counts, config), exact,
+        _assert_within(_grouped_run(x, weight, counts, config, x_mma_order=True), exact,
                        _tolerance(exact, magnitude, k, torch.bfloat16))
 
 

@@ -19,7 +19,6 @@ from test_kernels_w4a16 import (
     _activations,
     _assert_within,
     _exact_expected,
-    _expert,
     _gaussian_weight,
     _grid_activations,
     _grouped_oracle,
@@ -28,6 +27,7 @@ from test_kernels_w4a16 import (
     _same_bits,
     _tolerance,
     _with_ws2,
+    assert_grouped_exact,
     poisoned_partials,  # noqa: F401 (a fixture: NaN in the split-K workspace both kernels share)
 )
 
@@ -149,13 +149,7 @@ def test_grouped_exact_on_exactly_summable_inputs(kernel_device: str, config: di
     for counts, n, k in _grouped_cases():
         weight = _raw_weight((len(counts), n, k), kernel_device, scale_bytes=(0x28, 0x4F))
         x = _grid_activations((sum(counts), k), torch.bfloat16, kernel_device, bound=1)
-        y = _grouped_run(x, weight, counts, config)
-        start = 0
-        for e, rows in enumerate(counts):
-            if rows:
-                expected = _exact_expected(x[start : start + rows], _expert(weight, e), torch.bfloat16)
-                assert _same_bits(y[start : start + rows], expected), (counts, e)
-            start += rows
+        assert_grouped_exact(_grouped_run(x, weight, counts, config), x, weight, counts)
 
 
 @pytest.mark.gpu

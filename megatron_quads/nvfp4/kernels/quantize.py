@@ -603,8 +603,8 @@ the K-major rows on the H200: the guess is that running down the rows of one 256
 slice at a time (16-row tiles, 16 KB row stride) concentrates the reads on few DRAM channels."""
 
 
-_FAST_MAX_ROWS = {False: 16, True: 16}
-"""Tiles of up to this many rows (per ``block_2d``) take the PTX codes and direct stores of
+_FAST_MAX_ROWS = 16
+"""Tiles of up to this many rows (1x16 and 16x16 alike) take the PTX codes and direct stores of
 :func:`_quantize_tile`; larger ones Triton's arithmetic and stores. Since the loads run along a
 row's blocks (:func:`_load_halves`), the direct path is the faster one on every 16-row tile of the
 ``quantize_tiles`` sweep (8192^2 bf16, H200, 2026-11-30T08:47): 16x16 blocks 16 x 512 59.9 us
@@ -612,9 +612,9 @@ against 66.8, 16 x 256 63.3 against 68.6; 1x16 16 x 256 58.3 against 61.6. (With
 rows of a tile it had been the slower one there: 88-101 us against 69-72.)"""
 
 
-def _fast_max_rows(block_2d: bool = False) -> int:
+def _fast_max_rows() -> int:
     """:data:`_FAST_MAX_ROWS` (a function so that benchmarks and tests can sweep it)."""
-    return _FAST_MAX_ROWS[block_2d]
+    return _FAST_MAX_ROWS
 
 
 _TILE_SCALES = True
@@ -815,7 +815,7 @@ def _launch_quantize(x: torch.Tensor, amax_rows: tuple[torch.Tensor, int], codes
     _launch(_quantize_kernel, _QUANTIZE_TUNED, _tile_config(rows, block_2d, kb), grid,
             (_words_view(x), table, words, scales, rows, mat_rows, div, kb, rows),
             BLOCK_2D=block_2d, IS_BF16=x.dtype == torch.bfloat16, PERSISTENT=_loop_config(block_2d)[0] < _ONE_PER_TILE,
-            PREFETCH=bool(_loop_config(block_2d)[1]), K_MAJOR=_k_major(block_2d), FAST_MAX_ROWS=_fast_max_rows(block_2d),
+            PREFETCH=bool(_loop_config(block_2d)[1]), K_MAJOR=_k_major(block_2d), FAST_MAX_ROWS=_fast_max_rows(),
             TILE_SCALES=block_2d and _tile_scales_enabled() and (div == 0 or (mat_rows > 0 and div % mat_rows == 0)))
     if misaligned is not None:
         misaligned.copy_(words.view(torch.uint8))
