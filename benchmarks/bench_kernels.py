@@ -451,13 +451,29 @@ def bench_grouped(bandwidth: float, quick: bool) -> list[dict]:
             rows.append(row(f"grouped w4a16 {proj} tokens={tokens} (rows {x.shape[0]}, {active} experts)", t4, fp4_bytes,
                             flops, bandwidth, bf16_grouped_us=round(tb, 2), speedup_vs_bf16=round(tb / t4, 2),
                             **_token_tile_sweep(lambda: grouped_w4a16_kernel(x, qw, offsets)),
+                            **_full_tile_times(x, qw, offsets),
                             **_x_mma_order_sweep(x, qw, offsets, tokens, tb)))
     return rows
 
 
-GROUPED_X_MMA_ORDER_CONFIGS = [(128, 4, 4), (128, 4, 3), (256, 8, 4)]
+def _full_tile_times(x: torch.Tensor, qw, offsets: torch.Tensor) -> dict[str, float]:
+    """The autotuned grouped kernel (natural and x-order) with the half-width token tile for small
+    experts switched off (``w4a16._HALF_TILE``; the same configs, picked with it on): its evidence."""
+    import megatron_quads.nvfp4.kernels.w4a16 as kw
+
+    ordered_x = kw.mma_k_order_rows(x, kw.X_ORDER_BLOCK_K)
+    calls = {"full_tile_us": lambda: kw.grouped_w4a16_kernel(x, qw, offsets),
+             "x_mma_order_full_tile_us": lambda: kw.grouped_w4a16_kernel(ordered_x, qw, offsets, x_mma_order=True)}
+    for call in calls.values():
+        call()  # autotune with the half tile on, as the default runs
+    with mock.patch.object(kw, "_HALF_TILE", False):
+        return {name: round(time_graph(call), 2) for name, call in calls.items()}
+
+
+GROUPED_X_MMA_ORDER_CONFIGS = [(128, 4, 4), (128, 4, 3), (256, 8, 4), (64, 4, 3)]
 """(BLOCK_N, num_warps, num_stages) of the grouped kernel timed with x already in its K order
-(``x_mma_order``, BLOCK_K 128): the best three of a session-9 sweep at 512 tokens."""
+(``x_mma_order``, BLOCK_K 128): the best three of a session-9 sweep at 512 tokens and the best of a
+session-10 one (64 x 128 with the half-width token tile)."""
 
 
 def _x_mma_order_sweep(x: torch.Tensor, qw, offsets: torch.Tensor, tokens: int, bf16_us: float) -> dict[str, float | str]:

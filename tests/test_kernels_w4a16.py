@@ -333,8 +333,10 @@ def test_augmented_rejects_mismatched_parts(kernel_device: str) -> None:
 
 
 def _grouped_cases(device: str) -> list[tuple[list[int], int, int]]:
-    """(tokens per expert, N, K): empty experts, one expert with everything, E = 1, > BLOCK_M rows."""
-    cases = [([3, 0, 17, 5], 40, 48), ([0, 0, 20, 0], 24, 80), ([7], 72, 64), ([0, 40, 0, 1, 0], 40, 80)]
+    """(tokens per expert, N, K): empty experts, one expert with everything, E = 1, > BLOCK_M rows,
+    experts on either side of half a token tile (the half-width tile: 16 rows runs it at BLOCK_M 32)."""
+    cases = [([3, 0, 17, 5], 40, 48), ([0, 0, 20, 0], 24, 80), ([7], 72, 64), ([0, 40, 0, 1, 0], 40, 80),
+             ([16, 0, 33, 1, 32], 24, 64)]
     if device == "cuda":
         counts = torch.distributions.Categorical(logits=torch.randn(128) * 1.5).sample((512 * 8,))
         cases += [(torch.bincount(counts, minlength=128).tolist(), 1536, 2048), ([0] * 15 + [200], 768 + 40, 2048 + 48)]
@@ -422,6 +424,36 @@ def test_grouped_agrees_with_reference(
         _assert_within(y, exact, tol)
         _assert_within(reference, exact, tol)
         assert ((y.double() - reference.double()).abs() <= 2 * tol).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_m", [32, 64])
+def test_grouped_half_tile_gives_the_full_tiles_bits(kernel_device: str, block_m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Experts with at most ``BLOCK_M / 2`` rows run the half-width token tile: the same products in
+    the same order as the full tile, so the same bits; the rows past half a tile and the tail (RAC)
+    take the same branch."""
+    half = block_m // 2
+    counts = [half, 0, half + 1, 1, block_m + 3, 2]
+    n, k, k2 = 48, 128, 64
+    weight = _gaussian_weight((len(counts), n, k), kernel_device)
+    tail = _gaussian_weight((len(counts), n, k2), kernel_device)
+    x = _activations((sum(counts), k + k2), torch.bfloat16, kernel_device)
+    row_scale = torch.rand(sum(counts), device=kernel_device) + 0.5
+    offsets = expert_offsets_from_counts(torch.tensor(counts)).to(kernel_device)
+    config = {"BLOCK_N": 32 if kernel_device == "cpu" else 64, "BLOCK_K": 64, "BLOCK_M": block_m}
+    outputs = {}
+    for half_tile in (True, False):
+        monkeypatch.setattr(w4a16, "_HALF_TILE", half_tile)
+        plain = torch.full((x.shape[0], n), float("nan"), dtype=torch.bfloat16, device=kernel_device)
+        rac = torch.full_like(plain, float("nan"))
+        w4a16.grouped_w4a16_into(x[:, :k], weight, offsets, plain, config)
+        w4a16.grouped_w4a16_into(x, weight, offsets, rac, config, tail=tail, row_scale=row_scale)
+        outputs[half_tile] = (plain, rac)
+    for on, off in zip(outputs[True], outputs[False]):
+        assert not on.isnan().any()
+        assert _same_bits(on, off)
+    monkeypatch.setattr(w4a16, "_HALF_TILE", True)
+    assert w4a16._half_tile({"BLOCK_M": block_m}) and not w4a16._half_tile({"BLOCK_M": 16})
 
 
 @pytest.mark.gpu

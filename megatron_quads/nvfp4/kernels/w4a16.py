@@ -354,6 +354,27 @@ def _dense_kernel(
 
 
 @triton.jit
+def _grouped_rows(
+    acc, x_ptr, w_rows, s_rows, ws2_ptr, y_ptr, tail_w_rows, tail_s_rows, row_scale_ptr, offs_n, m0, hi, N, K, K2,
+    stride_xm, stride_xk, stride_ym, stride_yn,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_K2: tl.constexpr, HAS_TAIL: tl.constexpr,
+    DOT_F32: tl.constexpr, ROW_SCALE: tl.constexpr, X_MMA_ORDER: tl.constexpr,
+):
+    """One token tile of an expert: rows ``m0 .. m0 + acc.shape[1]`` (those below ``hi``), the whole K
+    (and the tail), stored through the epilogue. ``acc`` is a zero tile whose shape sets the tile."""
+    offs_m = m0 + tl.arange(0, acc.shape[1])
+    rows_m = tl.minimum(offs_m, hi - 1)
+    x_rows = x_ptr + rows_m[None, :] * stride_xm
+    live = offs_m[None, :] < hi
+    acc = _accumulate(acc, x_rows, live, w_rows, s_rows, stride_xk, 0, tl.cdiv(K, BLOCK_K), K,
+                      BLOCK_K, EVEN_K, DOT_F32, X_MMA_ORDER)
+    if HAS_TAIL:
+        acc = _accumulate(acc, x_rows + K * stride_xk, live, tail_w_rows, tail_s_rows,
+                          stride_xk, 0, tl.cdiv(K2, BLOCK_K), K2, BLOCK_K, EVEN_K2, DOT_F32)
+    _store_output(acc, ws2_ptr, y_ptr, offs_n, offs_m, N, hi, stride_yn, stride_ym, row_scale_ptr, ROW_SCALE)
+
+
+@triton.jit
 def _grouped_kernel(
     x_ptr, codes_ptr, scales_ptr, ws2_ptr, offsets_ptr, y_ptr, tail_codes_ptr, tail_scales_ptr, row_scale_ptr,
     N, K, K2,
@@ -361,10 +382,13 @@ def _grouped_kernel(
     stride_tce, stride_tcn, stride_tse, stride_tsn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_K2: tl.constexpr, HAS_TAIL: tl.constexpr, DOT_F32: tl.constexpr, ROW_SCALE: tl.constexpr,
-    X_MMA_ORDER: tl.constexpr = False,
+    X_MMA_ORDER: tl.constexpr = False, HALF_TILE: tl.constexpr = False,
 ):
     """Grid ``(cdiv(N, BLOCK_N), E)``: expert ``e``'s rows ``offsets[e]:offsets[e+1]``, one N tile;
-    ``HAS_TAIL`` and ``ROW_SCALE`` as in :func:`_dense_kernel` (the tail weight stacked ``[E, N, K2]``)."""
+    ``HAS_TAIL`` and ``ROW_SCALE`` as in :func:`_dense_kernel` (the tail weight stacked ``[E, N, K2]``).
+    ``HALF_TILE``: an expert with at most ``BLOCK_M / 2`` rows runs one half-width token tile, so its
+    MMA is half as wide (the routed rows per expert scatter around their mean, and the token tile is
+    sized for the larger experts)."""
     pid_n = tl.program_id(0)
     expert = tl.program_id(1)
     lo = tl.load(offsets_ptr + expert)
@@ -374,25 +398,23 @@ def _grouped_kernel(
     e64 = expert.to(tl.int64)
     w_rows = codes_ptr + e64 * stride_ce + rows_n[:, None] * stride_cn
     s_rows = scales_ptr + e64 * stride_se + rows_n[:, None] * stride_sn
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    for m0 in range(lo, hi, BLOCK_M):  # no iteration for an expert without rows
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        rows_m = tl.minimum(offs_m, hi - 1)
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        x_rows = x_ptr + rows_m[None, :] * stride_xm
-        acc = _accumulate(
-            acc, x_rows, offs_m[None, :] < hi, w_rows, s_rows,
-            stride_xk, 0, k_tiles, K, BLOCK_K, EVEN_K, DOT_F32, X_MMA_ORDER,
-        )
-        if HAS_TAIL:
-            acc = _accumulate(
-                acc, x_rows + K * stride_xk, offs_m[None, :] < hi,
-                tail_codes_ptr + e64 * stride_tce + rows_n[:, None] * stride_tcn,
-                tail_scales_ptr + e64 * stride_tse + rows_n[:, None] * stride_tsn,
-                stride_xk, 0, tl.cdiv(K2, BLOCK_K), K2, BLOCK_K, EVEN_K2, DOT_F32,
+    tail_w_rows = tail_codes_ptr + e64 * stride_tce + rows_n[:, None] * stride_tcn
+    tail_s_rows = tail_scales_ptr + e64 * stride_tse + rows_n[:, None] * stride_tsn
+    ws2 = ws2_ptr + expert * stride_w2
+    if HALF_TILE and hi - lo <= BLOCK_M // 2:
+        for m0 in range(lo, hi, BLOCK_M // 2):  # one iteration, none for an expert without rows
+            _grouped_rows(
+                tl.zeros((BLOCK_N, BLOCK_M // 2), dtype=tl.float32), x_ptr, w_rows, s_rows, ws2, y_ptr,
+                tail_w_rows, tail_s_rows, row_scale_ptr, offs_n, m0, hi, N, K, K2, stride_xm, stride_xk, stride_ym,
+                stride_yn, BLOCK_K, EVEN_K, EVEN_K2, HAS_TAIL, DOT_F32, ROW_SCALE, X_MMA_ORDER,
             )
-        _store_output(acc, ws2_ptr + expert * stride_w2, y_ptr, offs_n, offs_m, N, hi, stride_yn, stride_ym,
-                      row_scale_ptr, ROW_SCALE)
+    else:
+        for m0 in range(lo, hi, BLOCK_M):
+            _grouped_rows(
+                tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), x_ptr, w_rows, s_rows, ws2, y_ptr,
+                tail_w_rows, tail_s_rows, row_scale_ptr, offs_n, m0, hi, N, K, K2, stride_xm, stride_xk, stride_ym,
+                stride_yn, BLOCK_K, EVEN_K, EVEN_K2, HAS_TAIL, DOT_F32, ROW_SCALE, X_MMA_ORDER,
+            )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -419,13 +441,15 @@ def _dense_configs(splits: tuple[int, ...]) -> list[triton.Config]:
 
 def _grouped_configs(block_k: int | None = None) -> list[triton.Config]:
     """The grouped kernel's autotune candidates; with ``block_k`` (the ``x_mma_order`` path) those
-    of that BLOCK_K, 128 x 128 on 4 warps with 3 stages added (the best at 512 tokens with x in the
-    MMA order, H200 2026-11-30T09:02: 139 us for gate/up)."""
+    of that BLOCK_K. 128 x 128 and 64 x 128 on 4 warps with 3 stages: the best at 512 tokens with x
+    in the MMA order (H200, 2026-11-30: 139 us for gate/up at 128 x 128; 64 x 128 with the half
+    token tile 134 us in a one-off sweep)."""
     if _INTERPRET:
         return [_config(32, block_k or 64, None, 4, 1)]
-    tiles = ((64, 128, 4, 4), (128, 128, 4, 4), (128, 128, 8, 4), (128, 256, 8, 3), (256, 64, 8, 4))
+    tiles = ((64, 128, 4, 4), (64, 128, 4, 3), (128, 128, 4, 4), (128, 128, 4, 3), (128, 128, 8, 4), (128, 256, 8, 3),
+             (256, 64, 8, 4))
     if block_k is not None:
-        tiles = tuple(t for t in tiles if t[1] == block_k) + ((128, block_k, 4, 3),)
+        tiles = tuple(t for t in tiles if t[1] == block_k)
     return [_config(bn, bk, None, w, st) for bn, bk, w, st in tiles]
 
 
@@ -486,7 +510,19 @@ _dense_tuned_large = triton.autotune(
     key=["BLOCK_M", "N", "K", "K2"],
     prune_configs_by={"early_config_prune": _prune_dense},
 )(_dense_heuristic)
-_grouped_heuristic = triton.heuristics({"EVEN_K": _even_k, "EVEN_K2": _even_k2, "HAS_TAIL": _has_tail})(_grouped_kernel)
+_HALF_TILE = True
+"""Whether experts with at most half a token tile of rows run the half-width tile (``HALF_TILE``).
+H200, ``bench_kernels.py --quick --only grouped`` (2026-11-30T10:10, its ``full_tile_us`` columns time
+it off): 512 tokens gate/up 157.5 -> 151.1 us, 143.1 -> 129.0 us with x in the kernel's K order."""
+
+
+def _half_tile(args: dict[str, Any]) -> bool:
+    # a dot needs at least 16 columns
+    return _HALF_TILE and args["BLOCK_M"] >= 32
+
+
+_grouped_heuristic = triton.heuristics(
+    {"EVEN_K": _even_k, "EVEN_K2": _even_k2, "HAS_TAIL": _has_tail, "HALF_TILE": _half_tile})(_grouped_kernel)
 _grouped_tuned = triton.autotune(configs=_grouped_configs(), key=["BLOCK_M", "N", "K", "K2"])(_grouped_heuristic)
 _grouped_tuned_x_order = triton.autotune(configs=_grouped_configs(X_ORDER_BLOCK_K), key=["BLOCK_M", "N", "K", "K2"])(
     _grouped_heuristic)
