@@ -70,8 +70,10 @@ def test_x_in_the_kernel_order_is_refused_off_the_kernel_path() -> None:
     """The reference path takes x in its natural K order only (CPU here: no kernel, no block)."""
     x = torch.randn(6, K)
     assert kernel_x_order(x, rows_per_expert=64) is None
-    with pytest.raises(ValueError, match="needs the grouped W4A16 kernel"):
-        grouped_w4a16_linear(x, _stacked_weight(), expert_offsets_from_counts(torch.tensor([1, 2, 0, 3])), x_mma_order=True)
+    offsets = expert_offsets_from_counts(torch.tensor([1, 2, 0, 3]))
+    for order in ({"x_mma_order": True}, {"y_mma_order": True}):
+        with pytest.raises(ValueError, match="needs the grouped W4A16 kernel"):
+            grouped_w4a16_linear(x, _stacked_weight(), offsets, **order)
 
 
 def _grouped_experts(precision: str, hidden: int, ffn: int, experts: int, device: str):
@@ -89,8 +91,8 @@ def _grouped_experts(precision: str, hidden: int, ffn: int, experts: int, device
 @pytest.mark.gpu
 def test_grouped_experts_with_x_in_the_kernel_order_match_the_natural_order(monkeypatch: pytest.MonkeyPatch) -> None:
     """On CUDA with bf16 activations the W4A16 layer puts the tokens' rows in the kernel's K order
-    before the gather; its output is the natural-order kernel's within fp32 summation order (the
-    two autotuners may pick different tiles)."""
+    before the gather, and gate/up writes the down projection's input in it; its output is the
+    natural-order kernels' within fp32 summation order (the autotuners may pick different tiles)."""
     import megatron_quads.rollout.grouped as grouped_module
 
     torch.manual_seed(0)
@@ -99,9 +101,35 @@ def test_grouped_experts_with_x_in_the_kernel_order_match_the_natural_order(monk
     top_k_index = torch.rand(80, 8, device="cuda").topk(2, dim=1).indices  # 20 rows an expert
     top_k_weights = torch.rand(80, 2, device="cuda")
     assert layer.gate_up.input_order(hidden, 20) == 128 and layer.gate_up.input_order(hidden, 4) is None
+    assert layer._down_input_in_kernel_order(hidden, 20) and not layer._down_input_in_kernel_order(hidden, 4)
     ordered = layer(hidden, top_k_index, top_k_weights, torch.nn.functional.silu)
     monkeypatch.setattr(grouped_module, "X_ORDER_MIN_ROWS_PER_EXPERT", 1 << 30)
-    assert layer.gate_up.input_order(hidden, 20) is None
+    assert layer.gate_up.input_order(hidden, 20) is None and not layer._down_input_in_kernel_order(hidden, 20)
     natural = layer(hidden, top_k_index, top_k_weights, torch.nn.functional.silu)
     torch.testing.assert_close(ordered.float(), natural.float(), rtol=2e-2, atol=2e-2 * float(natural.abs().max()))
     assert not torch.equal(ordered, torch.zeros_like(ordered))
+
+
+@pytest.mark.gpu
+def test_grouped_experts_forward_is_cuda_graph_capturable() -> None:
+    """The W4A16 layer's forward (routing counts, gather, both kernels in their K orders, scatter)
+    has no host synchronisation, so it captures into a CUDA graph, whose replay on new inputs
+    gives the eager result."""
+    torch.manual_seed(0)
+    layer = _grouped_experts("aqat", hidden=256, ffn=128, experts=8, device="cuda")
+    hidden = torch.randn(80, 256, device="cuda", dtype=torch.bfloat16)
+    top_k_index = torch.rand(80, 8, device="cuda").topk(2, dim=1).indices
+    top_k_weights = torch.rand(80, 2, device="cuda")
+
+    def forward() -> torch.Tensor:
+        return layer(hidden, top_k_index, top_k_weights, torch.nn.functional.silu)
+
+    forward()  # autotuning and compilation outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = forward()
+    hidden.copy_(torch.randn_like(hidden))
+    top_k_index.copy_(torch.rand(80, 8, device="cuda").topk(2, dim=1).indices)
+    graph.replay()
+    torch.testing.assert_close(captured, forward(), rtol=0, atol=0)

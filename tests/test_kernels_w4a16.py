@@ -540,6 +540,28 @@ def test_grouped_x_in_mma_order(kernel_device: str, config: dict[str, int] | Non
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", [
+    None,
+    {"BLOCK_N": 32, "BLOCK_K": 64, "BLOCK_M": 32, "num_warps": 4, "num_stages": 2},
+    {"BLOCK_N": 64, "BLOCK_K": 128, "BLOCK_M": 16, "num_warps": 4, "num_stages": 3},
+], ids=_config_id)
+def test_grouped_y_in_mma_order(kernel_device: str, config: dict[str, int] | None) -> None:
+    """``y_mma_order`` writes each output row in the K order of :func:`mma_k_order_rows`: the
+    natural output reordered, bit for bit, for N of one and of several blocks."""
+    for counts, n in (([3, 0, 17, 5], 128), ([0, 40, 1], 384)):
+        weight = _gaussian_weight((len(counts), n, 64), kernel_device)
+        x = _activations((sum(counts), 64), torch.bfloat16, kernel_device)
+        offsets = expert_offsets_from_counts(torch.tensor(counts)).to(kernel_device)
+        natural = _grouped_run(x, weight, counts, config)
+        ordered = torch.full_like(natural, float("nan"))
+        w4a16.grouped_w4a16_into(x, weight, offsets, ordered, config, y_mma_order=True)
+        assert not torch.equal(ordered, natural)
+        assert _same_bits(ordered, w4a16.mma_k_order_rows(natural, w4a16.X_ORDER_BLOCK_K)), (counts, n)
+    with pytest.raises(ValueError, match="y_mma_order needs N % 128 == 0"):
+        w4a16.grouped_w4a16_kernel(x, _gaussian_weight((3, 192, 64), kernel_device), offsets, y_mma_order=True)
+
+
+@pytest.mark.gpu
 def test_grouped_x_order_argument_errors(kernel_device: str) -> None:
     weight = _gaussian_weight((2, 40, 192), kernel_device)
     offsets = expert_offsets_from_counts(torch.tensor([1, 2])).to(kernel_device)

@@ -63,10 +63,12 @@ tokens, top-8 of 128) 139.5 us with x reordered plus 4.7 us for the reordering a
 4 rows (64 tokens) 88.8 + 2.7 us against 87.9, a loss."""
 
 
-def kernel_x_order(x: torch.Tensor, rows_per_expert: float) -> int | None:
+def kernel_x_order(x: torch.Tensor, rows_per_expert: float, in_features: int | None = None) -> int | None:
     """The K-order block (``X_ORDER_BLOCK_K``) in which :func:`grouped_w4a16_linear` should take
     ``x [T, K]`` for the grouped W4A16 kernel, or ``None`` (natural order): a block when x runs on the
     kernel, K allows it and the mean routed rows per expert reach :data:`X_ORDER_MIN_ROWS_PER_EXPERT`.
+    ``in_features`` is K when x is not that input itself (the MoE's down projection, asked with the
+    layer's hidden states before its input exists).
 
     Putting the tokens' rows in that order (``mma_k_order_rows``) before the MoE gather costs one copy
     of them and saves the kernel reordering every x tile in registers."""
@@ -74,21 +76,24 @@ def kernel_x_order(x: torch.Tensor, rows_per_expert: float) -> int | None:
         return None
     from megatron_quads.nvfp4.kernels.w4a16 import X_ORDER_BLOCK_K
 
-    return X_ORDER_BLOCK_K if x.shape[-1] % X_ORDER_BLOCK_K == 0 else None
+    k = x.shape[-1] if in_features is None else in_features
+    return X_ORDER_BLOCK_K if k % X_ORDER_BLOCK_K == 0 else None
 
 
 def grouped_w4a16_linear(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets: torch.Tensor,
-                         x_mma_order: bool = False) -> torch.Tensor:
+                         x_mma_order: bool = False, y_mma_order: bool = False) -> torch.Tensor:
     """``y[rows of e] = x[rows of e] @ dq(W_e).T`` for every expert (weight-only NVFP4), ``[T, N]``.
 
     On CUDA with bf16 activations: one Triton kernel launch, no host synchronisation. ``x_mma_order``:
-    x's rows are in the kernel's K order (only where :func:`kernel_x_order` gave a block)."""
+    x's rows are in the kernel's K order (only where :func:`kernel_x_order` gave a block);
+    ``y_mma_order``: the output's rows are written in it (for an elementwise op feeding the next
+    grouped GEMM in that order)."""
     if use_kernels(x) and x.dtype == torch.bfloat16:
         from megatron_quads.nvfp4.kernels.w4a16 import grouped_w4a16_kernel
 
-        return grouped_w4a16_kernel(x, weight, expert_offsets, x_mma_order=x_mma_order)
-    if x_mma_order:
-        raise ValueError("x in the kernel's K order needs the grouped W4A16 kernel (CUDA, bf16): see kernel_x_order")
+        return grouped_w4a16_kernel(x, weight, expert_offsets, x_mma_order=x_mma_order, y_mma_order=y_mma_order)
+    if x_mma_order or y_mma_order:
+        raise ValueError("x or y in the kernel's K order needs the grouped W4A16 kernel (CUDA, bf16): see kernel_x_order")
     validate_grouped(x, weight, expert_offsets)
     out = x.new_empty(x.shape[0], weight.shape[1])
     bounds = expert_offsets.tolist()

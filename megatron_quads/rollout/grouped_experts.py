@@ -55,18 +55,23 @@ class GroupedProjection:
     residual: NVFP4Tensor | None = None
     states: Sequence[LinearState] = ()
 
-    def __call__(self, x: torch.Tensor, offsets: torch.Tensor, x_mma_order: bool = False) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, offsets: torch.Tensor, x_mma_order: bool = False,
+                 y_mma_order: bool = False) -> torch.Tensor:
         """The projection of ``x [T, K]``, rows sorted by expert as ``offsets [E + 1]`` says
-        (``x_mma_order``: rows in the W4A16 kernel's K order, from :meth:`input_order`)."""
+        (``x_mma_order``: rows in the W4A16 kernel's K order, from :meth:`input_order`;
+        ``y_mma_order``: the output's rows written in it)."""
         if self.precision.kind == "aqat":
-            return grouped_w4a16_linear(x, self.weight, offsets, x_mma_order)
-        if x_mma_order:
-            raise ValueError(f"only the W4A16 ('aqat') projection takes x in the kernel's K order, not {self.precision.kind!r}")
+            return grouped_w4a16_linear(x, self.weight, offsets, x_mma_order, y_mma_order)
+        if x_mma_order or y_mma_order:
+            raise ValueError(f"only the W4A16 ('aqat') projection works in the kernel's K order, not {self.precision.kind!r}")
         return grouped_rac_linear(x, self.weight, offsets, self.channels, self.residual)
 
     def input_order(self, x: torch.Tensor, rows_per_expert: float) -> int | None:
-        """The K-order block this projection wants ``x`` in (:func:`kernel_x_order`), ``None`` for natural."""
-        return kernel_x_order(x, rows_per_expert) if self.precision.kind == "aqat" else None
+        """The K-order block this projection wants its input in (:func:`kernel_x_order`; ``x`` gives
+        the device and dtype, the weight K), ``None`` for natural."""
+        if self.precision.kind != "aqat":
+            return None
+        return kernel_x_order(x, rows_per_expert, in_features=self.weight.shape[-1])
 
     def view_states(self) -> None:
         """Point each expert's state at its slice of the stacks, so the weights are held once."""
@@ -125,18 +130,29 @@ class GroupedExperts:
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)  # by expert, then token: the per-expert loop's order
         token_idx = order // top_k
-        offsets = expert_offsets_from_counts(torch.bincount(flat, minlength=self.num_experts))
-        block_k = self.gate_up.input_order(hidden_states, flat.numel() / self.num_experts)
+        # not bincount: on CUDA it reads the largest index on the host, which stops CUDA-graph capture
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+        offsets = expert_offsets_from_counts(counts)
+        rows_per_expert = flat.numel() / self.num_experts
+        block_k = self.gate_up.input_order(hidden_states, rows_per_expert)
         source = hidden_states
         if block_k is not None:  # the tokens' rows in the kernel's K order once, before the gather copies them top-k times
             from megatron_quads.nvfp4.kernels.w4a16 import mma_k_order_rows
 
             source = mma_k_order_rows(hidden_states, block_k)
-        gate, up = self.gate_up(source[token_idx], offsets, block_k is not None).chunk(2, dim=-1)
-        y = self.down(act_fn(gate) * up, offsets) * top_k_weights.reshape(-1)[order, None]
+        down_order = self._down_input_in_kernel_order(hidden_states, rows_per_expert)
+        gate, up = self.gate_up(source[token_idx], offsets, block_k is not None, down_order).chunk(2, dim=-1)
+        y = self.down(act_fn(gate) * up, offsets, down_order) * top_k_weights.reshape(-1)[order, None]
         out = torch.zeros_like(hidden_states)
         out.index_add_(0, token_idx, y.to(out.dtype))
         return out
+
+    def _down_input_in_kernel_order(self, hidden_states: torch.Tensor, rows_per_expert: float) -> bool:
+        """Whether gate/up writes its output in the down kernel's K order: ``act(gate) * up`` is
+        elementwise, so with gate and up each in whole K-order blocks it comes out in that order."""
+        block_k = self.down.input_order(hidden_states, rows_per_expert)
+        return (block_k is not None and self.gate_up.precision.kind == "aqat"
+                and self.gate_up.weight.shape[1] % (2 * block_k) == 0)
 
     @classmethod
     def from_states(cls, gate_up: Sequence[LinearState], down: Sequence[LinearState],

@@ -206,7 +206,9 @@ def mma_k_order_x(xt):
 
 
 X_ORDER_BLOCK_K = 128
-"""BLOCK_K of the grouped kernel's ``x_mma_order`` path (the K order depends on it)."""
+"""BLOCK_K of the grouped kernel's ``x_mma_order`` path (the K order depends on it), and the block of
+its ``y_mma_order`` output."""
+_X_ORDER_BLOCK = tl.constexpr(X_ORDER_BLOCK_K)
 
 
 def mma_k_order_rows(x: torch.Tensor, block_k: int) -> torch.Tensor:
@@ -259,11 +261,12 @@ def _accumulate(acc, x_rows, x_live, w_rows, s_rows, stride_xk, kt_lo, kt_hi, K,
 
 @triton.jit
 def round_f32_to(v, DTYPE: tl.constexpr):
-    """fp32 to ``DTYPE`` with round-to-nearest-even; bf16 by bit arithmetic, because the interpreter's
-    fp32 -> bf16 cast truncates (on the GPU both compile to the same rounding)."""
-    if DTYPE == tl.bfloat16:
+    """fp32 to ``DTYPE`` with round-to-nearest-even. Under the interpreter bf16 goes by bit arithmetic,
+    because its fp32 -> bf16 cast truncates; on the GPU the cast is one ``cvt.rn`` per two values
+    (the bit arithmetic cost ~7 instructions a value in every epilogue)."""
+    if INTERPRET and DTYPE == tl.bfloat16:
         bits = v.to(tl.uint32, bitcast=True)
-        # NaN -> quiet NaN first: the GPU's NaN 0x7FFFFFFF would carry into the sign bit
+        # NaN -> quiet NaN first: the NaN 0x7FFFFFFF would carry into the sign bit
         bits = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FC00000, bits)
         bits = bits + 0x7FFF + ((bits >> 16) & 1)
         out = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
@@ -273,10 +276,26 @@ def round_f32_to(v, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def mma_k_order_position(cols, BLOCK_K: tl.constexpr):
+    """Where :func:`mma_k_order_rows` puts column ``cols`` of a row: within its ``BLOCK_K`` run,
+    element ``8 (I t + i) + 4 h + 2 q1 + q0`` goes to ``32 i + 16 q1 + 8 q0 + 2 t + h``."""
+    I: tl.constexpr = BLOCK_K // 32
+    e = cols % BLOCK_K
+    q0 = e & 1
+    q1 = (e >> 1) & 1
+    h = (e >> 2) & 1
+    i = (e >> 3) % I
+    t = (e >> 3) // I
+    return cols - e + 32 * i + 16 * q1 + 8 * q0 + 2 * t + h
+
+
+@triton.jit
 def _store_output(acc, ws2_ptr, y_ptr, offs_n, offs_m, N, m_end, stride_yn, stride_ym, row_scale_ptr=None,
-                  ROW_SCALE: tl.constexpr = False):
+                  ROW_SCALE: tl.constexpr = False, Y_MMA_ORDER: tl.constexpr = False):
     """Epilogue: ``y[m, n] = cast(acc[n, m] * weight_scale_2)`` for ``n < N`` and ``m < m_end``; with
-    ``ROW_SCALE`` the factor is ``row_scale[m] * weight_scale_2`` (the W4A4 ``alpha``)."""
+    ``ROW_SCALE`` the factor is ``row_scale[m] * weight_scale_2`` (the W4A4 ``alpha``). ``Y_MMA_ORDER``
+    writes column ``n`` where :func:`mma_k_order_rows` (:data:`X_ORDER_BLOCK_K`) would put it (N is
+    then a multiple of that block)."""
     DTYPE: tl.constexpr = y_ptr.dtype.element_ty
     if ROW_SCALE:
         alpha = tl.load(row_scale_ptr + offs_m, mask=offs_m < m_end, other=0.0) * tl.load(ws2_ptr)
@@ -284,7 +303,8 @@ def _store_output(acc, ws2_ptr, y_ptr, offs_n, offs_m, N, m_end, stride_yn, stri
     else:
         decode = tl.load(ws2_ptr) * (2.0 ** -OPERAND_LOG2_SCALE)
     y = round_f32_to(acc * decode, DTYPE)
-    ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None] * stride_yn
+    cols = mma_k_order_position(offs_n, _X_ORDER_BLOCK) if Y_MMA_ORDER else offs_n
+    ptrs = y_ptr + offs_m[None, :] * stride_ym + cols[:, None] * stride_yn
     tl.store(ptrs, y, mask=(offs_n[:, None] < N) & (offs_m[None, :] < m_end))
 
 
@@ -358,7 +378,7 @@ def _grouped_rows(
     acc, x_ptr, w_rows, s_rows, ws2_ptr, y_ptr, tail_w_rows, tail_s_rows, row_scale_ptr, offs_n, m0, hi, N, K, K2,
     stride_xm, stride_xk, stride_ym, stride_yn,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_K2: tl.constexpr, HAS_TAIL: tl.constexpr,
-    DOT_F32: tl.constexpr, ROW_SCALE: tl.constexpr, X_MMA_ORDER: tl.constexpr,
+    DOT_F32: tl.constexpr, ROW_SCALE: tl.constexpr, X_MMA_ORDER: tl.constexpr, Y_MMA_ORDER: tl.constexpr,
 ):
     """One token tile of an expert: rows ``m0 .. m0 + acc.shape[1]`` (those below ``hi``), the whole K
     (and the tail), stored through the epilogue. ``acc`` is a zero tile whose shape sets the tile."""
@@ -371,7 +391,7 @@ def _grouped_rows(
     if HAS_TAIL:
         acc = _accumulate(acc, x_rows + K * stride_xk, live, tail_w_rows, tail_s_rows,
                           stride_xk, 0, tl.cdiv(K2, BLOCK_K), K2, BLOCK_K, EVEN_K2, DOT_F32)
-    _store_output(acc, ws2_ptr, y_ptr, offs_n, offs_m, N, hi, stride_yn, stride_ym, row_scale_ptr, ROW_SCALE)
+    _store_output(acc, ws2_ptr, y_ptr, offs_n, offs_m, N, hi, stride_yn, stride_ym, row_scale_ptr, ROW_SCALE, Y_MMA_ORDER)
 
 
 @triton.jit
@@ -382,7 +402,7 @@ def _grouped_kernel(
     stride_tce, stride_tcn, stride_tse, stride_tsn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_K2: tl.constexpr, HAS_TAIL: tl.constexpr, DOT_F32: tl.constexpr, ROW_SCALE: tl.constexpr,
-    X_MMA_ORDER: tl.constexpr = False, HALF_TILE: tl.constexpr = False,
+    X_MMA_ORDER: tl.constexpr = False, HALF_TILE: tl.constexpr = False, Y_MMA_ORDER: tl.constexpr = False,
 ):
     """Grid ``(cdiv(N, BLOCK_N), E)``: expert ``e``'s rows ``offsets[e]:offsets[e+1]``, one N tile;
     ``HAS_TAIL`` and ``ROW_SCALE`` as in :func:`_dense_kernel` (the tail weight stacked ``[E, N, K2]``).
@@ -406,14 +426,14 @@ def _grouped_kernel(
             _grouped_rows(
                 tl.zeros((BLOCK_N, BLOCK_M // 2), dtype=tl.float32), x_ptr, w_rows, s_rows, ws2, y_ptr,
                 tail_w_rows, tail_s_rows, row_scale_ptr, offs_n, m0, hi, N, K, K2, stride_xm, stride_xk, stride_ym,
-                stride_yn, BLOCK_K, EVEN_K, EVEN_K2, HAS_TAIL, DOT_F32, ROW_SCALE, X_MMA_ORDER,
+                stride_yn, BLOCK_K, EVEN_K, EVEN_K2, HAS_TAIL, DOT_F32, ROW_SCALE, X_MMA_ORDER, Y_MMA_ORDER,
             )
     else:
         for m0 in range(lo, hi, BLOCK_M):
             _grouped_rows(
                 tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), x_ptr, w_rows, s_rows, ws2, y_ptr,
                 tail_w_rows, tail_s_rows, row_scale_ptr, offs_n, m0, hi, N, K, K2, stride_xm, stride_xk, stride_ym,
-                stride_yn, BLOCK_K, EVEN_K, EVEN_K2, HAS_TAIL, DOT_F32, ROW_SCALE, X_MMA_ORDER,
+                stride_yn, BLOCK_K, EVEN_K, EVEN_K2, HAS_TAIL, DOT_F32, ROW_SCALE, X_MMA_ORDER, Y_MMA_ORDER,
             )
 
 
@@ -717,6 +737,7 @@ def grouped_w4a16_into(
     tail: NVFP4Tensor | None = None,
     row_scale: torch.Tensor | None = None,
     x_mma_order: bool = False,
+    y_mma_order: bool = False,
 ) -> torch.Tensor:
     """Write the grouped W4A16 product into ``out [T, N]`` and return it (see :func:`grouped_w4a16_kernel`).
 
@@ -724,7 +745,9 @@ def grouped_w4a16_into(
     ``config`` (``BLOCK_N``, ``BLOCK_K``, optional ``BLOCK_M``/``num_warps``/``num_stages``) skips the autotuner.
     ``x_mma_order`` says x's rows are already in the kernel's K order for :data:`X_ORDER_BLOCK_K`
     (:func:`mma_k_order_rows`): x tiles then go from shared memory to the MMA as loaded, and every
-    config (autotuned or given) uses that ``BLOCK_K``.
+    config (autotuned or given) uses that ``BLOCK_K``. ``y_mma_order`` writes each row of ``out`` in
+    that K order (``mma_k_order_rows(y, X_ORDER_BLOCK_K)``, N a multiple of the block): an elementwise
+    op on it (the MoE's ``act(gate) * up``) then yields the next grouped GEMM's ``x_mma_order`` input.
     ``tail`` (stacked ``[E, N, K2]``, the weight's ``weight_scale_2``) and ``row_scale`` (fp32 ``[T]``)
     make it the grouped W4A4 + RAC decode GEMM, as :func:`w4a16_augmented_into` does for one weight:
     x then holds ``K + K2`` values a row.
@@ -750,6 +773,8 @@ def grouped_w4a16_into(
                         or (config is not None and config["BLOCK_K"] != X_ORDER_BLOCK_K)):
         raise ValueError(f"x_mma_order needs K % {X_ORDER_BLOCK_K} == 0 (got K={k}), no tail and BLOCK_K "
                          f"{X_ORDER_BLOCK_K} in a given config")
+    if y_mma_order and n % X_ORDER_BLOCK_K:
+        raise ValueError(f"y_mma_order needs N % {X_ORDER_BLOCK_K} == 0 (whole K-order blocks), got N={n}")
     if out.numel() == 0:
         return out
     x = _rows_contiguous(x)
@@ -765,7 +790,7 @@ def grouped_w4a16_into(
         tail_codes.stride(0), tail_codes.stride(1), tail_scales.stride(0), tail_scales.stride(1),
     )
     common = {"BLOCK_M": block_m, "DOT_F32": _INTERPRET and x.dtype == torch.bfloat16, "ROW_SCALE": row_scale is not None,
-              "X_MMA_ORDER": x_mma_order}
+              "X_MMA_ORDER": x_mma_order, "Y_MMA_ORDER": y_mma_order}
 
     def grid(meta: dict[str, Any]) -> tuple[int, int]:
         return (triton.cdiv(n, meta["BLOCK_N"]), num_experts)
@@ -780,17 +805,18 @@ def grouped_w4a16_into(
 
 
 def grouped_w4a16_kernel(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets: torch.Tensor,
-                         x_mma_order: bool = False) -> torch.Tensor:
+                         x_mma_order: bool = False, y_mma_order: bool = False) -> torch.Tensor:
     """Grouped MoE W4A16: ``y[rows of e] = x[rows of e] @ dq(W_e).T`` for every expert, ``[T, N]``.
 
     ``x [T, K]`` bf16 sorted by expert (with ``x_mma_order``, each row already in the kernel's K
     order: :func:`mma_k_order_rows` with :data:`X_ORDER_BLOCK_K`), ``weight`` stacked ``[E, N, K]``
     with ``weight_scale_2`` ``[E]``, ``[E, 1]`` or one shared value, ``expert_offsets`` int32
-    ``[E + 1]``. Launches without a host sync; matches
+    ``[E + 1]``; ``y_mma_order``: the output's rows in that K order (see :func:`grouped_w4a16_into`).
+    Launches without a host sync; matches
     :func:`megatron_quads.rollout.grouped.grouped_w4a16_linear` up to fp32 summation order.
     """
     if isinstance(x, torch.Tensor) and x.dtype not in _KERNEL_DTYPES:
         raise TypeError(f"W4A16 kernels take bfloat16 activations, got {x.dtype}: use the reference path")
     out = torch.empty(x.shape[0], weight.shape[1], dtype=x.dtype, device=x.device)
-    return grouped_w4a16_into(x, weight, expert_offsets, out, x_mma_order=x_mma_order)
+    return grouped_w4a16_into(x, weight, expert_offsets, out, x_mma_order=x_mma_order, y_mma_order=y_mma_order)
 
