@@ -470,6 +470,38 @@ def _full_tile_times(x: torch.Tensor, qw, offsets: torch.Tensor) -> dict[str, fl
         return {name: round(time_graph(call), 2) for name, call in calls.items()}
 
 
+def bench_moe_layer(bandwidth: float, quick: bool) -> list[dict]:
+    """The engine's grouped MoE layer (``GroupedExperts``, W4A16 / ``aqat``) at Qwen3-30B-A3B expert
+    shapes, routing and gather included, with the kernels' K orders (x before the gather, gate/up
+    writing the down input in it) against all natural (``X_ORDER_MIN_ROWS_PER_EXPERT`` raised)."""
+    import megatron_quads.rollout.grouped as grouped_module
+    from megatron_quads.rollout.grouped_experts import GroupedExperts, GroupedProjection
+    from megatron_quads.rollout.precision import Precision
+
+    experts, topk, hidden, ffn, rows = 128, 8, 2048, 768, []
+    layer = GroupedExperts(GroupedProjection(Precision("aqat"), _weight(2 * ffn, hidden, experts)[1]),
+                           GroupedProjection(Precision("aqat"), _weight(hidden, ffn, experts)[1]))
+    for tokens in (64, 512) if quick else (64, 128, 256, 512):
+        x = torch.randn(tokens, hidden, device=DEV, dtype=torch.bfloat16)
+        top_k_index = torch.rand(tokens, experts, device=DEV).topk(topk, dim=1).indices
+        top_k_weights = torch.rand(tokens, topk, device=DEV)
+
+        def call() -> torch.Tensor:
+            return layer(x, top_k_index, top_k_weights, torch.nn.functional.silu)
+
+        ordered = time_graph(call)
+        with mock.patch.object(grouped_module, "X_ORDER_MIN_ROWS_PER_EXPERT", 1 << 30):
+            natural = time_graph(call)
+        routed = tokens * topk
+        active = int(torch.unique(top_k_index).numel())
+        nbytes = active * 3 * hidden * ffn * (1 / 2 + 1 / 16) + routed * (hidden * 2 + 2 * ffn * 2) * 2
+        rows.append(row(f"moe layer aqat tokens={tokens} (gate/up + down, {active} experts)", ordered, nbytes,
+                        2 * routed * 3 * hidden * ffn, bandwidth, natural_order_us=round(natural, 2),
+                        kernel_order_gain=round(natural / ordered - 1, 3),
+                        down_in_kernel_order=layer._down_input_in_kernel_order(x, routed / experts)))
+    return rows
+
+
 GROUPED_X_MMA_ORDER_CONFIGS = [(128, 4, 4), (128, 4, 3), (256, 8, 4), (64, 4, 3)]
 """(BLOCK_N, num_warps, num_stages) of the grouped kernel timed with x already in its K order
 (``x_mma_order``, BLOCK_K 128): the best three of a session-9 sweep at 512 tokens and the best of a
@@ -482,7 +514,8 @@ def _x_mma_order_sweep(x: torch.Tensor, qw, offsets: torch.Tensor, tokens: int, 
     for bit against the natural-order kernel with the same config; the x-order autotuner's pick; and
     what putting x in that order costs as a separate copy (the routed rows, and the ``tokens`` rows
     before the MoE gather, which is where :class:`~megatron_quads.rollout.grouped_experts.GroupedExperts`
-    does it)."""
+    does it); and the tuned call writing its output in that order too (``y_mma_order``, what gate/up
+    does for the down projection)."""
     from megatron_quads.nvfp4.kernels.w4a16 import (
         grouped_w4a16_into,
         grouped_w4a16_kernel,
@@ -504,7 +537,9 @@ def _x_mma_order_sweep(x: torch.Tensor, qw, offsets: torch.Tensor, tokens: int, 
     best = min(times, key=times.get)
     hidden = x[:tokens]
     tuned = time_graph(lambda: grouped_w4a16_kernel(ordered_x, qw, offsets, x_mma_order=True))
+    y_ordered = time_graph(lambda: grouped_w4a16_kernel(ordered_x, qw, offsets, x_mma_order=True, y_mma_order=True))
     return {"x_mma_order_us": round(times[best], 2), "x_mma_order_config": best, "x_mma_order_tuned_us": round(tuned, 2),
+            "x_and_y_mma_order_tuned_us": round(y_ordered, 2),
             "x_mma_order_speedup_vs_bf16": round(bf16_us / times[best], 2),
             "order_routed_rows_us": round(time_graph(lambda: mma_k_order_rows(x, 128)), 2),
             "order_tokens_us": round(time_graph(lambda: mma_k_order_rows(hidden, 128)), 2)}
@@ -611,7 +646,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--only", nargs="*", default=["quantize", "w4a16", "grouped", "rac"],
-                        help="sections; quantize_tiles (each quantize tile config), w4a16_mma (the experimental Gluon kernels), "
+                        help="sections; quantize_tiles (each quantize tile config), moe_layer (the engine's grouped MoE layer), w4a16_mma (the experimental Gluon kernels), "
                              "w4a16_mma_dense (its dense rows only) and w4a16_tma (the TMA-ring kernel) are extra")
     parser.add_argument("--render", action="store_true", help="only rewrite kernels_gpu.md from kernels_gpu.json (no GPU)")
     parser.add_argument("--mma-shape", action="append", type=_shape_arg, default=None, metavar="M,K,N",
@@ -626,6 +661,7 @@ def main() -> None:
     sections = {"quantize": lambda: bench_quantize(bandwidth, 8192), "quantize_tiles": lambda: bench_quantize_tiles(bandwidth, 8192),
                 "w4a16": lambda: bench_w4a16(bandwidth, args.quick),
                 "grouped": lambda: bench_grouped(bandwidth, args.quick), "rac": lambda: bench_rac(bandwidth, args.quick),
+                "moe_layer": lambda: bench_moe_layer(bandwidth, args.quick),
                 "w4a16_mma": lambda: bench_w4a16_mma(bandwidth, args.quick, shapes=args.mma_shape),
                 "w4a16_mma_dense": lambda: bench_w4a16_mma(bandwidth, args.quick, grouped=False, shapes=args.mma_shape),
                 "w4a16_tma": lambda: bench_w4a16_tma(bandwidth, args.quick, shapes=args.mma_shape)}
