@@ -7,6 +7,7 @@ import torch
 
 from megatron_quads.nvfp4 import NVFP4Tensor, quantize
 from megatron_quads.rollout.grouped import (
+    combine_routed_rows,
     expert_offsets_from_counts,
     expert_weight,
     grouped_rac_linear,
@@ -74,6 +75,26 @@ def test_x_in_the_kernel_order_is_refused_off_the_kernel_path() -> None:
     for order in ({"x_mma_order": True}, {"y_mma_order": True}):
         with pytest.raises(ValueError, match="needs the grouped W4A16 kernel"):
             grouped_w4a16_linear(x, _stacked_weight(), offsets, **order)
+
+
+@pytest.mark.parametrize("weights_dtype", [torch.float32, torch.bfloat16])
+def test_combine_reference_is_index_add_into_the_output(weights_dtype: torch.dtype) -> None:
+    """On the CPU the combine's definition (fp32 sum in row order, one rounding) is what the layer
+    did before: ``index_add_`` of the weighted rows into a zero bf16 output, within bf16 rounding
+    of the exact sum."""
+    torch.manual_seed(0)
+    tokens, top_k, hidden = 40, 4, 96
+    index = torch.rand(tokens, 16).topk(top_k, dim=1).indices
+    order = torch.argsort(index.reshape(-1), stable=True)
+    y = (torch.randn(tokens * top_k, hidden) * torch.exp2(torch.randint(-10, 10, (tokens * top_k, hidden)).float())).bfloat16()
+    weights = torch.rand(tokens, top_k).to(weights_dtype)
+    combined = combine_routed_rows(y, order, weights, torch.bfloat16)
+    before = torch.zeros(tokens, hidden, dtype=torch.bfloat16)
+    before.index_add_(0, order // top_k, (y * weights.reshape(-1)[order, None]).to(torch.bfloat16))
+    assert torch.equal(combined, before)
+    exact = torch.zeros(tokens, hidden, dtype=torch.float64).index_add_(
+        0, order // top_k, y.double() * weights.reshape(-1)[order, None].double())
+    assert (combined.double() - exact).abs().max() <= 2 ** -6 * exact.abs().max()
 
 
 def _grouped_experts(precision: str, hidden: int, ffn: int, experts: int, device: str):

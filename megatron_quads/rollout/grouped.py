@@ -104,6 +104,49 @@ def grouped_w4a16_linear(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets: t
     return out
 
 
+def route_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routed rows sorted by expert: ``order`` (int64 ``[R]``, a stable argsort of the flat ids
+    ``[R]``, so rows of one expert keep their token order) and the experts' row offsets (int32
+    ``[E + 1]``, :func:`expert_offsets_from_counts`). Ids must lie in ``[0, num_experts)``. On CUDA
+    one Triton launch, no host sync (``torch.bincount`` reads the largest id on the host, which
+    would stop CUDA-graph capture)."""
+    if use_kernels(expert_ids) and expert_ids.dtype == torch.int64:
+        from megatron_quads.nvfp4.kernels.moe_routing import route_by_expert_kernel
+
+        return route_by_expert_kernel(expert_ids, num_experts)
+    order = torch.argsort(expert_ids, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=expert_ids.device)
+    counts.index_add_(0, expert_ids, torch.ones_like(expert_ids))
+    return order, expert_offsets_from_counts(counts)
+
+
+_COMBINE_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def combine_routed_rows(y: torch.Tensor, order: torch.Tensor, top_k_weights: torch.Tensor,
+                        out_dtype: torch.dtype) -> torch.Tensor:
+    """The MoE combine: ``out[t] = sum of y[i] * weight`` over the routed rows ``i`` of token ``t``.
+
+    ``y [T * top_k, H]`` holds the routed rows sorted by expert, ``order`` (int64 ``[T * top_k]``) the
+    flat (token, slot) index each row came from, ``top_k_weights [T, top_k]`` the router weights.
+    Each product is rounded to the promoted dtype of ``y`` and the weights, then to ``out_dtype``;
+    a token's products are summed in fp32 from zero in the order of the rows (expert order) and the
+    sum rounded once to ``out_dtype`` (what ``index_add_`` into a bf16 output does on the CPU). On
+    CUDA one Triton launch does it in that same order (``index_add_`` there adds with atomics in no
+    fixed order), so the result is deterministic and the CPU's."""
+    tokens, top_k = top_k_weights.shape
+    if use_kernels(y, top_k_weights) and {y.dtype, top_k_weights.dtype, out_dtype} <= set(_COMBINE_KERNEL_DTYPES):
+        from megatron_quads.nvfp4.kernels.moe_routing import combine_routed_rows_kernel
+
+        slot_rows = torch.empty_like(order)
+        slot_rows[order] = torch.arange(order.numel(), device=order.device)
+        out = torch.empty(tokens, y.shape[1], dtype=out_dtype, device=y.device)
+        return combine_routed_rows_kernel(y.contiguous(), slot_rows.view(tokens, top_k), top_k_weights, out)
+    terms = (y * top_k_weights.reshape(-1)[order, None]).to(out_dtype).to(torch.float32)
+    sums = torch.zeros(tokens, y.shape[1], dtype=torch.float32, device=y.device)
+    return sums.index_add_(0, order // top_k, terms).to(out_dtype)
+
+
 def grouped_rac_linear(
     x: torch.Tensor,
     weight: NVFP4Tensor,

@@ -21,11 +21,12 @@ import torch
 
 from megatron_quads.nvfp4 import NVFP4Tensor
 from megatron_quads.rollout.grouped import (
-    expert_offsets_from_counts,
+    combine_routed_rows,
     expert_weight,
     grouped_rac_linear,
     grouped_w4a16_linear,
     kernel_x_order,
+    route_by_expert,
 )
 from megatron_quads.rollout.precision import LinearState, Precision
 
@@ -128,11 +129,8 @@ class GroupedExperts:
         """Weighted sum over each token's selected experts of ``down(act(gate) * up)``."""
         top_k = top_k_index.shape[-1]
         flat = top_k_index.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # by expert, then token: the per-expert loop's order
+        order, offsets = route_by_expert(flat, self.num_experts)  # by expert, then token: the per-expert loop's order
         token_idx = order // top_k
-        # not bincount: on CUDA it reads the largest index on the host, which stops CUDA-graph capture
-        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
-        offsets = expert_offsets_from_counts(counts)
         rows_per_expert = flat.numel() / self.num_experts
         block_k = self.gate_up.input_order(hidden_states, rows_per_expert)
         source = hidden_states
@@ -142,10 +140,8 @@ class GroupedExperts:
             source = mma_k_order_rows(hidden_states, block_k)
         down_order = self._down_input_in_kernel_order(hidden_states, rows_per_expert)
         gate, up = self.gate_up(source[token_idx], offsets, block_k is not None, down_order).chunk(2, dim=-1)
-        y = self.down(act_fn(gate) * up, offsets, down_order) * top_k_weights.reshape(-1)[order, None]
-        out = torch.zeros_like(hidden_states)
-        out.index_add_(0, token_idx, y.to(out.dtype))
-        return out
+        y = self.down(act_fn(gate) * up, offsets, down_order)
+        return combine_routed_rows(y, order, top_k_weights.reshape(-1, top_k), hidden_states.dtype)
 
     def _down_input_in_kernel_order(self, hidden_states: torch.Tensor, rows_per_expert: float) -> bool:
         """Whether gate/up writes its output in the down kernel's K order: ``act(gate) * up`` is
