@@ -13,6 +13,7 @@ Cases (each row: time, bytes moved, FLOPs, and the fraction of the limit reached
    gate+up N = 1536 and down) for 64..512 decode tokens against BF16 ``torch._grouped_mm``
    (target >= 2.5x faster).
 4. W4A4 + RAC: the cost of the residual channels against plain (emulated) W4A4 per ratio; no target.
+5. (extra, ``--only moe_layer``) the engine's grouped MoE layer, routing to combine, graph-replayed.
 Results: benchmarks/results/kernels_gpu.json (appended) and kernels_gpu.md.
 """
 

@@ -9,7 +9,11 @@ the routed copies of the tokens are sorted by expert once, and each projection i
 is one Triton launch. Per expert the arithmetic is the per-expert path's (the same reference
 functions), and each token's expert outputs are summed in the same (expert) order. Where the W4A16
 kernel runs on enough rows per expert, the tokens' rows are put in its K order before the gather
-(:func:`~megatron_quads.rollout.grouped.kernel_x_order`), which saves the kernel reordering x.
+(:func:`~megatron_quads.rollout.grouped.kernel_x_order`), which saves the kernel reordering x, and
+gate/up writes the down projection's input in it. The routing
+(:func:`~megatron_quads.rollout.grouped.route_by_expert`) and the combine
+(:func:`~megatron_quads.rollout.grouped.combine_routed_rows`: each token's rows summed in expert
+order) are Triton kernels on CUDA too, so a forward has no host sync and captures into a CUDA graph.
 """
 
 from __future__ import annotations
