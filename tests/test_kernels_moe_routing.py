@@ -75,10 +75,14 @@ def test_routing_is_the_stable_argsort(kernel_device: str, rows: int, experts: i
     rows start, empty experts included (a few experts get most rows here); several id blocks at 5003."""
     torch.manual_seed(rows + experts)
     ids = torch.distributions.Categorical(logits=torch.randn(experts) * 2).sample((rows,)).to(kernel_device)
-    order, offsets = route_by_expert_kernel(ids, experts)
+    order = torch.full((rows,), -1, dtype=torch.int64, device=kernel_device)
+    offsets = torch.full((experts + 1,), -1, dtype=torch.int32, device=kernel_device)
+    written = route_by_expert_kernel(ids, experts, order, offsets)
+    assert written[0] is order and written[1] is offsets
     expected_order, expected_offsets = route_by_expert(ids.cpu(), experts)
     assert torch.equal(order.cpu(), expected_order) and torch.equal(offsets.cpu(), expected_offsets)
-    assert offsets.dtype == torch.int32 and order.dtype == torch.int64
+    fresh_order, fresh_offsets = route_by_expert_kernel(ids, experts)
+    assert torch.equal(fresh_order, order) and torch.equal(fresh_offsets, offsets)
 
 
 @pytest.mark.gpu
@@ -87,3 +91,8 @@ def test_routing_argument_errors(kernel_device: str) -> None:
         route_by_expert_kernel(torch.zeros(4, dtype=torch.int32, device=kernel_device), 2)
     with pytest.raises(ValueError, match="num_experts must be positive"):
         route_by_expert_kernel(torch.zeros(4, dtype=torch.int64, device=kernel_device), 0)
+    ids = torch.zeros(4, dtype=torch.int64, device=kernel_device)
+    with pytest.raises(ValueError, match=r"order must be a contiguous int64 tensor of shape \(4,\)"):
+        route_by_expert_kernel(ids, 2, order=torch.empty(4, dtype=torch.int32, device=kernel_device))
+    with pytest.raises(ValueError, match=r"offsets must be a contiguous int32 tensor of shape \[3\]"):
+        route_by_expert_kernel(ids, 2, offsets=torch.empty(2, dtype=torch.int32, device=kernel_device))

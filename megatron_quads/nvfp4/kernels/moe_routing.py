@@ -77,17 +77,24 @@ def _route_kernel(ids_ptr, order_ptr, offsets_ptr, R, BLOCK: tl.constexpr):
         placed += tl.sum(mine.to(tl.int32), axis=0)
 
 
-def route_by_expert_kernel(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def route_by_expert_kernel(expert_ids: torch.Tensor, num_experts: int, order: torch.Tensor | None = None,
+                           offsets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(order, offsets)`` of :func:`megatron_quads.rollout.grouped.route_by_expert` for int64 ids on
-    CUDA: ``order`` int64 ``[R]`` (a stable sort by id), ``offsets`` int32 ``[E + 1]``. Ids must lie in
-    ``[0, num_experts)`` (not checked: that would read them on the host)."""
+    CUDA: ``order`` int64 ``[R]`` (a stable sort by id), ``offsets`` int32 ``[E + 1]``, written into
+    the given tensors if any. Ids must lie in ``[0, num_experts)`` (not checked: that would read them
+    on the host)."""
     if expert_ids.dtype != torch.int64 or expert_ids.ndim != 1:
         raise ValueError(f"expert_ids must be a 1-D int64 tensor, got {expert_ids.dtype} {tuple(expert_ids.shape)}")
     if num_experts < 1:
         raise ValueError(f"num_experts must be positive, got {num_experts}")
     ids = expert_ids.contiguous()
-    order = torch.empty_like(ids)
-    offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=ids.device)
+    order = torch.empty_like(ids) if order is None else order
+    offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=ids.device) if offsets is None else offsets
+    if order.shape != ids.shape or order.dtype != torch.int64 or not order.is_contiguous():
+        raise ValueError(f"order must be a contiguous int64 tensor of shape {tuple(ids.shape)}, got {order.dtype} {tuple(order.shape)}")
+    if offsets.shape != (num_experts + 1,) or offsets.dtype != torch.int32 or not offsets.is_contiguous():
+        raise ValueError(f"offsets must be a contiguous int32 tensor of shape [{num_experts + 1}], got "
+                         f"{offsets.dtype} {tuple(offsets.shape)}")
     block = min(4096, triton.next_power_of_2(max(ids.numel(), 16)))
     _route_kernel[(num_experts,)](ids, order, offsets, ids.numel(), BLOCK=block, num_warps=4)
     return order, offsets
