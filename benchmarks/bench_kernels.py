@@ -433,7 +433,11 @@ def _token_tile_sweep(call) -> dict[str, float]:
 
 def bench_grouped(bandwidth: float, quick: bool) -> list[dict]:
     """Grouped MoE W4A16 at Qwen3-30B-A3B expert shapes vs BF16 torch._grouped_mm (and each token tile)."""
-    from megatron_quads.nvfp4.kernels.w4a16 import grouped_w4a16_kernel
+    from megatron_quads.nvfp4.kernels.w4a16 import (
+        X_ORDER_BLOCK_K,
+        grouped_w4a16_kernel,
+        mma_k_order_rows,
+    )
 
     experts, topk, rows = 128, 8, []
     for proj, (n, k) in {"gate_up": (1536, 2048), "down": (2048, 768)}.items():
@@ -447,22 +451,23 @@ def bench_grouped(bandwidth: float, quick: bool) -> list[dict]:
             active = int((counts > 0).sum())
             fp4_bytes = active * (n * k // 2 + n * k // 16) + x.numel() * 2 + x.shape[0] * n * 2
             flops = 2 * x.shape[0] * n * k
+            ordered_x = mma_k_order_rows(x, X_ORDER_BLOCK_K)  # x in the kernel's K order, for both sweeps
             t4 = time_graph(lambda: grouped_w4a16_kernel(x, qw, offsets))
             tb = time_graph(lambda: torch._grouped_mm(x, w_t, offs=ends))
             rows.append(row(f"grouped w4a16 {proj} tokens={tokens} (rows {x.shape[0]}, {active} experts)", t4, fp4_bytes,
                             flops, bandwidth, bf16_grouped_us=round(tb, 2), speedup_vs_bf16=round(tb / t4, 2),
                             **_token_tile_sweep(lambda: grouped_w4a16_kernel(x, qw, offsets)),
-                            **_full_tile_times(x, qw, offsets),
-                            **_x_mma_order_sweep(x, qw, offsets, tokens, tb)))
+                            **_full_tile_times(x, ordered_x, qw, offsets),
+                            **_x_mma_order_sweep(x, ordered_x, qw, offsets, tokens, tb)))
     return rows
 
 
-def _full_tile_times(x: torch.Tensor, qw, offsets: torch.Tensor) -> dict[str, float]:
-    """The autotuned grouped kernel (natural and x-order) with the half-width token tile for small
-    experts switched off (``w4a16._HALF_TILE``; the same configs, picked with it on): its evidence."""
+def _full_tile_times(x: torch.Tensor, ordered_x: torch.Tensor, qw, offsets: torch.Tensor) -> dict[str, float]:
+    """The autotuned grouped kernel (on ``x``, and on ``ordered_x``: x in its K order) with the
+    half-width token tile for small experts switched off (``w4a16._HALF_TILE``; the same configs,
+    picked with it on): its evidence."""
     import megatron_quads.nvfp4.kernels.w4a16 as kw
 
-    ordered_x = kw.mma_k_order_rows(x, kw.X_ORDER_BLOCK_K)
     calls = {"full_tile_us": lambda: kw.grouped_w4a16_kernel(x, qw, offsets),
              "x_mma_order_full_tile_us": lambda: kw.grouped_w4a16_kernel(ordered_x, qw, offsets, x_mma_order=True)}
     for call in calls.values():
@@ -495,7 +500,9 @@ def bench_moe_layer(bandwidth: float, quick: bool) -> list[dict]:
             natural = time_graph(call)
         routed = tokens * topk
         active = int(torch.unique(top_k_index).numel())
-        nbytes = active * 3 * hidden * ffn * (1 / 2 + 1 / 16) + routed * (hidden * 2 + 2 * ffn * 2) * 2
+        # the active experts' FP4 weights and scales; bf16 activations of both GEMMs: gate/up reads
+        # hidden and writes 2 ffn values a routed row, down reads ffn and writes hidden
+        nbytes = active * 3 * hidden * ffn * (1 / 2 + 1 / 16) + routed * (2 * hidden + 3 * ffn) * 2
         rows.append(row(f"moe layer aqat tokens={tokens} (gate/up + down, {active} experts)", ordered, nbytes,
                         2 * routed * 3 * hidden * ffn, bandwidth, natural_order_us=round(natural, 2),
                         kernel_order_gain=round(natural / ordered - 1, 3),
@@ -509,7 +516,8 @@ GROUPED_X_MMA_ORDER_CONFIGS = [(128, 4, 4), (128, 4, 3), (256, 8, 4), (64, 4, 3)
 session-10 one (64 x 128 with the half-width token tile)."""
 
 
-def _x_mma_order_sweep(x: torch.Tensor, qw, offsets: torch.Tensor, tokens: int, bf16_us: float) -> dict[str, float | str]:
+def _x_mma_order_sweep(x: torch.Tensor, ordered_x: torch.Tensor, qw, offsets: torch.Tensor, tokens: int,
+                       bf16_us: float) -> dict[str, float | str]:
     """The grouped kernel on x whose rows are already in its K order (``x_mma_order``: x tiles go from
     shared memory to the MMA as loaded), best of :data:`GROUPED_X_MMA_ORDER_CONFIGS`, each checked bit
     for bit against the natural-order kernel with the same config; the x-order autotuner's pick; and
@@ -524,7 +532,6 @@ def _x_mma_order_sweep(x: torch.Tensor, qw, offsets: torch.Tensor, tokens: int, 
     )
 
     natural = torch.empty(x.shape[0], qw.shape[1], device=x.device, dtype=x.dtype)  # each config's natural-order output
-    ordered_x = mma_k_order_rows(x, 128)
     out = torch.empty_like(natural)
     times = {}
     for (bn, warps, stages), block_m in itertools.product(GROUPED_X_MMA_ORDER_CONFIGS, (16, 32) if tokens <= 64 else (32, 64)):

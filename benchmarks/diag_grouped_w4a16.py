@@ -18,13 +18,12 @@ each with the half-width token tile on and off (``_HALF_TILE``). Only ``real`` c
 from __future__ import annotations
 
 import datetime
-import importlib.util
 import os
-import sys
 from pathlib import Path
 
 import torch
 import triton
+from kernel_variants import load_source_module, replace_anchor
 from results_io import append_record
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,9 +45,7 @@ CONFIG = {"BLOCK_N": 128, "BLOCK_K": 128, "BLOCK_M": 64, "num_warps": 4, "num_st
 
 
 def _replace(src: str, old: str, new: str) -> str:
-    if old not in src:
-        raise RuntimeError(f"w4a16.py changed: the diagnostic's anchor is gone: {old.splitlines()[0]!r}")
-    return src.replace(old, new, 1)
+    return replace_anchor(src, old, new, "w4a16.py")
 
 
 def variant_source(name: str) -> str:
@@ -62,13 +59,7 @@ def variant_source(name: str) -> str:
 
 def load_variant(name: str, directory: Path):
     """Import :func:`variant_source` ``name`` as its own module (Triton compiles from the file)."""
-    path = directory / f"w4a16_grouped_{name}.py"
-    path.write_text(variant_source(name))
-    spec = importlib.util.spec_from_file_location(f"w4a16_grouped_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_source_module(f"w4a16_grouped_{name}", variant_source(name), directory)
 
 
 def _time_case(modules: dict, proj: str, n: int, k: int, tokens: int = 512) -> dict[str, dict]:

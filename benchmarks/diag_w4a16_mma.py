@@ -20,13 +20,12 @@ Only ``real`` computes the product (``correct`` says whether it matched the Trit
 from __future__ import annotations
 
 import datetime
-import importlib.util
 import os
-import sys
 from pathlib import Path
 
 import torch
 import triton
+from kernel_variants import load_source_module, replace_anchor
 from results_io import append_record
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,9 +57,7 @@ _MOVES_CALL = ('    o = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $8; mov.b32
 
 
 def _replace(src: str, old: str, new: str) -> str:
-    if old not in src:
-        raise RuntimeError(f"w4a16_mma.py changed: the diagnostic's anchor is gone: {old.splitlines()[0]!r}")
-    return src.replace(old, new, 1)
+    return replace_anchor(src, old, new, "w4a16_mma.py")
 
 
 def variant_source(name: str) -> str:
@@ -80,13 +77,7 @@ def variant_source(name: str) -> str:
 
 def load_variant(name: str, directory: Path):
     """Import :func:`variant_source` ``name`` as its own module (Gluon compiles from the file)."""
-    path = directory / f"w4a16_mma_{name}.py"
-    path.write_text(variant_source(name))
-    spec = importlib.util.spec_from_file_location(f"w4a16_mma_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_source_module(f"w4a16_mma_{name}", variant_source(name), directory)
 
 
 CASES = [  # (M, K, N), (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, X_SMEM, maxnreg), variants as (name, replicas)
