@@ -407,7 +407,7 @@ def _grouped_mma_rows(bandwidth: float, quick: bool) -> list[dict]:
         ends = offsets[1:].contiguous()
         tb = time_graph(lambda: torch._grouped_mm(x, w_t, offs=ends))
         active = int((counts > 0).sum())
-        fp4_bytes = active * (n * k // 2 + n * k // 16) + x.numel() * 2 + x.shape[0] * n * 2
+        fp4_bytes = _grouped_bytes(active, n, k, x)
         rows.append(row(f"grouped w4a16 mma gate_up tokens={tokens}", t_mma, fp4_bytes, 2 * x.shape[0] * n * k, bandwidth,
                         best_config=best, triton_us=round(t4, 2), bf16_grouped_us=round(tb, 2),
                         speedup_vs_bf16=round(tb / t_mma, 2), speedup_vs_triton=round(t4 / t_mma, 2), sweep=sweep))
@@ -439,27 +439,42 @@ def bench_grouped(bandwidth: float, quick: bool) -> list[dict]:
         mma_k_order_rows,
     )
 
-    experts, topk, rows = 128, 8, []
-    for proj, (n, k) in {"gate_up": (1536, 2048), "down": (2048, 768)}.items():
+    rows = []
+    for proj, w_t, qw, tokens, counts, offsets, x in _routed_cases(quick):
+        n, k = qw.shape[1:]
+        active = int((counts > 0).sum())
+        fp4_bytes = _grouped_bytes(active, n, k, x)
+        ordered_x = mma_k_order_rows(x, X_ORDER_BLOCK_K)  # x in the kernel's K order, for both sweeps
+        t4 = time_graph(lambda: grouped_w4a16_kernel(x, qw, offsets))
+        tb = time_graph(lambda: torch._grouped_mm(x, w_t, offs=offsets[1:].contiguous()))
+        rows.append(row(f"grouped w4a16 {proj} tokens={tokens} (rows {x.shape[0]}, {active} experts)", t4, fp4_bytes,
+                        2 * x.shape[0] * n * k, bandwidth, bf16_grouped_us=round(tb, 2), speedup_vs_bf16=round(tb / t4, 2),
+                        **_token_tile_sweep(lambda: grouped_w4a16_kernel(x, qw, offsets)),
+                        **_full_tile_times(x, ordered_x, qw, offsets),
+                        **_x_mma_order_sweep(x, ordered_x, qw, offsets, tokens, tb)))
+    return rows
+
+
+def _grouped_bytes(active: int, n: int, k: int, x: torch.Tensor) -> int:
+    """Bytes a grouped W4A16 GEMM moves: the active experts' FP4 codes and scales, x, the bf16 output."""
+    return active * (n * k // 2 + n * k // 16) + x.numel() * 2 + x.shape[0] * n * 2
+
+
+QWEN3_EXPERT_SHAPES = {"gate_up": (1536, 2048), "down": (2048, 768)}
+"""(N, K) of Qwen3-30B-A3B's expert projections (hidden 2048, expert ffn 768; 128 experts, top-8)."""
+
+
+def _routed_cases(quick: bool):
+    """The grouped sections' cases: ``(projection, BF16 weight as grouped_mm's B [E, K, N], its NVFP4
+    stack, tokens, rows per expert, expert offsets, routed x)``, random routing of top-8 of 128."""
+    experts, topk = 128, 8
+    for proj, (n, k) in QWEN3_EXPERT_SHAPES.items():
         w, qw = _weight(n, k, experts)
         w_t = w.transpose(1, 2)  # [E, K, N] column-major view, what grouped_mm's B expects
         for tokens in (64, 512) if quick else (64, 128, 256, 512):
             counts = _routing(tokens, experts, topk)
             offsets = expert_offsets_from_counts(counts)
-            x = torch.randn(tokens * topk, k, device=DEV, dtype=torch.bfloat16)
-            ends = offsets[1:].contiguous()
-            active = int((counts > 0).sum())
-            fp4_bytes = active * (n * k // 2 + n * k // 16) + x.numel() * 2 + x.shape[0] * n * 2
-            flops = 2 * x.shape[0] * n * k
-            ordered_x = mma_k_order_rows(x, X_ORDER_BLOCK_K)  # x in the kernel's K order, for both sweeps
-            t4 = time_graph(lambda: grouped_w4a16_kernel(x, qw, offsets))
-            tb = time_graph(lambda: torch._grouped_mm(x, w_t, offs=ends))
-            rows.append(row(f"grouped w4a16 {proj} tokens={tokens} (rows {x.shape[0]}, {active} experts)", t4, fp4_bytes,
-                            flops, bandwidth, bf16_grouped_us=round(tb, 2), speedup_vs_bf16=round(tb / t4, 2),
-                            **_token_tile_sweep(lambda: grouped_w4a16_kernel(x, qw, offsets)),
-                            **_full_tile_times(x, ordered_x, qw, offsets),
-                            **_x_mma_order_sweep(x, ordered_x, qw, offsets, tokens, tb)))
-    return rows
+            yield proj, w_t, qw, tokens, counts, offsets, torch.randn(tokens * topk, k, device=DEV, dtype=torch.bfloat16)
 
 
 def _full_tile_times(x: torch.Tensor, ordered_x: torch.Tensor, qw, offsets: torch.Tensor) -> dict[str, float]:
@@ -470,9 +485,10 @@ def _full_tile_times(x: torch.Tensor, ordered_x: torch.Tensor, qw, offsets: torc
 
     calls = {"full_tile_us": lambda: kw.grouped_w4a16_kernel(x, qw, offsets),
              "x_mma_order_full_tile_us": lambda: kw.grouped_w4a16_kernel(ordered_x, qw, offsets, x_mma_order=True)}
-    for call in calls.values():
-        call()  # autotune with the half tile on, as the default runs
-    with mock.patch.object(kw, "_HALF_TILE", False):
+    with mock.patch.object(kw, "_WS_DISPATCH", False):
+        for call in calls.values():
+            call()  # autotune with the half tile on, as the default runs
+    with mock.patch.object(kw, "_HALF_TILE", False), mock.patch.object(kw, "_WS_DISPATCH", False):
         return {name: round(time_graph(call), 2) for name, call in calls.items()}
 
 
@@ -480,6 +496,7 @@ def bench_moe_layer(bandwidth: float, quick: bool) -> list[dict]:
     """The engine's grouped MoE layer (``GroupedExperts``, W4A16 / ``aqat``) at Qwen3-30B-A3B expert
     shapes, routing and gather included, with the kernels' K orders (x before the gather, gate/up
     writing the down input in it) against all natural (``X_ORDER_MIN_ROWS_PER_EXPERT`` raised)."""
+    import megatron_quads.nvfp4.kernels.w4a16 as kw
     import megatron_quads.rollout.grouped as grouped_module
     from megatron_quads.rollout.grouped_experts import GroupedExperts, GroupedProjection
     from megatron_quads.rollout.precision import Precision
@@ -498,6 +515,8 @@ def bench_moe_layer(bandwidth: float, quick: bool) -> list[dict]:
         ordered = time_graph(call)
         with mock.patch.object(grouped_module, "X_ORDER_MIN_ROWS_PER_EXPERT", 1 << 30):
             natural = time_graph(call)
+        with mock.patch.object(kw, "_WS_DISPATCH", False):
+            triton_only = time_graph(call)
         routed = tokens * topk
         active = int(torch.unique(top_k_index).numel())
         # the active experts' FP4 weights and scales; bf16 activations of both GEMMs: gate/up reads
@@ -505,6 +524,7 @@ def bench_moe_layer(bandwidth: float, quick: bool) -> list[dict]:
         nbytes = active * 3 * hidden * ffn * (1 / 2 + 1 / 16) + routed * (2 * hidden + 3 * ffn) * 2
         rows.append(row(f"moe layer aqat tokens={tokens} (gate/up + down, {active} experts)", ordered, nbytes,
                         2 * routed * 3 * hidden * ffn, bandwidth, natural_order_us=round(natural, 2),
+                        triton_grouped_us=round(triton_only, 2),
                         kernel_order_gain=round(natural / ordered - 1, 3),
                         down_in_kernel_order=layer._down_input_in_kernel_order(x, routed / experts)))
     return rows
@@ -525,6 +545,7 @@ def _x_mma_order_sweep(x: torch.Tensor, ordered_x: torch.Tensor, qw, offsets: to
     before the MoE gather, which is where :class:`~megatron_quads.rollout.grouped_experts.GroupedExperts`
     does it); and the tuned call writing its output in that order too (``y_mma_order``, what gate/up
     does for the down projection)."""
+    import megatron_quads.nvfp4.kernels.w4a16 as kw
     from megatron_quads.nvfp4.kernels.w4a16 import (
         grouped_w4a16_into,
         grouped_w4a16_kernel,
@@ -544,13 +565,76 @@ def _x_mma_order_sweep(x: torch.Tensor, ordered_x: torch.Tensor, qw, offsets: to
             lambda: grouped_w4a16_into(ordered_x, qw, offsets, out, cfg, x_mma_order=True))
     best = min(times, key=times.get)
     hidden = x[:tokens]
-    tuned = time_graph(lambda: grouped_w4a16_kernel(ordered_x, qw, offsets, x_mma_order=True))
-    y_ordered = time_graph(lambda: grouped_w4a16_kernel(ordered_x, qw, offsets, x_mma_order=True, y_mma_order=True))
+    with mock.patch.object(kw, "_WS_DISPATCH", False):  # the Triton kernel's autotuner, not the Gluon dispatch
+        tuned = time_graph(lambda: grouped_w4a16_kernel(ordered_x, qw, offsets, x_mma_order=True))
+        y_ordered = time_graph(lambda: grouped_w4a16_kernel(ordered_x, qw, offsets, x_mma_order=True, y_mma_order=True))
     return {"x_mma_order_us": round(times[best], 2), "x_mma_order_config": best, "x_mma_order_tuned_us": round(tuned, 2),
             "x_and_y_mma_order_tuned_us": round(y_ordered, 2),
             "x_mma_order_speedup_vs_bf16": round(bf16_us / times[best], 2),
             "order_routed_rows_us": round(time_graph(lambda: mma_k_order_rows(x, 128)), 2),
             "order_tokens_us": round(time_graph(lambda: mma_k_order_rows(hidden, 128)), 2)}
+
+
+WS_CONFIGS = [
+    {},  # the defaults (w4a16_ws.default_config: BLOCK_K 256 where it divides K)
+    {"HALF_TILE": 0},
+    {"LOADER_REGS": 24},
+    {"BLOCK_K": 128, "STAGES": 3},
+    {"BLOCK_K": 128, "STAGES": 4, "CTAS_PER_SM": 1, "maxnreg": 0},  # the first version's default
+    {"BLOCK_N": 64, "num_warps": 4, "BLOCK_K": 128, "STAGES": 3, "CTAS_PER_SM": 3, "maxnreg": 80},
+    {"BLOCK_N": 64, "num_warps": 4, "BLOCK_K": 128, "STAGES": 2, "CTAS_PER_SM": 4, "maxnreg": 64},
+    {"BLOCK_N": 64, "num_warps": 4, "BLOCK_K": 256, "STAGES": 2, "CTAS_PER_SM": 2, "maxnreg": 128},
+    {"BLOCK_N": 256, "num_warps": 16, "BLOCK_K": 128, "STAGES": 3, "CTAS_PER_SM": 1, "maxnreg": 0},
+]
+"""Configs of the warp-specialized grouped kernel (``w4a16_ws``) timed by ``--only grouped_ws``, over
+its defaults (:func:`~megatron_quads.nvfp4.kernels.w4a16_ws.default_config`)."""
+
+
+def bench_grouped_ws(bandwidth: float, quick: bool) -> list[dict]:
+    """The warp-specialized Gluon grouped kernel at Qwen3-30B-A3B expert shapes, x in its K order,
+    best of :data:`WS_CONFIGS` (each checked against the Triton kernel first), against the Triton
+    kernel on the same x (its autotuner) and BF16 ``torch._grouped_mm``."""
+    import megatron_quads.nvfp4.kernels.w4a16 as kw
+    from megatron_quads.nvfp4.kernels.w4a16 import (
+        X_ORDER_BLOCK_K,
+        grouped_w4a16_kernel,
+        mma_k_order_rows,
+    )
+    from megatron_quads.nvfp4.kernels.w4a16_ws import grouped_w4a16_ws_into
+
+    named_configs = {",".join(f"{key}={value}" for key, value in cfg.items()) or "default": cfg for cfg in WS_CONFIGS}
+    rows = []
+    for proj, w_t, qw, tokens, counts, offsets, x in _routed_cases(quick):
+        n, k = qw.shape[1:]
+        ordered_x = mma_k_order_rows(x, X_ORDER_BLOCK_K)
+        with mock.patch.object(kw, "_WS_DISPATCH", False):  # the Triton kernel (its autotuner)
+            reference = grouped_w4a16_kernel(ordered_x, qw, offsets, x_mma_order=True)
+            t_triton = time_graph(lambda: grouped_w4a16_kernel(ordered_x, qw, offsets, x_mma_order=True))
+        out = torch.empty_like(reference)
+        times, same_bits, wrong = {}, {}, {}
+        for name, cfg in named_configs.items():
+            out.fill_(float("nan"))
+            grouped_w4a16_ws_into(ordered_x, qw, offsets, out, cfg)
+            scale = float(reference.float().abs().max())
+            close = torch.isclose(out.float(), reference.float(), rtol=2**-7, atol=1e-3 * scale)
+            if not close.all():  # recorded and not timed (a wrong kernel's time means nothing)
+                wrong[name] = {"elements": int((~close).sum()), "rows": int((~close).any(1).sum())}
+                continue
+            same_bits[name] = bool(torch.equal(out, reference))
+            times[name] = time_graph(lambda cfg=cfg: grouped_w4a16_ws_into(ordered_x, qw, offsets, out, cfg))
+        best = min(times, key=times.get)
+        t_y_order = time_graph(lambda: grouped_w4a16_ws_into(ordered_x, qw, offsets, out, named_configs[best],
+                                                             y_mma_order=True))
+        tb = time_graph(lambda: torch._grouped_mm(x, w_t, offs=offsets[1:].contiguous()))
+        active = int((counts > 0).sum())
+        fp4_bytes = _grouped_bytes(active, n, k, x)
+        rows.append(row(f"grouped w4a16 ws {proj} tokens={tokens} (rows {x.shape[0]}, {active} experts)", times[best],
+                        fp4_bytes, 2 * x.shape[0] * n * k, bandwidth, best_config=best,
+                        triton_x_mma_order_us=round(t_triton, 2), y_mma_order_us=round(t_y_order, 2),
+                        bf16_grouped_us=round(tb, 2), speedup_vs_bf16=round(tb / times[best], 2),
+                        speedup_vs_triton=round(t_triton / times[best], 2), same_bits_as_triton=same_bits, wrong=wrong,
+                        sweep={name: round(t, 2) for name, t in times.items()}))
+    return rows
 
 
 def _both_rac_paths(call, kind: str) -> tuple[float, float]:
@@ -628,7 +712,7 @@ def markdown_view(history: list[dict]) -> str:
     lines = ["# NVFP4 kernels on the GPU: the newest run of each section", "",
              ("From `kernels_gpu.json` (every run). `floor_us`: bytes / the copy bandwidth measured in the same "
              "run; `frac_of_floor`: floor_us / us. GEMMs timed by CUDA-graph replay."), ""]
-    order = ["quantize", "quantize_tiles", "w4a16", "w4a16_mma", "grouped", "rac"]
+    order = ["quantize", "quantize_tiles", "w4a16", "w4a16_mma", "grouped", "grouped_ws", "moe_layer", "rac"]
     for name in sorted(newest, key=lambda n: (order.index(n) if n in order else len(order), n)):
         record, rows = newest[name]
         keys = [key for key, value in rows[0].items() if not isinstance(value, dict)]  # sweeps stay in the JSON
@@ -654,7 +738,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--only", nargs="*", default=["quantize", "w4a16", "grouped", "rac"],
-                        help="sections; quantize_tiles (each quantize tile config), moe_layer (the engine's grouped MoE layer), w4a16_mma (the experimental Gluon kernels), "
+                        help="sections; quantize_tiles (each quantize tile config), moe_layer (the engine's grouped MoE layer), "
+                             "grouped_ws (the warp-specialized Gluon grouped kernel), w4a16_mma (the experimental Gluon kernels), "
                              "w4a16_mma_dense (its dense rows only) and w4a16_tma (the TMA-ring kernel) are extra")
     parser.add_argument("--render", action="store_true", help="only rewrite kernels_gpu.md from kernels_gpu.json (no GPU)")
     parser.add_argument("--mma-shape", action="append", type=_shape_arg, default=None, metavar="M,K,N",
@@ -670,6 +755,7 @@ def main() -> None:
                 "w4a16": lambda: bench_w4a16(bandwidth, args.quick),
                 "grouped": lambda: bench_grouped(bandwidth, args.quick), "rac": lambda: bench_rac(bandwidth, args.quick),
                 "moe_layer": lambda: bench_moe_layer(bandwidth, args.quick),
+                "grouped_ws": lambda: bench_grouped_ws(bandwidth, args.quick),
                 "w4a16_mma": lambda: bench_w4a16_mma(bandwidth, args.quick, shapes=args.mma_shape),
                 "w4a16_mma_dense": lambda: bench_w4a16_mma(bandwidth, args.quick, grouped=False, shapes=args.mma_shape),
                 "w4a16_tma": lambda: bench_w4a16_tma(bandwidth, args.quick, shapes=args.mma_shape)}

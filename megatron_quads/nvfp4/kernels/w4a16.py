@@ -536,6 +536,25 @@ H200, ``bench_kernels.py --quick --only grouped`` (2026-11-30T10:10, its ``full_
 it off): 512 tokens gate/up 157.5 -> 151.1 us, 143.1 -> 129.0 us with x in the kernel's K order."""
 
 
+_WS_DISPATCH = True
+"""Whether :func:`grouped_w4a16_into` hands x-in-K-order calls without a config, tail or row scale to
+the warp-specialized Gluon kernel (:mod:`~megatron_quads.nvfp4.kernels.w4a16_ws`) where it runs
+(sm_90): H200, ``bench_kernels.py --quick --only grouped_ws`` (2026-11-30), gate/up at 512 tokens
+109.6 against 124.8 us, down 66.7 against 70.4 us, at 64 tokens 83.7 against 88.6 and 47.9 against
+48.3 us. Benchmarks switch it off to time the Triton kernel."""
+
+
+@functools.cache
+def _warp_specialized() -> Any:
+    """The Gluon module :mod:`~megatron_quads.nvfp4.kernels.w4a16_ws`, or None where this Triton lacks
+    what it needs (Gluon's warp specialization, Hopper wgmma and TMA: Triton 3.6 has them)."""
+    try:
+        from megatron_quads.nvfp4.kernels import w4a16_ws
+    except (ImportError, AttributeError):
+        return None
+    return w4a16_ws
+
+
 def _half_tile(args: dict[str, Any]) -> bool:
     # a dot needs at least 16 columns
     return _HALF_TILE and args["BLOCK_M"] >= 32
@@ -723,6 +742,24 @@ def w4a16_augmented_into(
     return out
 
 
+def check_grouped_bf16_call(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets: torch.Tensor,
+                            out: torch.Tensor) -> tuple[int, int, int]:
+    """The argument checks the Gluon grouped kernels share (plain W4A16, bf16 in and out): x ``[T, K]``
+    against the stacked ``[E, N, K]`` weight, int32 offsets, one or ``E`` decode scales, out ``[T, N]``;
+    returns ``(E, N, K)``."""
+    from megatron_quads.rollout.grouped import check_grouped_shapes
+
+    check_grouped_shapes(x, weight, expert_offsets)
+    num_experts, n, k = weight.shape
+    _check_weight_parts(x, weight, k)
+    if expert_offsets.dtype != torch.int32:
+        raise ValueError(f"expert_offsets must be int32, got {expert_offsets.dtype}")
+    if weight.weight_scale_2.numel() not in (1, num_experts):
+        raise ValueError(f"weight_scale_2 must hold 1 or {num_experts} values, got shape {tuple(weight.weight_scale_2.shape)}")
+    _check_out(out, (x.shape[0], n), (torch.bfloat16,), x.device)
+    return num_experts, n, k
+
+
 def _grouped_block_m(rows: int, experts: int) -> int:
     """Row chunk per expert from the mean rows per expert (known without a device sync)."""
     return _block_m(2 * triton.cdiv(rows, max(experts, 1)))
@@ -777,6 +814,10 @@ def grouped_w4a16_into(
         raise ValueError(f"y_mma_order needs N % {X_ORDER_BLOCK_K} == 0 (whole K-order blocks), got N={n}")
     if out.numel() == 0:
         return out
+    if x_mma_order and config is None and tail is None and row_scale is None and _WS_DISPATCH:
+        ws = _warp_specialized()
+        if ws is not None and ws.supports(x, k):
+            return ws.grouped_w4a16_ws_into(x, weight, expert_offsets.to(x.device), out, y_mma_order=y_mma_order)
     x = _rows_contiguous(x)
     codes, scales = _operands(weight)
     tail_codes, tail_scales = (codes, scales) if tail is None else _operands(tail)  # never read without a tail

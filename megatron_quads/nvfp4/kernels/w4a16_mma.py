@@ -49,6 +49,7 @@ from megatron_quads.nvfp4.kernels.w4a16 import (
     _check_weight_parts,
     _operands,
     _split_counters,
+    check_grouped_bf16_call,
 )
 from megatron_quads.nvfp4.tensor import NVFP4Tensor
 
@@ -677,16 +678,7 @@ def grouped_w4a16_mma_into(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets:
     host: no sync). ``config`` as in :func:`w4a16_mma_linear_into` without ``SPLIT_K``; the default
     token tile follows the mean rows per expert.
     """
-    from megatron_quads.rollout.grouped import check_grouped_shapes
-
-    check_grouped_shapes(x, weight, expert_offsets)
-    num_experts, n, k = weight.shape
-    _check_weight_parts(x, weight, k)
-    if expert_offsets.dtype != torch.int32:
-        raise ValueError(f"expert_offsets must be int32, got {expert_offsets.dtype}")
-    if weight.weight_scale_2.numel() not in (1, num_experts):
-        raise ValueError(f"weight_scale_2 must hold 1 or {num_experts} values, got shape {tuple(weight.weight_scale_2.shape)}")
-    _check_out(out, (x.shape[0], n), (torch.bfloat16,), x.device)
+    num_experts, n, k = check_grouped_bf16_call(x, weight, expert_offsets, out)
     mean_rows = triton.cdiv(2 * x.shape[0], max(num_experts, 1))  # twice the mean: most experts fit one tile
     cfg: dict[str, Any] = {**GROUPED_DEFAULT_CONFIG, "BLOCK_M": default_block_m(mean_rows), **(config or {})}
     _check_config(cfg, k)

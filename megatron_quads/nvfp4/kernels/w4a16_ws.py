@@ -1,0 +1,412 @@
+"""Grouped (MoE) W4A16 in Gluon with warp specialization: a loader warp streams, the MMA warps compute.
+
+The Triton grouped kernel (:func:`~megatron_quads.nvfp4.kernels.w4a16.grouped_w4a16_into`) issues its
+loads, the dequantization and the wgmma from the same warps; at 512 tokens its profile shows 40% of
+the issue slots busy with ~2 warps a scheduler, and a copy of it without the dequantization still
+takes 111 us of the 125 (docs/kernels.md): the warps wait on their own pipeline. Here the work is split
+the way Hopper GEMMs are (``gl.warp_specialize``):
+
+* one loader warp (:func:`_load_partition`) walks the program's token tiles and K steps and puts each
+  step's code words ``[BN, BK/8]`` (int32) and x tile ``[BM, BK]`` (bf16, already in the MMA K order:
+  :func:`~megatron_quads.nvfp4.kernels.w4a16.mma_k_order_rows`) into a ring of ``STAGES`` shared
+  memory stages by TMA, each stage completing a ``ready`` mbarrier;
+* the MMA warps (the default partition, ``BN / 64`` warpgroups, :func:`_mma_partition`) wait on it,
+  read the words into the registers of the wgmma A operand (the K permutation of
+  :func:`~megatron_quads.nvfp4.kernels.w4a16_mma._dequant_a`: no data moves between threads),
+  dequantize them, and issue a register-A wgmma against the x tile in shared memory; the next
+  step's words are read while it runs, and a stage goes back to the loader (its ``empty``
+  mbarrier) once the wgmma that read it has retired. Scale bytes (1/9 of the weight bytes) are
+  loaded by the MMA warps themselves, one K step ahead.
+
+Same operands, products and K order of the fp32 accumulation as the Triton kernel (bit for bit its
+output in every benchmark and GPU test so far). Dispatched by
+:func:`~megatron_quads.nvfp4.kernels.w4a16.grouped_w4a16_into` for x in K order on sm_90 (10-15%
+faster than the Triton kernel at 512 tokens, docs/kernels.md); ``bench_kernels.py --only
+grouped_ws`` times its configs. Needs ``K % BLOCK_K == 0`` and x in the K order of 128-blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from megatron_quads.nvfp4.kernels.w4a16 import (
+    _INTERPRET,
+    _X_ORDER_BLOCK,
+    OPERAND_LOG2_SCALE,
+    X_ORDER_BLOCK_K,
+    _grouped_block_m,
+    _operands,
+    _sm_count,
+    check_grouped_bf16_call,
+)
+from megatron_quads.nvfp4.kernels.w4a16_mma import (
+    _dequant_a,
+    _scale_pointers,
+    scale_bytes_layout,
+    words_layout,
+)
+from megatron_quads.nvfp4.kernels.w4a16_tma import words_ring_layout, words_tile_layout
+from megatron_quads.nvfp4.tensor import NVFP4Tensor
+
+
+@gluon.constexpr_function
+def wgmma_layout(block_m: int, num_warps: int) -> gl.NVMMADistributedLayout:
+    """fp32 accumulator ``y^T [BN, BM]`` of the wgmma: warpgroups stacked along the weight rows (64 each)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_m, 16])
+
+
+X_SUB_K = 64
+"""x's K per shared-memory tile: one 128-byte swizzled line a token row (a K step holds BLOCK_K / 64)."""
+_X_SUB_K = gl.constexpr(X_SUB_K)
+
+
+@gluon.constexpr_function
+def x_tile_layout(block_m: int) -> gl.NVMMASharedLayout:
+    """The x ring's shared layout (and its TMA descriptor's): ``[BM, 64]`` bf16 tiles, one 128-byte
+    swizzled line a token row (the wgmma's K-major B layout); a half-height box lands in the first
+    ``BM / 2`` lines of a tile."""
+    return gl.NVMMASharedLayout.get_default_for([block_m, X_SUB_K], gl.bfloat16)
+
+
+@gluon.jit
+def _k_order_position(cols, BLOCK_K: gl.constexpr):
+    """Where :func:`~megatron_quads.nvfp4.kernels.w4a16.mma_k_order_rows` puts column ``cols``
+    (the Gluon twin of :func:`~megatron_quads.nvfp4.kernels.w4a16.mma_k_order_position`)."""
+    I: gl.constexpr = BLOCK_K // 32
+    e = cols % BLOCK_K
+    i = (e >> 3) % I
+    t = (e >> 3) // I
+    return cols - e + 32 * i + 16 * ((e >> 1) & 1) + 8 * (e & 1) + 2 * t + ((e >> 2) & 1)
+
+
+@gluon.jit
+def _load_partition(w_desc, x_desc, ring_w, ring_x, ready, empty, offsets_ptr, N, K, num_tiles, n_tiles,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                    HALF_TILE: gl.constexpr):
+    """The loader warp: every (tile, token tile, K step) of the program in the MMA warps' order, into
+    the ring: the weight rows' code words, and x as ``BLOCK_K / 64`` tiles of ``[BM, 64]`` by
+    half-height boxes (a half tile reads only the rows it multiplies)."""
+    SUB: gl.constexpr = BLOCK_K // _X_SUB_K
+    HALF_X_BYTES: gl.constexpr = x_desc.block_type.nbytes * SUB
+    FULL_BYTES: gl.constexpr = w_desc.block_type.nbytes + 2 * HALF_X_BYTES
+    k_steps = K // BLOCK_K
+    step = 0
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        expert = tile // n_tiles
+        row0 = expert * N + (tile % n_tiles) * BLOCK_N
+        lo = gl.load(offsets_ptr + expert)
+        hi = gl.load(offsets_ptr + expert + 1)
+        for m0 in range(lo, hi, BLOCK_M):
+            half = (hi - m0 <= BLOCK_M // 2).to(gl.int32) * HALF_TILE  # as the MMA warps decide
+            for kt in range(k_steps):
+                stage = step % STAGES
+                # a fresh mbarrier counts as having completed the phase before 0: the first lap waits on nothing
+                mbarrier.wait(empty.index(stage), ((step // STAGES) & 1) ^ 1)
+                bar = ready.index(stage)
+                mbarrier.expect(bar, FULL_BYTES - HALF_X_BYTES, pred=half == 1)  # the byte count is a constant
+                mbarrier.expect(bar, FULL_BYTES, pred=half == 0)
+                tma.async_copy_global_to_shared(w_desc, [row0, kt * (BLOCK_K // 8)], bar, ring_w.index(stage))
+                for j in gl.static_range(SUB):  # x's rows m0 .. m0 + BM (the first half only for a half tile)
+                    x_tile = ring_x.index(stage * SUB + j)
+                    k0 = kt * BLOCK_K + j * _X_SUB_K
+                    tma.async_copy_global_to_shared(x_desc, [m0, k0], bar, x_tile.slice(0, BLOCK_M // 2))
+                    tma.async_copy_global_to_shared(x_desc, [m0 + BLOCK_M // 2, k0], bar,
+                                                    x_tile.slice(BLOCK_M // 2, BLOCK_M // 2), pred=half == 0)
+                step += 1
+
+
+@gluon.jit
+def _read_words(ring_w, ready, step, sub, STAGES: gl.constexpr, WTILE: gl.constexpr, WORDS: gl.constexpr,
+                WAIT: gl.constexpr = True):
+    """The code words ``[BN, 4, I]`` of 128-wide sub-step ``sub`` of ring step ``step`` in the A
+    operand's registers (``WAIT``: once the stage has landed)."""
+    stage = step % STAGES
+    if WAIT:
+        mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
+    BLOCK_N: gl.constexpr = WORDS.shape[0]
+    I: gl.constexpr = WORDS.shape[2]
+    words = ring_w.index(stage)
+    if words.shape[1] > 4 * I:
+        words = words.slice(sub * 4 * I, 4 * I, dim=1)
+    return gl.convert_layout(gl.reshape(words.load(WTILE), (BLOCK_N, 4, I)), WORDS, assert_trivial=True)
+
+
+@gluon.jit
+def _k_halves(a, A_HALF: gl.constexpr):
+    """The A operand ``[BN, 128]`` as its K positions ``0..63`` and ``64..127`` (registers of k16
+    slices 0-3 and 4-7: a renaming)."""
+    BLOCK_N: gl.constexpr = a.shape[0]
+    lo, hi = gl.split(gl.permute(gl.reshape(a, (BLOCK_N, 2, _X_SUB_K)), (0, 2, 1)))
+    return gl.convert_layout(lo, A_HALF, assert_trivial=True), gl.convert_layout(hi, A_HALF, assert_trivial=True)
+
+
+@gluon.jit
+def _x_operand(ring_x, index, TILE_M: gl.constexpr):
+    """x tile ``index`` of the ring as the wgmma's B operand ``[64, TILE_M]`` (its first ``TILE_M`` rows)."""
+    tile = ring_x.index(index)
+    if TILE_M < tile.shape[0]:
+        tile = tile.slice(0, TILE_M, dim=0)
+    return tile.permute((1, 0))
+
+
+@gluon.jit
+def _k_loop(acc, ring_w, ring_x, ready, empty, s_ptrs, step, k_steps,
+            BLOCK_K: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """``acc [BN, BM'] += dq(W) @ x^T`` over all K steps of one token tile (``BM'`` the first rows of
+    each x stage), ring steps ``step ..``; returns ``(acc, next step)``. A step of ``BLOCK_K`` 256
+    is two 128-wide sub-steps (x's K order is per 128 columns) behind one ring wait and release.
+
+    The wgmma reads its A operand from registers asynchronously, so the next sub-step's
+    dequantization (which the compiler puts in the same registers: Triton keeps the bf16 values
+    alive to the wait, not the packed registers the wgmma reads) waits for it; what overlaps the MMA
+    in a warp is the next sub-step's ring wait and shared-memory reads, and across warps the other
+    warpgroups' work."""
+    BLOCK_N: gl.constexpr = acc.shape[0]
+    TILE_M: gl.constexpr = acc.shape[1]
+    SUBS: gl.constexpr = BLOCK_K // _X_ORDER_BLOCK
+    MMA: gl.constexpr = wgmma_layout(TILE_M, NUM_WARPS)
+    A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    A_HALF: gl.constexpr = A_LAYOUT  # the same register map on a [BN, 64] operand
+    WORDS: gl.constexpr = words_layout(BLOCK_N, _X_ORDER_BLOCK, NUM_WARPS)
+    WTILE: gl.constexpr = words_tile_layout(BLOCK_N, _X_ORDER_BLOCK, NUM_WARPS)
+    last = k_steps * SUBS - 1
+    s0 = gl.load(s_ptrs)
+    words = _read_words(ring_w, ready, step, 0, STAGES, WTILE, WORDS)
+    for kt in range(k_steps):
+        stage = step % STAGES
+        for j in gl.static_range(SUBS):
+            s1 = gl.load(s_ptrs + gl.minimum(kt * SUBS + j + 1, last) * (_X_ORDER_BLOCK // 16))
+            a_lo, a_hi = _k_halves(_dequant_a(words, s0, A_LAYOUT, WORDS), A_HALF)
+            x0 = (stage * SUBS + j) * 2
+            acc = warpgroup_mma(a_lo, _x_operand(ring_x, x0, TILE_M), acc, is_async=True)
+            acc = warpgroup_mma(a_hi, _x_operand(ring_x, x0 + 1, TILE_M), acc, is_async=True)
+            # the next sub-step's words while the MMA runs (the last one reads its own stage again: still held)
+            if j + 1 < SUBS:
+                words = _read_words(ring_w, ready, step, j + 1, STAGES, WTILE, WORDS, WAIT=False)
+            else:
+                words = _read_words(ring_w, ready, step + (kt + 1 < k_steps), 0, STAGES, WTILE, WORDS)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+            s0 = s1
+        mbarrier.arrive(empty.index(stage), count=1)  # the stage goes back to the loader
+        step += 1
+    return acc, step
+
+
+@gluon.jit
+def _store_rows(acc, y_ptr, decode, row0, N, m0, hi, stride_ym, NUM_WARPS: gl.constexpr, Y_MMA_ORDER: gl.constexpr):
+    """``y[m, n] = bf16(acc[n, m] * decode)`` for ``n < N`` and ``m0 <= m < hi``; ``Y_MMA_ORDER``
+    stores column ``n`` at its K-order position."""
+    MMA: gl.constexpr = wgmma_layout(acc.shape[1], NUM_WARPS)
+    on = row0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, MMA))
+    om = m0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, MMA))
+    cols = _k_order_position(on, _X_ORDER_BLOCK) if Y_MMA_ORDER else on
+    y_ptrs = y_ptr + om[None, :].to(gl.int64) * stride_ym + cols[:, None]
+    gl.store(y_ptrs, (acc * decode).to(y_ptr.dtype.element_ty), mask=(on < N)[:, None] & (om < hi)[None, :])
+
+
+@gluon.jit
+def _mma_partition(ring_w, ring_x, ready, empty, scales_ptr, ws2_ptr, offsets_ptr, y_ptr, N, K, num_tiles, n_tiles,
+                   stride_se, stride_sn, stride_w2, stride_ym,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                   NUM_WARPS: gl.constexpr, HALF_TILE: gl.constexpr, Y_MMA_ORDER: gl.constexpr):
+    """The MMA warps: the program's tiles and token tiles in the loader's order, each over the whole K,
+    then stored (while the loader already fills the ring for the next)."""
+    k_steps = K // BLOCK_K
+    SCALES: gl.constexpr = scale_bytes_layout(BLOCK_N, _X_ORDER_BLOCK, NUM_WARPS)  # a 128-wide sub-step's
+    step = 0
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        expert = tile // n_tiles
+        n0 = (tile % n_tiles) * BLOCK_N
+        lo = gl.load(offsets_ptr + expert)
+        hi = gl.load(offsets_ptr + expert + 1)
+        s_ptrs = _scale_pointers(scales_ptr + expert.to(gl.int64) * stride_se, n0, N, stride_sn, BLOCK_N,
+                                 _X_ORDER_BLOCK, SCALES)
+        decode = gl.load(ws2_ptr + expert * stride_w2) * (2.0 ** -OPERAND_LOG2_SCALE)
+        for m0 in range(lo, hi, BLOCK_M):
+            if HALF_TILE and hi - m0 <= BLOCK_M // 2:  # the last (often only) tile of a small expert
+                half = gl.zeros((BLOCK_N, BLOCK_M // 2), gl.float32, layout=wgmma_layout(BLOCK_M // 2, NUM_WARPS))
+                half, step = _k_loop(half, ring_w, ring_x, ready, empty, s_ptrs, step, k_steps, BLOCK_K, STAGES,
+                                     NUM_WARPS)
+                _store_rows(half, y_ptr, decode, n0, N, m0, hi, stride_ym, NUM_WARPS, Y_MMA_ORDER)
+            else:
+                acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=wgmma_layout(BLOCK_M, NUM_WARPS))
+                acc, step = _k_loop(acc, ring_w, ring_x, ready, empty, s_ptrs, step, k_steps, BLOCK_K, STAGES,
+                                    NUM_WARPS)
+                _store_rows(acc, y_ptr, decode, n0, N, m0, hi, stride_ym, NUM_WARPS, Y_MMA_ORDER)
+
+
+@gluon.jit
+def _grouped_ws_kernel(
+    w_desc, x_desc, scales_ptr, ws2_ptr, offsets_ptr, y_ptr,
+    N, K, num_tiles, n_tiles, stride_se, stride_sn, stride_w2, stride_ym,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+    NUM_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, HALF_TILE: gl.constexpr, Y_MMA_ORDER: gl.constexpr,
+):
+    """Persistent: program ``p`` takes tiles ``p, p + P, ...`` of the ``E * n_tiles`` (expert, N tile)
+    pairs, expert-major (programs running together share an expert's x in L2); each covers the
+    expert's rows ``offsets[e]:offsets[e+1]`` in token tiles of ``BLOCK_M`` (``w_desc`` over the
+    stacked ``[E * N, K / 8]`` words)."""
+    ring_w = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, BLOCK_K // 8], words_ring_layout())
+    ring_x = gl.allocate_shared_memory(gl.bfloat16, [STAGES * (BLOCK_K // _X_SUB_K), BLOCK_M, _X_SUB_K],
+                                       x_tile_layout(BLOCK_M))
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(STAGES):
+        mbarrier.init(ready.index(j), count=1)
+        mbarrier.init(empty.index(j), count=1)
+    gl.warp_specialize([
+        (_mma_partition, (ring_w, ring_x, ready, empty, scales_ptr, ws2_ptr, offsets_ptr, y_ptr, N, K, num_tiles,
+                          n_tiles, stride_se, stride_sn, stride_w2, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                          NUM_WARPS, HALF_TILE, Y_MMA_ORDER)),
+        (_load_partition, (w_desc, x_desc, ring_w, ring_x, ready, empty, offsets_ptr, N, K, num_tiles, n_tiles,
+                           BLOCK_M, BLOCK_N, BLOCK_K, STAGES, HALF_TILE)),
+    ], [1], [LOADER_REGS])
+
+
+DEFAULT_CONFIG = {"BLOCK_N": 128, "BLOCK_K": 128, "STAGES": 3, "num_warps": 8, "LOADER_REGS": 40, "HALF_TILE": 1,
+                  "CTAS_PER_SM": 2, "maxnreg": 80}
+"""``num_warps`` (the MMA warps) must be ``BLOCK_N / 16``: one warpgroup a 64 weight rows. The grid is
+``CTAS_PER_SM`` programs an SM (persistent), or ``PROGRAMS`` when the config gives it; ``maxnreg``
+the register budget the partitions split (0: the compiler's; two CTAs of 12 warps an SM need 80 or
+fewer). :func:`default_config` puts :data:`WIDE_K_CONFIG` or :data:`SHORT_K_CONFIG` over it: the
+fastest measured at Qwen3-30B-A3B expert shapes (``bench_kernels.py --quick --only grouped_ws``,
+H200, docs/kernels.md)."""
+
+WIDE_K_CONFIG = {"BLOCK_K": 256, "STAGES": 2}
+"""Two 128-wide sub-steps a ring stage: one ring wait and release (and their CTA barriers) a 256 K.
+Qwen3-30B-A3B gate/up (K 2048) at 512 tokens: 107.3-108.4 us against 111.0-111.2 with BLOCK_K 128."""
+
+SHORT_K_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "STAGES": 3, "CTAS_PER_SM": 3}
+"""One warpgroup, three CTAs an SM, for K below 1024 (the down projection, K 768): 62.5-63.1 us at
+512 tokens against 65.9-66.6 with the wide-K default (46.8-47.4 against 48.9-49.5 at 64 tokens, where
+the engine keeps x in natural order and runs the Triton kernel)."""
+
+
+def default_config(k: int) -> dict[str, int]:
+    """The default config for an expert weight of ``k`` input features."""
+    if k < 1024:
+        return {**DEFAULT_CONFIG, **SHORT_K_CONFIG}
+    return {**DEFAULT_CONFIG, **(WIDE_K_CONFIG if k % 256 == 0 else {})}
+
+
+@functools.cache
+def _hopper(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def supports(x: torch.Tensor, k: int) -> bool:
+    """Whether :func:`grouped_w4a16_ws_into` can run here: bf16 x on an sm_90 GPU (wgmma), K a
+    multiple of 128 (x's K order), not under the Triton interpreter."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and k % X_ORDER_BLOCK_K == 0 and not _INTERPRET
+            and _hopper(x.device))
+
+
+def check_config(cfg: dict[str, Any], n: int, k: int) -> None:
+    """Raise unless ``cfg`` tiles an ``[N, K]`` expert weight the way :func:`_grouped_ws_kernel` needs."""
+    block_m, block_n, block_k, warps = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]
+    if block_k not in (X_ORDER_BLOCK_K, 2 * X_ORDER_BLOCK_K) or k % block_k:
+        raise ValueError(f"BLOCK_K must be {X_ORDER_BLOCK_K} (x's K order) or twice that and divide K={k}, got {cfg}")
+    if block_n not in (64, 128, 256) or warps != block_n // 16:
+        raise ValueError(f"BLOCK_N must be 64, 128 or 256 with num_warps = BLOCK_N / 16 (a warpgroup a 64 rows), "
+                         f"got {cfg}")
+    if block_m not in (16, 32, 64, 128) or cfg["STAGES"] not in range(2, 9):
+        raise ValueError(f"BLOCK_M must be 16, 32, 64 or 128 and STAGES 2..8, got {cfg}")
+    stage_bytes = block_n * block_k // 2 + block_m * block_k * 2
+    if cfg["STAGES"] * stage_bytes > 200 * 1024:
+        raise ValueError(f"{cfg['STAGES']} ring stages of {stage_bytes} bytes do not fit in shared memory; lower "
+                         "STAGES, BLOCK_N or BLOCK_M")
+
+
+def grouped_w4a16_ws_into(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets: torch.Tensor, out: torch.Tensor,
+                          config: dict[str, int] | None = None, y_mma_order: bool = False) -> torch.Tensor:
+    """``out[rows of e] = x[rows of e] @ dq(W_e).T`` with :func:`_grouped_ws_kernel`; x ``[T, K]`` bf16
+    sorted by expert with each row in the K order of ``mma_k_order_rows(., 128)`` (what
+    ``grouped_w4a16_into(..., x_mma_order=True)`` takes), ``weight`` stacked ``[E, N, K]``,
+    ``expert_offsets`` int32 ``[E + 1]`` (not checked on the host: no sync), ``y_mma_order`` as there.
+    ``config`` over :func:`default_config`; ``BLOCK_M`` defaults to the Triton kernel's token tile."""
+    num_experts, n, k = check_grouped_bf16_call(x, weight, expert_offsets, out)
+    if y_mma_order and n % X_ORDER_BLOCK_K:
+        raise ValueError(f"y_mma_order needs N % {X_ORDER_BLOCK_K} == 0 (whole K-order blocks), got N={n}")
+    cfg: dict[str, Any] = {**default_config(k), "BLOCK_M": _grouped_block_m(x.shape[0], num_experts), **(config or {})}
+    check_config(cfg, n, k)
+    if out.numel() == 0:
+        return out
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:  # TMA: 16-byte aligned rows
+        x = x.contiguous()
+    codes, scales = _operands(weight)
+    codes = codes.reshape(num_experts * n, k // 8)
+    block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    w_desc = TensorDescriptor(codes, list(codes.shape), [codes.stride(0), 1], [block_n, block_k // 8],
+                              words_ring_layout())
+    x_desc = TensorDescriptor(x, list(x.shape), [x.stride(0), 1], [block_m // 2, X_SUB_K], x_tile_layout(block_m))
+    ws2 = weight.weight_scale_2.reshape(-1).to(torch.float32)
+    n_tiles = triton.cdiv(n, block_n)
+    num_tiles = n_tiles * num_experts
+    programs = min(num_tiles, cfg.get("PROGRAMS") or cfg["CTAS_PER_SM"] * _sm_count(x.device))
+    _grouped_ws_kernel[(programs,)](
+        w_desc, x_desc, scales, ws2, expert_offsets, out,
+        n, k, num_tiles, n_tiles, scales.stride(0), scales.stride(1), 1 if ws2.numel() > 1 else 0, out.stride(0),
+        **_meta(cfg, y_mma_order), **_launch_options(cfg),
+    )
+    return out
+
+
+def _meta(cfg: dict[str, Any], y_mma_order: bool) -> dict[str, int]:
+    return {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"], "STAGES": cfg["STAGES"],
+            "NUM_WARPS": cfg["num_warps"], "LOADER_REGS": cfg["LOADER_REGS"], "HALF_TILE": cfg["HALF_TILE"],
+            "Y_MMA_ORDER": int(y_mma_order)}
+
+
+def _launch_options(cfg: dict[str, Any]) -> dict[str, int]:
+    return {"num_warps": cfg["num_warps"], **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {})}
+
+
+def compile_offline(cfg: dict[str, Any], n: int, k: int, y_mma_order: bool = False) -> str:
+    """Compile :func:`_grouped_ws_kernel` for sm_90 without a GPU (``cfg`` a full config, ``[E, n, k]``
+    weights) and return its SASS (cuobjdump of Triton's bundled CUDA tools)."""
+    import os
+    import subprocess
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    check_config(cfg, n, k)
+    codes = torch.empty(2 * n, k // 8, dtype=torch.int32, device="meta")
+    x = torch.empty(16, k, dtype=torch.bfloat16, device="meta")
+    w_desc = TensorDescriptor(codes, list(codes.shape), [k // 8, 1], [cfg["BLOCK_N"], cfg["BLOCK_K"] // 8],
+                              words_ring_layout())
+    x_desc = TensorDescriptor(x, list(x.shape), [k, 1], [cfg["BLOCK_M"] // 2, X_SUB_K], x_tile_layout(cfg["BLOCK_M"]))
+    kernel = _grouped_ws_kernel
+    meta = _meta(cfg, y_mma_order)
+    types = {"w_desc": mangle_type(w_desc), "x_desc": mangle_type(x_desc), "scales_ptr": "*u8", "ws2_ptr": "*fp32",
+             "offsets_ptr": "*i32", "y_ptr": "*bf16"}
+    signature = {name: "constexpr" if name in meta else types.get(name, "i32") for name in kernel.arg_names}
+    # what the launcher specializes on the GPU: pointers, K and the strides divisible by 16
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+               if signature[name] == "i32" and name in ("K", "stride_se", "stride_sn", "stride_ym")
+               or signature[name].startswith("*")}
+    source = GluonASTSource(fn=kernel, signature=signature, attrs=aligned,
+                            constexprs={(kernel.arg_names.index(name),): v for name, v in meta.items()})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=_launch_options(cfg))
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as directory:
+        cubin = os.path.join(directory, "kernel.cubin")
+        with open(cubin, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        return subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", cubin], capture_output=True, text=True,
+                              check=True).stdout

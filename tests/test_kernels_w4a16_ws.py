@@ -1,0 +1,168 @@
+"""The warp-specialized Gluon grouped W4A16 kernel (``w4a16_ws``) against the fp64 oracle.
+
+The checks of the other grouped kernels (tests/test_kernels_w4a16_mma.py): bit for bit on inputs
+whose fp32 sums are exact, within the fp32 accumulation bound on realistic and raw weights, outputs
+NaN-poisoned; here x goes in already in the kernel's K order, as the engine passes it. Persistent
+programs walk many (expert, N tile) pairs through one ring, so a config with 3 programs makes every
+program wrap the ring at uneven points. Gluon kernels need the GPU; the argument checks and the
+offline sm_90 compile of each config run on CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon")
+
+from test_kernels_w4a16 import (
+    _activations,
+    _assert_within,
+    _gaussian_weight,
+    _grid_activations,
+    _grouped_oracle,
+    _raw_weight,
+    _tolerance,
+    _with_ws2,
+    assert_grouped_exact,
+)
+
+from megatron_quads.nvfp4.kernels import w4a16, w4a16_ws
+from megatron_quads.rollout.grouped import expert_offsets_from_counts
+
+CONFIGS: list[dict[str, Any]] = [
+    {},  # the defaults: 2 MMA warpgroups, two 128-wide sub-steps a ring stage, 2 CTAs an SM, half tile on
+    {"BLOCK_K": 128},  # one sub-step a stage (K not a multiple of 256)
+    {"BLOCK_N": 64, "num_warps": 4, "BLOCK_M": 16, "STAGES": 2, "CTAS_PER_SM": 2, "maxnreg": 128},
+    {"BLOCK_N": 256, "num_warps": 16, "BLOCK_K": 128, "BLOCK_M": 32, "STAGES": 3, "CTAS_PER_SM": 1, "maxnreg": 0},
+    {"BLOCK_K": 128, "BLOCK_M": 64, "HALF_TILE": 0, "STAGES": 6, "PROGRAMS": 3, "maxnreg": 0},
+    {"BLOCK_K": 128, "BLOCK_M": 128, "STAGES": 2, "PROGRAMS": 5, "maxnreg": 0},
+    {"BLOCK_N": 64, "num_warps": 4, "BLOCK_K": 128, "STAGES": 3, "CTAS_PER_SM": 3, "maxnreg": 80},
+    {"BLOCK_N": 64, "num_warps": 4, "BLOCK_K": 256, "BLOCK_M": 32, "STAGES": 3, "PROGRAMS": 7},
+]
+
+
+def _config_id(config: dict[str, Any]) -> str:
+    return "-".join(f"{k[0]}{k[-1]}{v}" for k, v in config.items()) or "default"
+
+
+def _cases() -> list[tuple[list[int], int, int]]:
+    """(tokens per expert, N, K): empty experts, one expert with everything (several token tiles),
+    E = 1, N not a multiple of the tile, and Qwen3-30B-A3B gate/up routing of 512 tokens (skewed)."""
+    routed = torch.distributions.Categorical(logits=torch.randn(128) * 1.5).sample((512 * 8,))
+    return [([3, 0, 17, 5], 40, 256), ([0, 0, 300, 0], 24, 512), ([7], 72, 256),
+            (torch.bincount(routed, minlength=128).tolist(), 1536, 2048), ([0] * 15 + [200], 768 + 40, 2048)]
+
+
+def _run(x: torch.Tensor, weight, counts: list[int], config: dict[str, Any], y_mma_order: bool = False) -> torch.Tensor:
+    """The kernel on x put in its K order, into a NaN-filled output."""
+    offsets = expert_offsets_from_counts(torch.tensor(counts)).to(x.device)
+    out = torch.full((x.shape[0], weight.shape[1]), float("nan"), dtype=x.dtype, device=x.device)
+    ordered = w4a16.mma_k_order_rows(x, w4a16.X_ORDER_BLOCK_K)
+    assert w4a16_ws.grouped_w4a16_ws_into(ordered, weight, offsets, out, config, y_mma_order=y_mma_order) is out
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
+def test_exact_on_exactly_summable_inputs(kernel_device: str, config: dict[str, Any]) -> None:
+    for counts, n, k in _cases():
+        weight = _raw_weight((len(counts), n, k), kernel_device, scale_bytes=(0x28, 0x4F))
+        x = _grid_activations((sum(counts), k), torch.bfloat16, kernel_device, bound=1)
+        assert_grouped_exact(_run(x, weight, counts, config), x, weight, counts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
+@pytest.mark.parametrize("ws2_layout", ["E1", "shared"])
+def test_within_fp32_accumulation_error(kernel_device: str, config: dict[str, Any], ws2_layout: str) -> None:
+    for counts, n, k in _cases():
+        for weight in (_gaussian_weight((len(counts), n, k), kernel_device), _raw_weight((len(counts), n, k), kernel_device)):
+            weight = _with_ws2(weight, ws2_layout)
+            x = _activations((sum(counts), k), torch.bfloat16, kernel_device)
+            exact, magnitude = _grouped_oracle(x, weight, counts)
+            _assert_within(_run(x, weight, counts, config), exact, _tolerance(exact, magnitude, k, torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", CONFIGS[:3], ids=_config_id)
+def test_y_mma_order_stores_each_row_in_the_k_order(kernel_device: str, config: dict[str, Any]) -> None:
+    for counts, n, k in [([5, 0, 40, 9], 256, 256), _cases()[3]]:
+        weight = _gaussian_weight((len(counts), n, k), kernel_device)
+        x = _activations((sum(counts), k), torch.bfloat16, kernel_device)
+        natural = _run(x, weight, counts, config)
+        ordered = _run(x, weight, counts, config, y_mma_order=True)
+        assert torch.equal(ordered, w4a16.mma_k_order_rows(natural, w4a16.X_ORDER_BLOCK_K))
+
+
+@pytest.mark.gpu
+def test_agrees_with_the_triton_grouped_kernel(kernel_device: str) -> None:
+    counts, n, k = _cases()[3]
+    weight = _gaussian_weight((len(counts), n, k), kernel_device)
+    x = _activations((sum(counts), k), torch.bfloat16, kernel_device)
+    offsets = expert_offsets_from_counts(torch.tensor(counts)).to(kernel_device)
+    reference = w4a16.grouped_w4a16_kernel(x, weight, offsets)
+    y = _run(x, weight, counts, {})
+    assert torch.allclose(y.float(), reference.float(), rtol=2**-7, atol=1e-3 * float(reference.float().abs().max()))
+
+
+@pytest.mark.gpu
+def test_grouped_w4a16_into_dispatches_x_order_calls_here_bit_for_bit(kernel_device: str,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the H200 the engine's x-in-K-order grouped calls run this kernel, with the Triton kernel's
+    bits (same products, same K order of the fp32 accumulation); off switch: ``w4a16._WS_DISPATCH``."""
+    counts, n, k = _cases()[3]
+    weight = _gaussian_weight((len(counts), n, k), kernel_device)
+    x = w4a16.mma_k_order_rows(_activations((sum(counts), k), torch.bfloat16, kernel_device), w4a16.X_ORDER_BLOCK_K)
+    offsets = expert_offsets_from_counts(torch.tensor(counts)).to(kernel_device)
+    calls = []
+    real = w4a16_ws.grouped_w4a16_ws_into
+    monkeypatch.setattr(w4a16_ws, "grouped_w4a16_ws_into", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    for y_mma_order in (False, True):
+        dispatched = w4a16.grouped_w4a16_kernel(x, weight, offsets, x_mma_order=True, y_mma_order=y_mma_order)
+        with monkeypatch.context() as off:
+            off.setattr(w4a16, "_WS_DISPATCH", False)
+            triton_only = w4a16.grouped_w4a16_kernel(x, weight, offsets, x_mma_order=True, y_mma_order=y_mma_order)
+        assert torch.equal(dispatched, triton_only)
+    assert len(calls) == 2
+
+
+def test_dispatch_needs_a_hopper_gpu_and_whole_k_order_blocks() -> None:
+    x = torch.zeros(4, 256, dtype=torch.bfloat16)
+    assert not w4a16_ws.supports(x, 256)  # CPU
+    wide, short, odd = (w4a16_ws.default_config(k) for k in (2048, 768, 1152))
+    assert (wide["BLOCK_K"], wide["BLOCK_N"]) == (256, 128) and (odd["BLOCK_K"], odd["BLOCK_N"]) == (128, 128)
+    assert (short["BLOCK_K"], short["BLOCK_N"], short["num_warps"]) == (128, 64, 4)
+    for k, cfg in ((2048, wide), (768, short), (1152, odd)):
+        w4a16_ws.check_config({**cfg, "BLOCK_M": 64}, 2048, k)
+
+
+def test_argument_errors() -> None:
+    stacked = _raw_weight((4, 256, 256), "cpu")
+    x = torch.zeros(6, 256, dtype=torch.bfloat16)
+    offsets = torch.tensor([0, 2, 2, 5, 6], dtype=torch.int32)
+    out = torch.empty(6, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="BLOCK_K must be 128"):
+        w4a16_ws.grouped_w4a16_ws_into(x, stacked, offsets, out, {"BLOCK_K": 64})
+    with pytest.raises(ValueError, match="num_warps = BLOCK_N / 16"):
+        w4a16_ws.grouped_w4a16_ws_into(x, stacked, offsets, out, {"BLOCK_N": 128})  # 4 warps at K < 1024
+    with pytest.raises(ValueError, match="do not fit in shared memory"):
+        w4a16_ws.grouped_w4a16_ws_into(x, stacked, offsets, out, {"BLOCK_M": 128, "STAGES": 8})
+    with pytest.raises(ValueError, match="int32"):
+        w4a16_ws.grouped_w4a16_ws_into(x, stacked, offsets.long(), out)
+    with pytest.raises(ValueError, match="y_mma_order needs N"):
+        w4a16_ws.grouped_w4a16_ws_into(x, _raw_weight((4, 40, 256), "cpu"), offsets, torch.empty(6, 40, dtype=torch.bfloat16),
+                                       y_mma_order=True)
+    with pytest.raises(ValueError, match="divide K"):
+        w4a16_ws.grouped_w4a16_ws_into(torch.zeros(6, 320, dtype=torch.bfloat16), _raw_weight((4, 256, 320), "cpu"),
+                                       offsets, out)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
+def test_every_config_compiles_for_sm90(config: dict[str, Any]) -> None:
+    """The Gluon kernel builds for sm_90 without a GPU (layouts proven trivial, warp partitions,
+    TMA descriptors), with the wgmma and the loader's TMA copies in its SASS."""
+    sass = w4a16_ws.compile_offline({**w4a16_ws.DEFAULT_CONFIG, "BLOCK_M": 32, **config}, n=1536, k=2048)
+    assert "HGMMA" in sass and "UTMALDG" in sass and "SYNCS.PHASECHK" in sass
