@@ -11,7 +11,8 @@ Cases (each row: time, bytes moved, FLOPs, and the fraction of the limit reached
    K, N >= 4096, M <= 16: >= 1.6x faster than FP8 and >= 75% of the byte floor; faster than FP8 to M = 64.
 3. Grouped MoE W4A16 at Qwen3-30B-A3B expert shapes (128 experts, hidden 2048, expert ffn 768, top-8;
    gate+up N = 1536 and down) for 64..512 decode tokens against BF16 ``torch._grouped_mm``
-   (target >= 2.5x faster).
+   (target >= 2.5x faster): the Triton kernel (``grouped``) and the warp-specialized Gluon kernel the
+   engine runs for x in its K order (``grouped_ws``, each config checked against the Triton kernel).
 4. W4A4 + RAC: the cost of the residual channels against plain (emulated) W4A4 per ratio; no target.
 5. (extra, ``--only moe_layer``) the engine's grouped MoE layer, routing to combine, graph-replayed.
 Results: benchmarks/results/kernels_gpu.json (appended) and kernels_gpu.md.
@@ -737,10 +738,10 @@ def main() -> None:
     """All cases, one record."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
-    parser.add_argument("--only", nargs="*", default=["quantize", "w4a16", "grouped", "rac"],
-                        help="sections; quantize_tiles (each quantize tile config), moe_layer (the engine's grouped MoE layer), "
-                             "grouped_ws (the warp-specialized Gluon grouped kernel), w4a16_mma (the experimental Gluon kernels), "
-                             "w4a16_mma_dense (its dense rows only) and w4a16_tma (the TMA-ring kernel) are extra")
+    parser.add_argument("--only", nargs="*", default=["quantize", "w4a16", "grouped", "grouped_ws", "rac"],
+                        help="sections (grouped_ws: the warp-specialized Gluon grouped kernel); extra: quantize_tiles "
+                             "(each quantize tile config), moe_layer (the engine's grouped MoE layer), w4a16_mma (the "
+                             "experimental Gluon kernels), w4a16_mma_dense (its dense rows only), w4a16_tma (the TMA-ring kernel)")
     parser.add_argument("--render", action="store_true", help="only rewrite kernels_gpu.md from kernels_gpu.json (no GPU)")
     parser.add_argument("--mma-shape", action="append", type=_shape_arg, default=None, metavar="M,K,N",
                         help="dense shape of the w4a16_mma / w4a16_tma sections instead of their default list (repeatable)")

@@ -6,17 +6,21 @@ the issue slots busy with ~2 warps a scheduler, and a copy of it without the deq
 takes 111 us of the 125 (docs/kernels.md): the warps wait on their own pipeline. Here the work is split
 the way Hopper GEMMs are (``gl.warp_specialize``):
 
-* one loader warp (:func:`_load_partition`) walks the program's token tiles and K steps and puts each
-  step's code words ``[BN, BK/8]`` (int32) and x tile ``[BM, BK]`` (bf16, already in the MMA K order:
-  :func:`~megatron_quads.nvfp4.kernels.w4a16.mma_k_order_rows`) into a ring of ``STAGES`` shared
-  memory stages by TMA, each stage completing a ``ready`` mbarrier;
+* persistent programs (``CTAS_PER_SM`` an SM) take the ``E * N / BN`` (expert, N tile) pairs
+  ``p, p + P, ...`` expert-major, each over its expert's rows in token tiles of ``BM`` (a half-width
+  tile for the last ``BM / 2`` rows or fewer, as the Triton kernel does);
+* one loader warp (:func:`_load_partition`) walks them and puts each K step's code words
+  ``[BN, BK/8]`` (int32) and x (bf16, already in the MMA K order of
+  :func:`~megatron_quads.nvfp4.kernels.w4a16.mma_k_order_rows`; ``BK / 64`` tiles of ``[BM, 64]`` by
+  half-height boxes) into a ring of ``STAGES`` shared-memory stages by TMA, each stage completing a
+  ``ready`` mbarrier;
 * the MMA warps (the default partition, ``BN / 64`` warpgroups, :func:`_mma_partition`) wait on it,
-  read the words into the registers of the wgmma A operand (the K permutation of
+  read a 128-wide sub-step's words into the registers of the wgmma A operand (the K permutation of
   :func:`~megatron_quads.nvfp4.kernels.w4a16_mma._dequant_a`: no data moves between threads),
-  dequantize them, and issue a register-A wgmma against the x tile in shared memory; the next
-  step's words are read while it runs, and a stage goes back to the loader (its ``empty``
-  mbarrier) once the wgmma that read it has retired. Scale bytes (1/9 of the weight bytes) are
-  loaded by the MMA warps themselves, one K step ahead.
+  dequantize them and issue register-A wgmma against the x tiles in shared memory; the next
+  sub-step's words are read while they run, and a stage goes back to the loader (its ``empty``
+  mbarrier) once the wgmma that read it have retired. Scale bytes (1/9 of the weight bytes) are
+  loaded by the MMA warps themselves, one sub-step ahead.
 
 Same operands, products and K order of the fp32 accumulation as the Triton kernel (bit for bit its
 output in every benchmark and GPU test so far). Dispatched by
