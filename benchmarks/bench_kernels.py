@@ -612,12 +612,13 @@ def bench_grouped_ws(bandwidth: float, quick: bool) -> list[dict]:
             reference = grouped_w4a16_kernel(ordered_x, qw, offsets, x_mma_order=True)
             t_triton = time_graph(lambda: grouped_w4a16_kernel(ordered_x, qw, offsets, x_mma_order=True))
         out = torch.empty_like(reference)
+        expected = reference.float()
+        atol = 1e-3 * float(expected.abs().max())
         times, same_bits, wrong = {}, {}, {}
         for name, cfg in named_configs.items():
             out.fill_(float("nan"))
             grouped_w4a16_ws_into(ordered_x, qw, offsets, out, cfg)
-            scale = float(reference.float().abs().max())
-            close = torch.isclose(out.float(), reference.float(), rtol=2**-7, atol=1e-3 * scale)
+            close = torch.isclose(out.float(), expected, rtol=2**-7, atol=atol)
             if not close.all():  # recorded and not timed (a wrong kernel's time means nothing)
                 wrong[name] = {"elements": int((~close).sum()), "rows": int((~close).any(1).sum())}
                 continue

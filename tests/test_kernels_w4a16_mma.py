@@ -128,12 +128,34 @@ GROUPED_CONFIGS = [
 ]
 
 
-def _grouped_cases() -> list[tuple[list[int], int, int]]:
-    """(tokens per expert, N, K): empty experts, one expert with everything (several token tiles),
-    E = 1, and Qwen3-30B-A3B gate/up routing of 512 tokens (top-8 of 128 experts, skewed)."""
+def grouped_cases(big_expert_rows: int = 70) -> list[tuple[list[int], int, int]]:
+    """(tokens per expert, N, K): empty experts, one expert with everything (``big_expert_rows``:
+    several token tiles), E = 1, N not a multiple of the tile, and Qwen3-30B-A3B gate/up routing of
+    512 tokens (top-8 of 128 experts, skewed)."""
     routed = torch.distributions.Categorical(logits=torch.randn(128) * 1.5).sample((512 * 8,))
-    return [([3, 0, 17, 5], 40, 256), ([0, 0, 70, 0], 24, 512), ([7], 72, 256),
+    return [([3, 0, 17, 5], 40, 256), ([0, 0, big_expert_rows, 0], 24, 512), ([7], 72, 256),
             (torch.bincount(routed, minlength=128).tolist(), 1536, 2048), ([0] * 15 + [200], 768 + 40, 2048)]
+
+
+def check_grouped_exact(run: Callable[[torch.Tensor, object, list[int]], torch.Tensor],
+                        cases: list[tuple[list[int], int, int]], device: str) -> None:
+    """``run(x, weight, counts)`` bit for bit on every case, inputs whose fp32 sums are exact."""
+    for counts, n, k in cases:
+        weight = _raw_weight((len(counts), n, k), device, scale_bytes=(0x28, 0x4F))
+        x = _grid_activations((sum(counts), k), torch.bfloat16, device, bound=1)
+        assert_grouped_exact(run(x, weight, counts), x, weight, counts)
+
+
+def check_grouped_within_fp32_bound(run: Callable[[torch.Tensor, object, list[int]], torch.Tensor],
+                                    cases: list[tuple[list[int], int, int]], device: str, ws2_layout: str) -> None:
+    """``run(x, weight, counts)`` within the fp32 accumulation bound on every case, Gaussian and raw
+    weights with ``weight_scale_2`` laid out as ``ws2_layout``."""
+    for counts, n, k in cases:
+        for weight in (_gaussian_weight((len(counts), n, k), device), _raw_weight((len(counts), n, k), device)):
+            weight = _with_ws2(weight, ws2_layout)
+            x = _activations((sum(counts), k), torch.bfloat16, device)
+            exact, magnitude = _grouped_oracle(x, weight, counts)
+            _assert_within(run(x, weight, counts), exact, _tolerance(exact, magnitude, k, torch.bfloat16))
 
 
 def _grouped_run(x: torch.Tensor, weight, counts: list[int], config: dict[str, int]) -> torch.Tensor:
@@ -146,22 +168,16 @@ def _grouped_run(x: torch.Tensor, weight, counts: list[int], config: dict[str, i
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", GROUPED_CONFIGS, ids=lambda c: _config_id(c) or "default")
 def test_grouped_exact_on_exactly_summable_inputs(kernel_device: str, config: dict[str, int]) -> None:
-    for counts, n, k in _grouped_cases():
-        weight = _raw_weight((len(counts), n, k), kernel_device, scale_bytes=(0x28, 0x4F))
-        x = _grid_activations((sum(counts), k), torch.bfloat16, kernel_device, bound=1)
-        assert_grouped_exact(_grouped_run(x, weight, counts, config), x, weight, counts)
+    check_grouped_exact(lambda x, weight, counts: _grouped_run(x, weight, counts, config), grouped_cases(),
+                        kernel_device)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", GROUPED_CONFIGS, ids=lambda c: _config_id(c) or "default")
 @pytest.mark.parametrize("ws2_layout", ["E1", "shared"])
 def test_grouped_within_fp32_accumulation_error(kernel_device: str, config: dict[str, int], ws2_layout: str) -> None:
-    for counts, n, k in _grouped_cases():
-        for weight in (_gaussian_weight((len(counts), n, k), kernel_device), _raw_weight((len(counts), n, k), kernel_device)):
-            weight = _with_ws2(weight, ws2_layout)
-            x = _activations((sum(counts), k), torch.bfloat16, kernel_device)
-            exact, magnitude = _grouped_oracle(x, weight, counts)
-            _assert_within(_grouped_run(x, weight, counts, config), exact, _tolerance(exact, magnitude, k, torch.bfloat16))
+    check_grouped_within_fp32_bound(lambda x, weight, counts: _grouped_run(x, weight, counts, config), grouped_cases(),
+                                    kernel_device, ws2_layout)
 
 
 def test_argument_errors() -> None:

@@ -19,14 +19,13 @@ pytest.importorskip("triton.experimental.gluon")
 
 from test_kernels_w4a16 import (
     _activations,
-    _assert_within,
     _gaussian_weight,
-    _grid_activations,
-    _grouped_oracle,
     _raw_weight,
-    _tolerance,
-    _with_ws2,
-    assert_grouped_exact,
+)
+from test_kernels_w4a16_mma import (
+    check_grouped_exact,
+    check_grouped_within_fp32_bound,
+    grouped_cases,
 )
 
 from megatron_quads.nvfp4.kernels import w4a16, w4a16_ws
@@ -49,11 +48,8 @@ def _config_id(config: dict[str, Any]) -> str:
 
 
 def _cases() -> list[tuple[list[int], int, int]]:
-    """(tokens per expert, N, K): empty experts, one expert with everything (several token tiles),
-    E = 1, N not a multiple of the tile, and Qwen3-30B-A3B gate/up routing of 512 tokens (skewed)."""
-    routed = torch.distributions.Categorical(logits=torch.randn(128) * 1.5).sample((512 * 8,))
-    return [([3, 0, 17, 5], 40, 256), ([0, 0, 300, 0], 24, 512), ([7], 72, 256),
-            (torch.bincount(routed, minlength=128).tolist(), 1536, 2048), ([0] * 15 + [200], 768 + 40, 2048)]
+    """The Gluon grouped kernels' cases, the big expert with 300 rows: several tiles of 128 tokens."""
+    return grouped_cases(big_expert_rows=300)
 
 
 def _run(x: torch.Tensor, weight, counts: list[int], config: dict[str, Any], y_mma_order: bool = False) -> torch.Tensor:
@@ -68,22 +64,15 @@ def _run(x: torch.Tensor, weight, counts: list[int], config: dict[str, Any], y_m
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
 def test_exact_on_exactly_summable_inputs(kernel_device: str, config: dict[str, Any]) -> None:
-    for counts, n, k in _cases():
-        weight = _raw_weight((len(counts), n, k), kernel_device, scale_bytes=(0x28, 0x4F))
-        x = _grid_activations((sum(counts), k), torch.bfloat16, kernel_device, bound=1)
-        assert_grouped_exact(_run(x, weight, counts, config), x, weight, counts)
+    check_grouped_exact(lambda x, weight, counts: _run(x, weight, counts, config), _cases(), kernel_device)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
 @pytest.mark.parametrize("ws2_layout", ["E1", "shared"])
 def test_within_fp32_accumulation_error(kernel_device: str, config: dict[str, Any], ws2_layout: str) -> None:
-    for counts, n, k in _cases():
-        for weight in (_gaussian_weight((len(counts), n, k), kernel_device), _raw_weight((len(counts), n, k), kernel_device)):
-            weight = _with_ws2(weight, ws2_layout)
-            x = _activations((sum(counts), k), torch.bfloat16, kernel_device)
-            exact, magnitude = _grouped_oracle(x, weight, counts)
-            _assert_within(_run(x, weight, counts, config), exact, _tolerance(exact, magnitude, k, torch.bfloat16))
+    check_grouped_within_fp32_bound(lambda x, weight, counts: _run(x, weight, counts, config), _cases(), kernel_device,
+                                    ws2_layout)
 
 
 @pytest.mark.gpu

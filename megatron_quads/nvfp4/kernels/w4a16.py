@@ -539,9 +539,10 @@ it off): 512 tokens gate/up 157.5 -> 151.1 us, 143.1 -> 129.0 us with x in the k
 _WS_DISPATCH = True
 """Whether :func:`grouped_w4a16_into` hands x-in-K-order calls without a config, tail or row scale to
 the warp-specialized Gluon kernel (:mod:`~megatron_quads.nvfp4.kernels.w4a16_ws`) where it runs
-(sm_90): H200, ``bench_kernels.py --quick --only grouped_ws`` (2026-11-30), gate/up at 512 tokens
-109.6 against 124.8 us, down 66.7 against 70.4 us, at 64 tokens 83.7 against 88.6 and 47.9 against
-48.3 us. Benchmarks switch it off to time the Triton kernel."""
+(sm_90): H200, ``bench_kernels.py --quick --only grouped_ws`` (2026-11-30, 12:02-12:08 runs), gate/up
+at 512 tokens 107.3-108.4 against 123.4-124.6 us, down 62.5-63.5 against 69.4-70.2 us; at 64 tokens
+gate/up 83.1-83.8 against 85.6-87.9, down 48.9-49.5 against 46.5-47.1 (slower; the engine orders x,
+and so takes this path, only from 16 rows an expert). Benchmarks switch it off to time the Triton kernel."""
 
 
 @functools.cache

@@ -24,7 +24,7 @@ the way Hopper GEMMs are (``gl.warp_specialize``):
 
 Same operands, products and K order of the fp32 accumulation as the Triton kernel (bit for bit its
 output in every benchmark and GPU test so far). Dispatched by
-:func:`~megatron_quads.nvfp4.kernels.w4a16.grouped_w4a16_into` for x in K order on sm_90 (10-15%
+:func:`~megatron_quads.nvfp4.kernels.w4a16.grouped_w4a16_into` for x in K order on sm_90 (10-16%
 faster than the Triton kernel at 512 tokens, docs/kernels.md); ``bench_kernels.py --only
 grouped_ws`` times its configs. Needs ``K % BLOCK_K == 0`` and x in the K order of 128-blocks.
 """
@@ -291,12 +291,13 @@ H200, docs/kernels.md)."""
 
 WIDE_K_CONFIG = {"BLOCK_K": 256, "STAGES": 2}
 """Two 128-wide sub-steps a ring stage: one ring wait and release (and their CTA barriers) a 256 K.
-Qwen3-30B-A3B gate/up (K 2048) at 512 tokens: 107.3-108.4 us against 111.0-111.2 with BLOCK_K 128."""
+Qwen3-30B-A3B gate/up (K 2048) at 512 tokens: 107.3-108.4 us against 110.7-111.2 with BLOCK_K 128."""
 
 SHORT_K_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "STAGES": 3, "CTAS_PER_SM": 3}
-"""One warpgroup, three CTAs an SM, for K below 1024 (the down projection, K 768): 62.5-63.1 us at
-512 tokens against 65.9-66.6 with the wide-K default (46.8-47.4 against 48.9-49.5 at 64 tokens, where
-the engine keeps x in natural order and runs the Triton kernel)."""
+"""One warpgroup, three CTAs an SM, for K below 1024 (the down projection, K 768): 62.5-63.5 us at
+512 tokens against 65.9-66.6 with the wide-K config. At 64 tokens the wide-K config is the faster
+(46.8-47.4 against 48.9-49.5 us), but there the engine keeps x in natural order and runs the Triton
+kernel."""
 
 
 def default_config(k: int) -> dict[str, int]:
