@@ -51,7 +51,7 @@ _LOADS_ONLY = '''        chk_w = w0
 '''
 _X_LOAD = "    return words, scales, gl.load(x_ptrs + kt * BLOCK_K)\n"
 _X_CONSTANT = "    return words, scales, gl.full(x_ptrs.shape, 0, gl.bfloat16, layout=x_ptrs.type.layout)\n"
-_DEQUANT_CALL = "    o = gl.inline_asm_elementwise(_DEQUANT_WORD_PTX, "
+_DEQUANT_CALL = "    o = gl.inline_asm_elementwise(WORD_PTX, "
 _MOVES_CALL = ('    o = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $8; mov.b32 {$2, $3}, $9; '
                'mov.b32 {$4, $5}, $8; mov.b32 {$6, $7}, $9;", ')
 

@@ -141,10 +141,13 @@ def x_run_layout(block_k: int, block_m: int, num_warps: int) -> gl.DistributedLi
 
 
 @gluon.jit
-def _dequant_a(words, scale_bytes, A_LAYOUT: gl.constexpr, WORDS: gl.constexpr):
+def _dequant_a(words, scale_bytes, A_LAYOUT: gl.constexpr, WORDS: gl.constexpr,
+               WORD_PTX: gl.constexpr = _DEQUANT_WORD_PTX):
     """Words ``[BN, 4, I]`` and scale bytes ``[BN, 4, I/2]`` to the A operand ``[BN, BK]`` (bf16
     ``e2m1 * e4m3 * 2^-8``) in MMA K order: word ``I t + i``'s nibbles ``q`` and ``q + 4``
-    (``q = 2 q1 + q0``) become logical columns ``32 i + 16 q1 + 8 q0 + 2 t + (0, 1)``."""
+    (``q = 2 q1 + q0``) become logical columns ``32 i + 16 q1 + 8 q0 + 2 t + (0, 1)``. ``WORD_PTX``
+    decodes one word (:data:`~megatron_quads.nvfp4.kernels.word_layout.ROTATED_DEQUANT_WORD_PTX` for
+    words in the rotated layout)."""
     BN: gl.constexpr = words.shape[0]
     I: gl.constexpr = words.shape[2]
     if I == 4:
@@ -154,7 +157,7 @@ def _dequant_a(words, scale_bytes, A_LAYOUT: gl.constexpr, WORDS: gl.constexpr):
         pairs = gl.inline_asm_elementwise(_SCALE_PAIRS_PTX, "=r,=r,=r,=r,r", [scale_bytes], dtype=gl.int32,
                                           is_pure=True, pack=4)
     pairs = gl.convert_layout(gl.reshape(gl.join(pairs, pairs), (BN, 4, I)), WORDS, assert_trivial=True)
-    o = gl.inline_asm_elementwise(_DEQUANT_WORD_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, pairs],
+    o = gl.inline_asm_elementwise(WORD_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, pairs],
                                   dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
     # dims after the joins: (BN, t, i, h, q0, q1)
     v = gl.join(gl.join(gl.join(o[0], o[1]), gl.join(o[2], o[3])), gl.join(gl.join(o[4], o[5]), gl.join(o[6], o[7])))
