@@ -10,6 +10,8 @@ offline sm_90 compile of each config run on CPU.
 
 from __future__ import annotations
 
+import collections
+import re
 from typing import Any
 
 import pytest
@@ -40,6 +42,9 @@ CONFIGS: list[dict[str, Any]] = [
     {"BLOCK_K": 128, "BLOCK_M": 128, "STAGES": 2, "PROGRAMS": 5, "maxnreg": 0},
     {"BLOCK_N": 64, "num_warps": 4, "BLOCK_K": 128, "STAGES": 3, "CTAS_PER_SM": 3, "maxnreg": 80},
     {"BLOCK_N": 64, "num_warps": 4, "BLOCK_K": 256, "BLOCK_M": 32, "STAGES": 3, "PROGRAMS": 7},
+    {"ROTATED": 1, "SCALE_RING": 1, "BLOCK_K": 256},  # rotated code words; scale bytes through the ring
+    {"SCALE_RING": 1, "BLOCK_K": 256, "BLOCK_N": 128, "num_warps": 8, "BLOCK_M": 32, "STAGES": 2, "PROGRAMS": 3},
+    {"ROTATED": 1, "BLOCK_K": 128, "BLOCK_M": 64, "STAGES": 5, "PROGRAMS": 3, "maxnreg": 0},
 ]
 
 
@@ -121,10 +126,12 @@ def test_grouped_w4a16_into_dispatches_x_order_calls_here_bit_for_bit(kernel_dev
 def test_dispatch_needs_a_hopper_gpu_and_whole_k_order_blocks() -> None:
     x = torch.zeros(4, 256, dtype=torch.bfloat16)
     assert not w4a16_ws.supports(x, 256)  # CPU
-    wide, short, odd = (w4a16_ws.default_config(k) for k in (2048, 768, 1152))
-    assert (wide["BLOCK_K"], wide["BLOCK_N"]) == (256, 128) and (odd["BLOCK_K"], odd["BLOCK_N"]) == (128, 128)
-    assert (short["BLOCK_K"], short["BLOCK_N"], short["num_warps"]) == (128, 64, 4)
-    for k, cfg in ((2048, wide), (768, short), (1152, odd)):
+    wide, wide_short, short, odd = (w4a16_ws.default_config(k) for k in (2048, 768, 640, 1152))
+    for cfg in (wide, wide_short):
+        assert (cfg["BLOCK_K"], cfg["BLOCK_N"], cfg["SCALE_RING"]) == (256, 128, 1)
+    assert (odd["BLOCK_K"], odd["BLOCK_N"]) == (128, 128) and not odd.get("SCALE_RING")
+    assert (short["BLOCK_K"], short["BLOCK_N"], short["num_warps"]) == (128, 64, 4) and not short.get("SCALE_RING")
+    for k, cfg in ((2048, wide), (768, wide_short), (640, short), (1152, odd)):
         w4a16_ws.check_config({**cfg, "BLOCK_M": 64}, 2048, k)
 
 
@@ -136,7 +143,7 @@ def test_argument_errors() -> None:
     with pytest.raises(ValueError, match="BLOCK_K must be 128"):
         w4a16_ws.grouped_w4a16_ws_into(x, stacked, offsets, out, {"BLOCK_K": 64})
     with pytest.raises(ValueError, match="num_warps = BLOCK_N / 16"):
-        w4a16_ws.grouped_w4a16_ws_into(x, stacked, offsets, out, {"BLOCK_N": 128})  # 4 warps at K < 1024
+        w4a16_ws.grouped_w4a16_ws_into(x, stacked, offsets, out, {"BLOCK_N": 64})  # with 8 warps
     with pytest.raises(ValueError, match="do not fit in shared memory"):
         w4a16_ws.grouped_w4a16_ws_into(x, stacked, offsets, out, {"BLOCK_M": 128, "STAGES": 8})
     with pytest.raises(ValueError, match="int32"):
@@ -155,3 +162,19 @@ def test_every_config_compiles_for_sm90(config: dict[str, Any]) -> None:
     TMA descriptors), with the wgmma and the loader's TMA copies in its SASS."""
     sass = w4a16_ws.compile_offline({**w4a16_ws.DEFAULT_CONFIG, "BLOCK_M": 32, **config}, n=1536, k=2048)
     assert "HGMMA" in sass and "UTMALDG" in sass and "SYNCS.PHASECHK" in sass
+
+
+def _sass_ops(config: dict[str, Any]) -> collections.Counter:
+    sass = w4a16_ws.compile_offline({**w4a16_ws.default_config(2048), "BLOCK_M": 64, **config}, n=1536, k=2048)
+    return collections.Counter(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9]+)", sass, re.MULTILINE))
+
+
+def test_scale_ring_and_rotated_words_change_what_the_sass_does() -> None:
+    """Offline sm_90 SASS: with the scale ring the loader's TMA brings the scale bytes (one more
+    UTMALDG, the MMA warps' scale LDGs gone); the rotated words decode with fewer integer operations
+    (9 instead of 13 a word: 64 fewer a 256-wide stage in each of the two token-tile loops)."""
+    ring, no_ring, rotated = _sass_ops({}), _sass_ops({"SCALE_RING": 0}), _sass_ops({"ROTATED": 1})
+    assert ring["UTMALDG"] == no_ring["UTMALDG"] + 1
+    assert ring["LDG"] < no_ring["LDG"] and ring["LDS"] > no_ring["LDS"]
+    integer = ("LOP3", "IMAD", "SHF")
+    assert sum(ring[op] for op in integer) - sum(rotated[op] for op in integer) == 2 * 64

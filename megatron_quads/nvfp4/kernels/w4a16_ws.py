@@ -10,21 +10,26 @@ the way Hopper GEMMs are (``gl.warp_specialize``):
   ``p, p + P, ...`` expert-major, each over its expert's rows in token tiles of ``BM`` (a half-width
   tile for the last ``BM / 2`` rows or fewer, as the Triton kernel does);
 * one loader warp (:func:`_load_partition`) walks them and puts each K step's code words
-  ``[BN, BK/8]`` (int32) and x (bf16, already in the MMA K order of
-  :func:`~megatron_quads.nvfp4.kernels.w4a16.mma_k_order_rows`; ``BK / 64`` tiles of ``[BM, 64]`` by
-  half-height boxes) into a ring of ``STAGES`` shared-memory stages by TMA, each stage completing a
-  ``ready`` mbarrier;
+  ``[BN, BK/8]`` (int32), with ``SCALE_RING`` their scale bytes ``[BN, BK/16]``, and x (bf16,
+  already in the MMA K order of :func:`~megatron_quads.nvfp4.kernels.w4a16.mma_k_order_rows`;
+  ``BK / 64`` tiles of ``[BM, 64]`` by half-height boxes) into a ring of ``STAGES`` shared-memory
+  stages by TMA, each stage completing a ``ready`` mbarrier;
 * the MMA warps (the default partition, ``BN / 64`` warpgroups, :func:`_mma_partition`) wait on it,
   read a 128-wide sub-step's words into the registers of the wgmma A operand (the K permutation of
   :func:`~megatron_quads.nvfp4.kernels.w4a16_mma._dequant_a`: no data moves between threads),
   dequantize them and issue register-A wgmma against the x tiles in shared memory; the next
   sub-step's words are read while they run, and a stage goes back to the loader (its ``empty``
-  mbarrier) once the wgmma that read it have retired. Scale bytes (1/9 of the weight bytes) are
-  loaded by the MMA warps themselves, one sub-step ahead.
+  mbarrier) once the wgmma that read it have retired. Without ``SCALE_RING`` (``BLOCK_K`` 128) the
+  MMA warps load the scale bytes (1/9 of the weight bytes) themselves, one sub-step ahead; that load
+  was the stall the scale ring removed (7% at 512 tokens, docs/kernels.md).
+
+``ROTATED`` decodes code words rewritten into the layout of
+:mod:`~megatron_quads.nvfp4.kernels.word_layout` (9 integer instructions a word instead of 13),
+built once per weight and kept beside it: a second copy of the code words, so it is not a default.
 
 Same operands, products and K order of the fp32 accumulation as the Triton kernel (bit for bit its
 output in every benchmark and GPU test so far). Dispatched by
-:func:`~megatron_quads.nvfp4.kernels.w4a16.grouped_w4a16_into` for x in K order on sm_90 (10-16%
+:func:`~megatron_quads.nvfp4.kernels.w4a16.grouped_w4a16_into` for x in K order on sm_90 (12-23%
 faster than the Triton kernel at 512 tokens, docs/kernels.md); ``bench_kernels.py --only
 grouped_ws`` times its configs. Needs ``K % BLOCK_K == 0`` and x in the K order of 128-blocks.
 """
@@ -47,6 +52,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from megatron_quads.nvfp4.kernels.w4a16 import (
+    _DEQUANT_WORD_PTX,
     _INTERPRET,
     _X_ORDER_BLOCK,
     OPERAND_LOG2_SCALE,
@@ -58,12 +64,19 @@ from megatron_quads.nvfp4.kernels.w4a16 import (
 )
 from megatron_quads.nvfp4.kernels.w4a16_mma import (
     _dequant_a,
+    _row_bases,
     _scale_pointers,
     scale_bytes_layout,
     words_layout,
 )
 from megatron_quads.nvfp4.kernels.w4a16_tma import words_ring_layout, words_tile_layout
+from megatron_quads.nvfp4.kernels.word_layout import (
+    ROTATED_DEQUANT_WORD_PTX,
+    rotated_code_words,
+)
 from megatron_quads.nvfp4.tensor import NVFP4Tensor
+
+_ROTATED_WORD_PTX = gl.constexpr(ROTATED_DEQUANT_WORD_PTX)
 
 
 @gluon.constexpr_function
@@ -85,6 +98,22 @@ def x_tile_layout(block_m: int) -> gl.NVMMASharedLayout:
     return gl.NVMMASharedLayout.get_default_for([block_m, X_SUB_K], gl.bfloat16)
 
 
+@gluon.constexpr_function
+def scales_ring_layout() -> gl.NVMMASharedLayout:
+    """The scale ring's shared layout (and its TMA descriptor's): unswizzled rows of ``BK / 16`` bytes."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
+
+
+@gluon.constexpr_function
+def scales_tile_layout(block_n: int, num_warps: int) -> gl.DistributedLinearLayout:
+    """uint8 scale bytes ``[BN, 8]`` of one 128-wide sub-step as
+    :func:`~megatron_quads.nvfp4.kernels.w4a16_mma.scale_bytes_layout` holds them (thread ``t`` of a
+    quad: bytes ``2 t, 2 t + 1`` of its rows), before the reshape to ``[BN, 4, 2]``."""
+    lanes, regs, warps = _row_bases(block_n, num_warps, 2)
+    return gl.DistributedLinearLayout(reg_bases=[[0, 1]] + regs, lane_bases=[[0, 2], [0, 4]] + lanes,
+                                      warp_bases=warps, block_bases=[], shape=[block_n, 8])
+
+
 @gluon.jit
 def _k_order_position(cols, BLOCK_K: gl.constexpr):
     """Where :func:`~megatron_quads.nvfp4.kernels.w4a16.mma_k_order_rows` puts column ``cols``
@@ -97,15 +126,15 @@ def _k_order_position(cols, BLOCK_K: gl.constexpr):
 
 
 @gluon.jit
-def _load_partition(w_desc, x_desc, ring_w, ring_x, ready, empty, offsets_ptr, N, K, num_tiles, n_tiles,
-                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                    HALF_TILE: gl.constexpr):
+def _load_partition(w_desc, x_desc, s_desc, ring_w, ring_x, ring_s, ready, empty, offsets_ptr, N, K, num_tiles,
+                    n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                    HALF_TILE: gl.constexpr, SCALE_RING: gl.constexpr):
     """The loader warp: every (tile, token tile, K step) of the program in the MMA warps' order, into
     the ring: the weight rows' code words, and x as ``BLOCK_K / 64`` tiles of ``[BM, 64]`` by
     half-height boxes (a half tile reads only the rows it multiplies)."""
     SUB: gl.constexpr = BLOCK_K // _X_SUB_K
     HALF_X_BYTES: gl.constexpr = x_desc.block_type.nbytes * SUB
-    FULL_BYTES: gl.constexpr = w_desc.block_type.nbytes + 2 * HALF_X_BYTES
+    FULL_BYTES: gl.constexpr = w_desc.block_type.nbytes + 2 * HALF_X_BYTES + SCALE_RING * s_desc.block_type.nbytes
     k_steps = K // BLOCK_K
     step = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
@@ -123,6 +152,8 @@ def _load_partition(w_desc, x_desc, ring_w, ring_x, ready, empty, offsets_ptr, N
                 mbarrier.expect(bar, FULL_BYTES - HALF_X_BYTES, pred=half == 1)  # the byte count is a constant
                 mbarrier.expect(bar, FULL_BYTES, pred=half == 0)
                 tma.async_copy_global_to_shared(w_desc, [row0, kt * (BLOCK_K // 8)], bar, ring_w.index(stage))
+                if SCALE_RING:
+                    tma.async_copy_global_to_shared(s_desc, [row0, kt * (BLOCK_K // 16)], bar, ring_s.index(stage))
                 for j in gl.static_range(SUB):  # x's rows m0 .. m0 + BM (the first half only for a half tile)
                     x_tile = ring_x.index(stage * SUB + j)
                     k0 = kt * BLOCK_K + j * _X_SUB_K
@@ -149,6 +180,14 @@ def _read_words(ring_w, ready, step, sub, STAGES: gl.constexpr, WTILE: gl.conste
 
 
 @gluon.jit
+def _read_scales(ring_s, step, sub, STAGES: gl.constexpr, STILE: gl.constexpr, SCALES: gl.constexpr):
+    """The scale bytes ``[BN, 4, 2]`` of 128-wide sub-step ``sub`` of ring step ``step`` (landed with
+    the stage's words: read after their wait)."""
+    tile = ring_s.index(step % STAGES).slice(sub * 8, 8, dim=1)
+    return gl.convert_layout(gl.reshape(tile.load(STILE), (SCALES.shape[0], 4, 2)), SCALES, assert_trivial=True)
+
+
+@gluon.jit
 def _k_halves(a, A_HALF: gl.constexpr):
     """The A operand ``[BN, 128]`` as its K positions ``0..63`` and ``64..127`` (registers of k16
     slices 0-3 and 4-7: a renaming)."""
@@ -167,8 +206,9 @@ def _x_operand(ring_x, index, TILE_M: gl.constexpr):
 
 
 @gluon.jit
-def _k_loop(acc, ring_w, ring_x, ready, empty, s_ptrs, step, k_steps,
-            BLOCK_K: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
+def _k_loop(acc, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps,
+            BLOCK_K: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, ROTATED: gl.constexpr,
+            SCALE_RING: gl.constexpr):
     """``acc [BN, BM'] += dq(W) @ x^T`` over all K steps of one token tile (``BM'`` the first rows of
     each x stage), ring steps ``step ..``; returns ``(acc, next step)``. A step of ``BLOCK_K`` 256
     is two 128-wide sub-steps (x's K order is per 128 columns) behind one ring wait and release.
@@ -186,22 +226,33 @@ def _k_loop(acc, ring_w, ring_x, ready, empty, s_ptrs, step, k_steps,
     A_HALF: gl.constexpr = A_LAYOUT  # the same register map on a [BN, 64] operand
     WORDS: gl.constexpr = words_layout(BLOCK_N, _X_ORDER_BLOCK, NUM_WARPS)
     WTILE: gl.constexpr = words_tile_layout(BLOCK_N, _X_ORDER_BLOCK, NUM_WARPS)
+    WORD_PTX: gl.constexpr = _ROTATED_WORD_PTX if ROTATED else _DEQUANT_WORD_PTX
+    SCALES: gl.constexpr = scale_bytes_layout(BLOCK_N, _X_ORDER_BLOCK, NUM_WARPS)
+    STILE: gl.constexpr = scales_tile_layout(BLOCK_N, NUM_WARPS)
     last = k_steps * SUBS - 1
-    s0 = gl.load(s_ptrs)
+    if not SCALE_RING:
+        s0 = gl.load(s_ptrs)
     words = _read_words(ring_w, ready, step, 0, STAGES, WTILE, WORDS)
+    if SCALE_RING:
+        s0 = _read_scales(ring_s, step, 0, STAGES, STILE, SCALES)
     for kt in range(k_steps):
         stage = step % STAGES
         for j in gl.static_range(SUBS):
-            s1 = gl.load(s_ptrs + gl.minimum(kt * SUBS + j + 1, last) * (_X_ORDER_BLOCK // 16))
-            a_lo, a_hi = _k_halves(_dequant_a(words, s0, A_LAYOUT, WORDS), A_HALF)
+            if not SCALE_RING:  # the next sub-step's scale bytes from global memory, one sub-step ahead
+                s1 = gl.load(s_ptrs + gl.minimum(kt * SUBS + j + 1, last) * (_X_ORDER_BLOCK // 16))
+            a_lo, a_hi = _k_halves(_dequant_a(words, s0, A_LAYOUT, WORDS, WORD_PTX), A_HALF)
             x0 = (stage * SUBS + j) * 2
             acc = warpgroup_mma(a_lo, _x_operand(ring_x, x0, TILE_M), acc, is_async=True)
             acc = warpgroup_mma(a_hi, _x_operand(ring_x, x0 + 1, TILE_M), acc, is_async=True)
             # the next sub-step's words while the MMA runs (the last one reads its own stage again: still held)
             if j + 1 < SUBS:
                 words = _read_words(ring_w, ready, step, j + 1, STAGES, WTILE, WORDS, WAIT=False)
+                if SCALE_RING:
+                    s1 = _read_scales(ring_s, step, j + 1, STAGES, STILE, SCALES)
             else:
                 words = _read_words(ring_w, ready, step + (kt + 1 < k_steps), 0, STAGES, WTILE, WORDS)
+                if SCALE_RING:
+                    s1 = _read_scales(ring_s, step + (kt + 1 < k_steps), 0, STAGES, STILE, SCALES)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
             s0 = s1
         mbarrier.arrive(empty.index(stage), count=1)  # the stage goes back to the loader
@@ -222,10 +273,25 @@ def _store_rows(acc, y_ptr, decode, row0, N, m0, hi, stride_ym, NUM_WARPS: gl.co
 
 
 @gluon.jit
-def _mma_partition(ring_w, ring_x, ready, empty, scales_ptr, ws2_ptr, offsets_ptr, y_ptr, N, K, num_tiles, n_tiles,
+def _token_tile(TILE_M: gl.constexpr, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps, y_ptr, decode, n0, N, m0,
+                hi, stride_ym, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                NUM_WARPS: gl.constexpr, Y_MMA_ORDER: gl.constexpr, ROTATED: gl.constexpr,
+                SCALE_RING: gl.constexpr):
+    """Rows ``m0 .. hi`` (at most ``TILE_M``: the first rows of each x tile) times the N tile
+    (output columns ``n0 ..``) over the whole K, stored; returns the next ring step."""
+    acc = gl.zeros((BLOCK_N, TILE_M), gl.float32, layout=wgmma_layout(TILE_M, NUM_WARPS))
+    acc, step = _k_loop(acc, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps, BLOCK_K, STAGES, NUM_WARPS,
+                        ROTATED, SCALE_RING)
+    _store_rows(acc, y_ptr, decode, n0, N, m0, hi, stride_ym, NUM_WARPS, Y_MMA_ORDER)
+    return step
+
+
+@gluon.jit
+def _mma_partition(ring_w, ring_x, ring_s, ready, empty, scales_ptr, ws2_ptr, offsets_ptr, y_ptr, N, K, num_tiles, n_tiles,
                    stride_se, stride_sn, stride_w2, stride_ym,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                   NUM_WARPS: gl.constexpr, HALF_TILE: gl.constexpr, Y_MMA_ORDER: gl.constexpr):
+                   NUM_WARPS: gl.constexpr, HALF_TILE: gl.constexpr, Y_MMA_ORDER: gl.constexpr,
+                   ROTATED: gl.constexpr, SCALE_RING: gl.constexpr):
     """The MMA warps: the program's tiles and token tiles in the loader's order, each over the whole K,
     then stored (while the loader already fills the ring for the next)."""
     k_steps = K // BLOCK_K
@@ -241,23 +307,22 @@ def _mma_partition(ring_w, ring_x, ready, empty, scales_ptr, ws2_ptr, offsets_pt
         decode = gl.load(ws2_ptr + expert * stride_w2) * (2.0 ** -OPERAND_LOG2_SCALE)
         for m0 in range(lo, hi, BLOCK_M):
             if HALF_TILE and hi - m0 <= BLOCK_M // 2:  # the last (often only) tile of a small expert
-                half = gl.zeros((BLOCK_N, BLOCK_M // 2), gl.float32, layout=wgmma_layout(BLOCK_M // 2, NUM_WARPS))
-                half, step = _k_loop(half, ring_w, ring_x, ready, empty, s_ptrs, step, k_steps, BLOCK_K, STAGES,
-                                     NUM_WARPS)
-                _store_rows(half, y_ptr, decode, n0, N, m0, hi, stride_ym, NUM_WARPS, Y_MMA_ORDER)
+                step = _token_tile(BLOCK_M // 2, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps, y_ptr, decode, n0,
+                                   N, m0, hi, stride_ym, BLOCK_N, BLOCK_K, STAGES, NUM_WARPS, Y_MMA_ORDER, ROTATED,
+                                   SCALE_RING)
             else:
-                acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=wgmma_layout(BLOCK_M, NUM_WARPS))
-                acc, step = _k_loop(acc, ring_w, ring_x, ready, empty, s_ptrs, step, k_steps, BLOCK_K, STAGES,
-                                    NUM_WARPS)
-                _store_rows(acc, y_ptr, decode, n0, N, m0, hi, stride_ym, NUM_WARPS, Y_MMA_ORDER)
+                step = _token_tile(BLOCK_M, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps, y_ptr, decode, n0, N,
+                                   m0, hi, stride_ym, BLOCK_N, BLOCK_K, STAGES, NUM_WARPS, Y_MMA_ORDER, ROTATED,
+                                   SCALE_RING)
 
 
 @gluon.jit
 def _grouped_ws_kernel(
-    w_desc, x_desc, scales_ptr, ws2_ptr, offsets_ptr, y_ptr,
+    w_desc, x_desc, s_desc, scales_ptr, ws2_ptr, offsets_ptr, y_ptr,
     N, K, num_tiles, n_tiles, stride_se, stride_sn, stride_w2, stride_ym,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
     NUM_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, HALF_TILE: gl.constexpr, Y_MMA_ORDER: gl.constexpr,
+    ROTATED: gl.constexpr, SCALE_RING: gl.constexpr,
 ):
     """Persistent: program ``p`` takes tiles ``p, p + P, ...`` of the ``E * n_tiles`` (expert, N tile)
     pairs, expert-major (programs running together share an expert's x in L2); each covers the
@@ -266,17 +331,21 @@ def _grouped_ws_kernel(
     ring_w = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, BLOCK_K // 8], words_ring_layout())
     ring_x = gl.allocate_shared_memory(gl.bfloat16, [STAGES * (BLOCK_K // _X_SUB_K), BLOCK_M, _X_SUB_K],
                                        x_tile_layout(BLOCK_M))
+    if SCALE_RING:
+        ring_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, BLOCK_K // 16], scales_ring_layout())
+    else:
+        ring_s = ring_w  # not read
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for j in gl.static_range(STAGES):
         mbarrier.init(ready.index(j), count=1)
         mbarrier.init(empty.index(j), count=1)
     gl.warp_specialize([
-        (_mma_partition, (ring_w, ring_x, ready, empty, scales_ptr, ws2_ptr, offsets_ptr, y_ptr, N, K, num_tiles,
+        (_mma_partition, (ring_w, ring_x, ring_s, ready, empty, scales_ptr, ws2_ptr, offsets_ptr, y_ptr, N, K, num_tiles,
                           n_tiles, stride_se, stride_sn, stride_w2, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
-                          NUM_WARPS, HALF_TILE, Y_MMA_ORDER)),
-        (_load_partition, (w_desc, x_desc, ring_w, ring_x, ready, empty, offsets_ptr, N, K, num_tiles, n_tiles,
-                           BLOCK_M, BLOCK_N, BLOCK_K, STAGES, HALF_TILE)),
+                          NUM_WARPS, HALF_TILE, Y_MMA_ORDER, ROTATED, SCALE_RING)),
+        (_load_partition, (w_desc, x_desc, s_desc, ring_w, ring_x, ring_s, ready, empty, offsets_ptr, N, K, num_tiles,
+                           n_tiles, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, HALF_TILE, SCALE_RING)),
     ], [1], [LOADER_REGS])
 
 
@@ -285,26 +354,30 @@ DEFAULT_CONFIG = {"BLOCK_N": 128, "BLOCK_K": 128, "STAGES": 3, "num_warps": 8, "
 """``num_warps`` (the MMA warps) must be ``BLOCK_N / 16``: one warpgroup a 64 weight rows. The grid is
 ``CTAS_PER_SM`` programs an SM (persistent), or ``PROGRAMS`` when the config gives it; ``maxnreg``
 the register budget the partitions split (0: the compiler's; two CTAs of 12 warps an SM need 80 or
-fewer). :func:`default_config` puts :data:`WIDE_K_CONFIG` or :data:`SHORT_K_CONFIG` over it: the
+fewer). ``SCALE_RING``: the scale bytes by TMA in the ring (``BLOCK_K`` 256 only: TMA rows of 16
+bytes or more; ignored otherwise); ``ROTATED``: code words in the rotated layout (a cached second
+copy). :func:`default_config` puts :data:`WIDE_K_CONFIG` or :data:`SHORT_K_CONFIG` over it: the
 fastest measured at Qwen3-30B-A3B expert shapes (``bench_kernels.py --quick --only grouped_ws``,
 H200, docs/kernels.md)."""
 
-WIDE_K_CONFIG = {"BLOCK_K": 256, "STAGES": 2}
-"""Two 128-wide sub-steps a ring stage: one ring wait and release (and their CTA barriers) a 256 K.
-Qwen3-30B-A3B gate/up (K 2048) at 512 tokens: 107.3-108.4 us against 110.7-111.2 with BLOCK_K 128."""
+WIDE_K_CONFIG = {"BLOCK_K": 256, "STAGES": 2, "SCALE_RING": 1}
+"""Where 256 divides K: two 128-wide sub-steps a ring stage (one ring wait and release, and their CTA
+barriers, a 256 K) and the scale bytes in the ring (loaded by the MMA warps one sub-step ahead, they
+were waited for at every sub-step and most at each tile's first). Qwen3-30B-A3B, H200, 2026-11-30
+13:45 run: gate/up (K 2048) at 512 tokens 101.2 us against 108.0 without the scale ring; down (K 768)
+62.4 us against 63.9 for :data:`SHORT_K_CONFIG` (its default until then), and 41.1 against 49.6 at
+64 tokens."""
 
 SHORT_K_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "STAGES": 3, "CTAS_PER_SM": 3}
-"""One warpgroup, three CTAs an SM, for K below 1024 (the down projection, K 768): 62.5-63.5 us at
-512 tokens against 65.9-66.6 with the wide-K config. At 64 tokens the wide-K config is the faster
-(46.8-47.4 against 48.9-49.5 us), but there the engine keeps x in natural order and runs the Triton
-kernel."""
+"""One warpgroup, three CTAs an SM, for K below 1024 that 256 does not divide: at K 768 with
+``BLOCK_K`` 128 it was the fastest (62.5-63.5 us at 512 tokens against 65.9-66.6 with two warpgroups)."""
 
 
 def default_config(k: int) -> dict[str, int]:
     """The default config for an expert weight of ``k`` input features."""
-    if k < 1024:
-        return {**DEFAULT_CONFIG, **SHORT_K_CONFIG}
-    return {**DEFAULT_CONFIG, **(WIDE_K_CONFIG if k % 256 == 0 else {})}
+    if k % 256 == 0:
+        return {**DEFAULT_CONFIG, **WIDE_K_CONFIG}
+    return {**DEFAULT_CONFIG, **(SHORT_K_CONFIG if k < 1024 else {})}
 
 
 @functools.cache
@@ -329,7 +402,7 @@ def check_config(cfg: dict[str, Any], n: int, k: int) -> None:
                          f"got {cfg}")
     if block_m not in (16, 32, 64, 128) or cfg["STAGES"] not in range(2, 9):
         raise ValueError(f"BLOCK_M must be 16, 32, 64 or 128 and STAGES 2..8, got {cfg}")
-    stage_bytes = block_n * block_k // 2 + block_m * block_k * 2
+    stage_bytes = block_n * block_k // 2 + block_m * block_k * 2 + (block_n * block_k // 16 if _scale_ring(cfg) else 0)
     if cfg["STAGES"] * stage_bytes > 200 * 1024:
         raise ValueError(f"{cfg['STAGES']} ring stages of {stage_bytes} bytes do not fit in shared memory; lower "
                          "STAGES, BLOCK_N or BLOCK_M")
@@ -352,27 +425,39 @@ def grouped_w4a16_ws_into(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets: 
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:  # TMA: 16-byte aligned rows
         x = x.contiguous()
     codes, scales = _operands(weight)
+    if cfg.get("ROTATED"):
+        codes = rotated_code_words(weight.codes, codes)
     codes = codes.reshape(num_experts * n, k // 8)
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     w_desc = TensorDescriptor(codes, list(codes.shape), [codes.stride(0), 1], [block_n, block_k // 8],
                               words_ring_layout())
     x_desc = TensorDescriptor(x, list(x.shape), [x.stride(0), 1], [block_m // 2, X_SUB_K], x_tile_layout(block_m))
+    s_desc = w_desc  # a stand-in the kernel does not read without the scale ring
+    if _scale_ring(cfg):
+        stacked = scales.reshape(num_experts * n, k // 16)  # a view of contiguous scales
+        s_desc = TensorDescriptor(stacked, list(stacked.shape), [k // 16, 1], [block_n, block_k // 16],
+                                  scales_ring_layout())
     ws2 = weight.weight_scale_2.reshape(-1).to(torch.float32)
     n_tiles = triton.cdiv(n, block_n)
     num_tiles = n_tiles * num_experts
     programs = min(num_tiles, cfg.get("PROGRAMS") or cfg["CTAS_PER_SM"] * _sm_count(x.device))
     _grouped_ws_kernel[(programs,)](
-        w_desc, x_desc, scales, ws2, expert_offsets, out,
+        w_desc, x_desc, s_desc, scales, ws2, expert_offsets, out,
         n, k, num_tiles, n_tiles, scales.stride(0), scales.stride(1), 1 if ws2.numel() > 1 else 0, out.stride(0),
         **_meta(cfg, y_mma_order), **_launch_options(cfg),
     )
     return out
 
 
+def _scale_ring(cfg: dict[str, Any]) -> bool:
+    """``SCALE_RING`` takes effect at ``BLOCK_K`` 256 only: TMA rows need at least 16 scale bytes."""
+    return bool(cfg.get("SCALE_RING")) and cfg["BLOCK_K"] == 2 * X_ORDER_BLOCK_K
+
+
 def _meta(cfg: dict[str, Any], y_mma_order: bool) -> dict[str, int]:
     return {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"], "STAGES": cfg["STAGES"],
             "NUM_WARPS": cfg["num_warps"], "LOADER_REGS": cfg["LOADER_REGS"], "HALF_TILE": cfg["HALF_TILE"],
-            "Y_MMA_ORDER": int(y_mma_order)}
+            "Y_MMA_ORDER": int(y_mma_order), "ROTATED": cfg.get("ROTATED", 0), "SCALE_RING": int(_scale_ring(cfg))}
 
 
 def _launch_options(cfg: dict[str, Any]) -> dict[str, int]:
@@ -396,9 +481,15 @@ def compile_offline(cfg: dict[str, Any], n: int, k: int, y_mma_order: bool = Fal
     w_desc = TensorDescriptor(codes, list(codes.shape), [k // 8, 1], [cfg["BLOCK_N"], cfg["BLOCK_K"] // 8],
                               words_ring_layout())
     x_desc = TensorDescriptor(x, list(x.shape), [k, 1], [cfg["BLOCK_M"] // 2, X_SUB_K], x_tile_layout(cfg["BLOCK_M"]))
+    s_desc = w_desc
+    if _scale_ring(cfg):
+        stacked = torch.empty(2 * n, k // 16, dtype=torch.uint8, device="meta")
+        s_desc = TensorDescriptor(stacked, list(stacked.shape), [k // 16, 1], [cfg["BLOCK_N"], cfg["BLOCK_K"] // 16],
+                                  scales_ring_layout())
     kernel = _grouped_ws_kernel
     meta = _meta(cfg, y_mma_order)
-    types = {"w_desc": mangle_type(w_desc), "x_desc": mangle_type(x_desc), "scales_ptr": "*u8", "ws2_ptr": "*fp32",
+    types = {"w_desc": mangle_type(w_desc), "x_desc": mangle_type(x_desc), "s_desc": mangle_type(s_desc),
+             "scales_ptr": "*u8", "ws2_ptr": "*fp32",
              "offsets_ptr": "*i32", "y_ptr": "*bf16"}
     signature = {name: "constexpr" if name in meta else types.get(name, "i32") for name in kernel.arg_names}
     # what the launcher specializes on the GPU: pointers, K and the strides divisible by 16
