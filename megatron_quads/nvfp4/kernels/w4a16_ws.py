@@ -20,8 +20,8 @@ the way Hopper GEMMs are (``gl.warp_specialize``):
   dequantize them and issue register-A wgmma against the x tiles in shared memory; the next
   sub-step's words are read while they run, and a stage goes back to the loader (its ``empty``
   mbarrier) once the wgmma that read it have retired. Without ``SCALE_RING`` (``BLOCK_K`` 128) the
-  MMA warps load the scale bytes (1/9 of the weight bytes) themselves, one sub-step ahead; that load
-  was the stall the scale ring removed (7% at 512 tokens, docs/kernels.md).
+  MMA warps load the scale bytes (1/9 of the weight bytes) themselves, one sub-step ahead; the scale
+  ring took 6% off the gate/up time at 512 tokens (docs/kernels.md).
 
 ``ROTATED`` decodes code words rewritten into the layout of
 :mod:`~megatron_quads.nvfp4.kernels.word_layout` (9 integer instructions a word instead of 13),
@@ -362,8 +362,8 @@ H200, docs/kernels.md)."""
 
 WIDE_K_CONFIG = {"BLOCK_K": 256, "STAGES": 2, "SCALE_RING": 1}
 """Where 256 divides K: two 128-wide sub-steps a ring stage (one ring wait and release, and their CTA
-barriers, a 256 K) and the scale bytes in the ring (loaded by the MMA warps one sub-step ahead, they
-were waited for at every sub-step and most at each tile's first). Qwen3-30B-A3B, H200, 2026-11-30
+barriers, a 256 K) and the scale bytes in the ring (instead of the MMA warps' global loads one
+sub-step ahead, which nothing hid at a tile's first step). Qwen3-30B-A3B, H200, 2026-11-30
 13:45 run: gate/up (K 2048) at 512 tokens 101.2 us against 108.0 without the scale ring; down (K 768)
 62.4 us against 63.9 for :data:`SHORT_K_CONFIG` (its default until then), and 41.1 against 49.6 at
 64 tokens."""
@@ -427,18 +427,10 @@ def grouped_w4a16_ws_into(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets: 
     codes, scales = _operands(weight)
     if cfg.get("ROTATED"):
         codes = rotated_code_words(weight.codes, codes)
-    codes = codes.reshape(num_experts * n, k // 8)
-    block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    w_desc = TensorDescriptor(codes, list(codes.shape), [codes.stride(0), 1], [block_n, block_k // 8],
-                              words_ring_layout())
-    x_desc = TensorDescriptor(x, list(x.shape), [x.stride(0), 1], [block_m // 2, X_SUB_K], x_tile_layout(block_m))
-    s_desc = w_desc  # a stand-in the kernel does not read without the scale ring
-    if _scale_ring(cfg):
-        stacked = scales.reshape(num_experts * n, k // 16)  # a view of contiguous scales
-        s_desc = TensorDescriptor(stacked, list(stacked.shape), [k // 16, 1], [block_n, block_k // 16],
-                                  scales_ring_layout())
+    stacked_scales = scales.reshape(num_experts * n, k // 16) if _scale_ring(cfg) else None
+    w_desc, x_desc, s_desc = _descriptors(codes.reshape(num_experts * n, k // 8), x, stacked_scales, cfg)
     ws2 = weight.weight_scale_2.reshape(-1).to(torch.float32)
-    n_tiles = triton.cdiv(n, block_n)
+    n_tiles = triton.cdiv(n, cfg["BLOCK_N"])
     num_tiles = n_tiles * num_experts
     programs = min(num_tiles, cfg.get("PROGRAMS") or cfg["CTAS_PER_SM"] * _sm_count(x.device))
     _grouped_ws_kernel[(programs,)](
@@ -447,6 +439,22 @@ def grouped_w4a16_ws_into(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets: 
         **_meta(cfg, y_mma_order), **_launch_options(cfg),
     )
     return out
+
+
+def _descriptors(codes: torch.Tensor, x: torch.Tensor, scales: torch.Tensor | None,
+                 cfg: dict[str, Any]) -> tuple[TensorDescriptor, TensorDescriptor, TensorDescriptor]:
+    """The loader's TMA descriptors: stacked code words ``[E * N, K / 8]``, x ``[T, K]`` (16-byte
+    aligned rows) and, with the scale ring, stacked scale bytes ``[E * N, K / 16]`` (unit stride along
+    K); without it the words' descriptor stands in for the scales' (the kernel does not read it)."""
+    block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    w_desc = TensorDescriptor(codes, list(codes.shape), [codes.stride(0), 1], [block_n, block_k // 8],
+                              words_ring_layout())
+    x_desc = TensorDescriptor(x, list(x.shape), [x.stride(0), 1], [block_m // 2, X_SUB_K], x_tile_layout(block_m))
+    s_desc = w_desc
+    if scales is not None:
+        s_desc = TensorDescriptor(scales, list(scales.shape), [scales.stride(0), 1], [block_n, block_k // 16],
+                                  scales_ring_layout())
+    return w_desc, x_desc, s_desc
 
 
 def _scale_ring(cfg: dict[str, Any]) -> bool:
@@ -476,16 +484,10 @@ def compile_offline(cfg: dict[str, Any], n: int, k: int, y_mma_order: bool = Fal
     from triton.runtime.jit import mangle_type
 
     check_config(cfg, n, k)
-    codes = torch.empty(2 * n, k // 8, dtype=torch.int32, device="meta")
-    x = torch.empty(16, k, dtype=torch.bfloat16, device="meta")
-    w_desc = TensorDescriptor(codes, list(codes.shape), [k // 8, 1], [cfg["BLOCK_N"], cfg["BLOCK_K"] // 8],
-                              words_ring_layout())
-    x_desc = TensorDescriptor(x, list(x.shape), [k, 1], [cfg["BLOCK_M"] // 2, X_SUB_K], x_tile_layout(cfg["BLOCK_M"]))
-    s_desc = w_desc
-    if _scale_ring(cfg):
-        stacked = torch.empty(2 * n, k // 16, dtype=torch.uint8, device="meta")
-        s_desc = TensorDescriptor(stacked, list(stacked.shape), [k // 16, 1], [cfg["BLOCK_N"], cfg["BLOCK_K"] // 16],
-                                  scales_ring_layout())
+    w_desc, x_desc, s_desc = _descriptors(torch.empty(2 * n, k // 8, dtype=torch.int32, device="meta"),
+                                          torch.empty(16, k, dtype=torch.bfloat16, device="meta"),
+                                          torch.empty(2 * n, k // 16, dtype=torch.uint8, device="meta")
+                                          if _scale_ring(cfg) else None, cfg)
     kernel = _grouped_ws_kernel
     meta = _meta(cfg, y_mma_order)
     types = {"w_desc": mangle_type(w_desc), "x_desc": mangle_type(x_desc), "s_desc": mangle_type(s_desc),

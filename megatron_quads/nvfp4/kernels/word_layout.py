@@ -80,7 +80,9 @@ _CACHE: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
 def rotated_code_words(codes: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
     """:func:`rotated_words` of ``words`` (the int32 view of ``codes``), computed once per ``codes``
     tensor and kept while it lives: recomputed when ``codes`` was written in place (its version
-    counter moved, e.g. a weight sync) or its storage changed."""
+    counter moved, e.g. a weight sync) or its storage changed. ``codes`` keys the cache (the kernels'
+    word views are new tensors each call); the caller makes ``words`` (``w4a16._code_words``, which
+    this Triton-free module does not import)."""
     key = id(codes)
     cached = _CACHE.get(key)
     if cached is not None and cached[0]() is codes and cached[1] == codes._version and cached[2] == codes.data_ptr():
