@@ -577,7 +577,12 @@ def _x_mma_order_sweep(x: torch.Tensor, ordered_x: torch.Tensor, qw, offsets: to
 
 
 WS_CONFIGS = [
-    {},  # the defaults (w4a16_ws.default_config: BLOCK_K 256 and the scale ring where 256 divides K)
+    {},  # the defaults (w4a16_ws.default_config: BLOCK_K 256 and the scale ring where 256 divides K, DYNAMIC up to K 1024)
+    {"DYNAMIC": 0},
+    {"DYNAMIC": 1},
+    {"DYNAMIC": 1, "ROTATED": 1},
+    {"DYNAMIC": 1, "BLOCK_M": 32, "STAGES": 3},
+
     {"ROTATED": 1},
     {"SCALE_RING": 0},
     {"HALF_TILE": 0},

@@ -45,6 +45,10 @@ CONFIGS: list[dict[str, Any]] = [
     {"ROTATED": 1, "SCALE_RING": 1, "BLOCK_K": 256},  # rotated code words; scale bytes through the ring
     {"SCALE_RING": 1, "BLOCK_K": 256, "BLOCK_N": 128, "num_warps": 8, "BLOCK_M": 32, "STAGES": 2, "PROGRAMS": 3},
     {"ROTATED": 1, "BLOCK_K": 128, "BLOCK_M": 64, "STAGES": 5, "PROGRAMS": 3, "maxnreg": 0},
+    {"DYNAMIC": 1},  # tiles handed out by the shared counter
+    {"DYNAMIC": 1, "BLOCK_K": 128, "BLOCK_M": 64, "STAGES": 3, "PROGRAMS": 3, "maxnreg": 0},
+    {"DYNAMIC": 1, "ROTATED": 1},
+    {"DYNAMIC": 1, "BLOCK_N": 64, "num_warps": 4, "BLOCK_K": 256, "BLOCK_M": 32, "STAGES": 3, "PROGRAMS": 7},
 ]
 
 
@@ -92,6 +96,30 @@ def test_y_mma_order_stores_each_row_in_the_k_order(kernel_device: str, config: 
 
 
 @pytest.mark.gpu
+def test_64_bit_output_offsets_store_the_same_bits(kernel_device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outputs of 2^31 elements or more are addressed in 64 bits (forced here on a small one)."""
+    counts, n, k = _cases()[3]
+    weight = _gaussian_weight((len(counts), n, k), kernel_device)
+    x = _activations((sum(counts), k), torch.bfloat16, kernel_device)
+    narrow = _run(x, weight, counts, {})
+    monkeypatch.setattr(w4a16_ws, "Y_I32_LIMIT", 0)
+    assert torch.equal(_run(x, weight, counts, {}), narrow)
+
+
+@pytest.mark.gpu
+def test_dynamic_schedule_gives_the_static_bits_and_leaves_its_counters_zero(kernel_device: str) -> None:
+    """Which program takes a tile does not change its products; each launch puts the shared counters
+    back to zero (a stale count would make the next launch skip tiles), at any program count."""
+    counts = [0, 37, 5, 300, 64, 1, 33, 90]
+    weight = _gaussian_weight((len(counts), 384, 512), kernel_device)
+    x = _activations((sum(counts), 512), torch.bfloat16, kernel_device)
+    static = _run(x, weight, counts, {})
+    for programs in (1, 4, 9, 10_000):
+        assert torch.equal(_run(x, weight, counts, {"DYNAMIC": 1, "PROGRAMS": programs}), static), programs
+        assert w4a16._split_counters(x.device, 2)[:2].tolist() == [0, 0]
+
+
+@pytest.mark.gpu
 def test_agrees_with_the_triton_grouped_kernel(kernel_device: str) -> None:
     counts, n, k = _cases()[3]
     weight = _gaussian_weight((len(counts), n, k), kernel_device)
@@ -129,6 +157,7 @@ def test_dispatch_needs_a_hopper_gpu_and_whole_k_order_blocks() -> None:
     wide, wide_short, short, odd = (w4a16_ws.default_config(k) for k in (2048, 768, 640, 1152))
     for cfg in (wide, wide_short):
         assert (cfg["BLOCK_K"], cfg["BLOCK_N"], cfg["SCALE_RING"]) == (256, 128, 1)
+    assert wide_short["DYNAMIC"] and not wide.get("DYNAMIC")  # the shared tile counter where K is short
     assert (odd["BLOCK_K"], odd["BLOCK_N"]) == (128, 128) and not odd.get("SCALE_RING")
     assert (short["BLOCK_K"], short["BLOCK_N"], short["num_warps"]) == (128, 64, 4) and not short.get("SCALE_RING")
     for k, cfg in ((2048, wide), (768, wide_short), (640, short), (1152, odd)):
@@ -162,6 +191,7 @@ def test_every_config_compiles_for_sm90(config: dict[str, Any]) -> None:
     TMA descriptors), with the wgmma and the loader's TMA copies in its SASS."""
     sass = w4a16_ws.compile_offline({**w4a16_ws.DEFAULT_CONFIG, "BLOCK_M": 32, **config}, n=1536, k=2048)
     assert "HGMMA" in sass and "UTMALDG" in sass and "SYNCS.PHASECHK" in sass
+    assert ("ATOMG" in sass) == bool(config.get("DYNAMIC"))  # the tile counter: only the dynamic schedule
 
 
 def _sass_ops(config: dict[str, Any]) -> collections.Counter:

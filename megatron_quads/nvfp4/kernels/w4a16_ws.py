@@ -7,8 +7,9 @@ takes 111 us of the 125 (docs/kernels.md): the warps wait on their own pipeline.
 the way Hopper GEMMs are (``gl.warp_specialize``):
 
 * persistent programs (``CTAS_PER_SM`` an SM) take the ``E * N / BN`` (expert, N tile) pairs
-  ``p, p + P, ...`` expert-major, each over its expert's rows in token tiles of ``BM`` (a half-width
-  tile for the last ``BM / 2`` rows or fewer, as the Triton kernel does);
+  ``p, p + P, ...`` expert-major, or (``DYNAMIC``, the default up to K 1024) pair ``p`` and then the
+  next one a shared counter hands out, each over its expert's rows in token tiles of ``BM`` (a
+  half-width tile for the last ``BM / 2`` rows or fewer, as the Triton kernel does);
 * one loader warp (:func:`_load_partition`) walks them and puts each K step's code words
   ``[BN, BK/8]`` (int32), with ``SCALE_RING`` their scale bytes ``[BN, BK/16]``, and x (bf16,
   already in the MMA K order of :func:`~megatron_quads.nvfp4.kernels.w4a16.mma_k_order_rows`;
@@ -60,6 +61,7 @@ from megatron_quads.nvfp4.kernels.w4a16 import (
     _grouped_block_m,
     _operands,
     _sm_count,
+    _split_counters,
     check_grouped_bf16_call,
 )
 from megatron_quads.nvfp4.kernels.w4a16_mma import (
@@ -126,41 +128,127 @@ def _k_order_position(cols, BLOCK_K: gl.constexpr):
 
 
 @gluon.jit
-def _load_partition(w_desc, x_desc, s_desc, ring_w, ring_x, ring_s, ready, empty, offsets_ptr, N, K, num_tiles,
-                    n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                    HALF_TILE: gl.constexpr, SCALE_RING: gl.constexpr):
-    """The loader warp: every (tile, token tile, K step) of the program in the MMA warps' order, into
-    the ring: the weight rows' code words, and x as ``BLOCK_K / 64`` tiles of ``[BM, 64]`` by
-    half-height boxes (a half tile reads only the rows it multiplies)."""
+def _load_tile(tile, lo, hi, step, w_desc, x_desc, s_desc, ring_w, ring_x, ring_s, ready, empty, N, k_steps, n_tiles,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+               HALF_TILE: gl.constexpr, SCALE_RING: gl.constexpr):
+    """Every (token tile, K step) of (expert, N tile) pair ``tile`` (its expert's rows ``lo:hi``)
+    into the ring from ring step ``step`` on: the weight rows' code words, and x as ``BLOCK_K / 64``
+    tiles of ``[BM, 64]`` by half-height boxes (a half tile reads only the rows it multiplies);
+    returns the next ring step."""
     SUB: gl.constexpr = BLOCK_K // _X_SUB_K
     HALF_X_BYTES: gl.constexpr = x_desc.block_type.nbytes * SUB
     FULL_BYTES: gl.constexpr = w_desc.block_type.nbytes + 2 * HALF_X_BYTES + SCALE_RING * s_desc.block_type.nbytes
+    expert = tile // n_tiles
+    row0 = expert * N + (tile % n_tiles) * BLOCK_N
+    for m0 in range(lo, hi, BLOCK_M):
+        half = (hi - m0 <= BLOCK_M // 2).to(gl.int32) * HALF_TILE  # as the MMA warps decide
+        for kt in range(k_steps):
+            stage = step % STAGES
+            # a fresh mbarrier counts as having completed the phase before 0: the first lap waits on nothing
+            mbarrier.wait(empty.index(stage), ((step // STAGES) & 1) ^ 1)
+            bar = ready.index(stage)
+            mbarrier.expect(bar, FULL_BYTES - HALF_X_BYTES, pred=half == 1)  # the byte count is a constant
+            mbarrier.expect(bar, FULL_BYTES, pred=half == 0)
+            tma.async_copy_global_to_shared(w_desc, [row0, kt * (BLOCK_K // 8)], bar, ring_w.index(stage))
+            if SCALE_RING:
+                tma.async_copy_global_to_shared(s_desc, [row0, kt * (BLOCK_K // 16)], bar, ring_s.index(stage))
+            for j in gl.static_range(SUB):  # x's rows m0 .. m0 + BM (the first half only for a half tile)
+                x_tile = ring_x.index(stage * SUB + j)
+                k0 = kt * BLOCK_K + j * _X_SUB_K
+                tma.async_copy_global_to_shared(x_desc, [m0, k0], bar, x_tile.slice(0, BLOCK_M // 2))
+                tma.async_copy_global_to_shared(x_desc, [m0 + BLOCK_M // 2, k0], bar,
+                                                x_tile.slice(BLOCK_M // 2, BLOCK_M // 2), pred=half == 0)
+            step += 1
+    return step
+
+
+@gluon.jit
+def _publish_tile(count, tile, lo, hi, scale_bits, queue, queued, taken):
+    """The loader's ``count``-th tile into the tile queue (slot ``count % slots``, once the MMA warps
+    are done with what it held): its id, its expert's rows ``lo:hi`` and the bits of its
+    ``weight_scale_2`` (loaded by the loader, so the MMA warps do not wait on them at each tile)."""
+    SLOTS: gl.constexpr = queue.shape[0]
+    slot = count % SLOTS
+    mbarrier.wait(taken.index(slot), ((count // SLOTS) & 1) ^ 1)
+    field = gl.arange(0, 4, layout=gl.BlockedLayout([4], [32], [1], [0]))
+    entry = gl.where(field == 0, tile, gl.where(field == 1, lo, gl.where(field == 2, hi, scale_bits)))
+    queue.index(slot).store(entry)
+    mbarrier.arrive(queued.index(slot), count=1)
+
+
+@gluon.jit
+def _queue_field(entry, field, j: gl.constexpr):
+    return gl.sum(gl.where(field == j, entry, 0), axis=0)  # within a thread: every thread holds the entry
+
+
+@gluon.jit
+def _peek_tile(count, queue, queued, NUM_WARPS: gl.constexpr):
+    """The id of the ``count``-th tile the loader published (its slot stays held)."""
+    SLOTS: gl.constexpr = queue.shape[0]
+    slot = count % SLOTS
+    mbarrier.wait(queued.index(slot), (count // SLOTS) & 1)
+    layout: gl.constexpr = gl.BlockedLayout([4], [32], [NUM_WARPS], [0])
+    return _queue_field(queue.index(slot).load(layout), gl.arange(0, 4, layout=layout), 0)
+
+
+@gluon.jit
+def _take_tile(count, queue, taken, NUM_WARPS: gl.constexpr):
+    """``(lo, hi, weight_scale_2)`` of the ``count``-th published tile (after :func:`_peek_tile`),
+    and its slot back to the loader. Read at the top of a tile, not carried across the tile loop:
+    the Gluon frontend of Triton 3.6 does not carry a value whose only use is a ``range`` bound."""
+    SLOTS: gl.constexpr = queue.shape[0]
+    slot = count % SLOTS
+    layout: gl.constexpr = gl.BlockedLayout([4], [32], [NUM_WARPS], [0])
+    entry = queue.index(slot).load(layout)
+    field = gl.arange(0, 4, layout=layout)
+    lo = _queue_field(entry, field, 1)
+    hi = _queue_field(entry, field, 2)
+    weight_scale_2 = _queue_field(entry, field, 3).to(gl.float32, bitcast=True)
+    mbarrier.arrive(taken.index(slot), count=1)
+    return lo, hi, weight_scale_2
+
+
+@gluon.jit
+def _load_partition(w_desc, x_desc, s_desc, ring_w, ring_x, ring_s, ready, empty, queue, queued, taken, offsets_ptr,
+                    ws2_ptr, sched_ptr, N, K, num_tiles, n_tiles, stride_w2, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, HALF_TILE: gl.constexpr,
+                    SCALE_RING: gl.constexpr, DYNAMIC: gl.constexpr):
+    """The loader warp: the program's tiles (:func:`_load_tile`) in the MMA warps' order. Static:
+    tiles ``p, p + P, ...``. ``DYNAMIC``: tile ``p``, then whichever tile the shared counter at
+    ``sched_ptr`` hands out next (taken one tile ahead, so its latency hides behind the loads), each
+    id published to the MMA warps through the tile queue with its expert's row bounds and
+    ``weight_scale_2`` (:func:`_publish_tile`), an id past the last one ending both; the last program
+    to finish puts the counters back to zero for the next launch."""
     k_steps = K // BLOCK_K
     step = 0
-    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        expert = tile // n_tiles
-        row0 = expert * N + (tile % n_tiles) * BLOCK_N
-        lo = gl.load(offsets_ptr + expert)
-        hi = gl.load(offsets_ptr + expert + 1)
-        for m0 in range(lo, hi, BLOCK_M):
-            half = (hi - m0 <= BLOCK_M // 2).to(gl.int32) * HALF_TILE  # as the MMA warps decide
-            for kt in range(k_steps):
-                stage = step % STAGES
-                # a fresh mbarrier counts as having completed the phase before 0: the first lap waits on nothing
-                mbarrier.wait(empty.index(stage), ((step // STAGES) & 1) ^ 1)
-                bar = ready.index(stage)
-                mbarrier.expect(bar, FULL_BYTES - HALF_X_BYTES, pred=half == 1)  # the byte count is a constant
-                mbarrier.expect(bar, FULL_BYTES, pred=half == 0)
-                tma.async_copy_global_to_shared(w_desc, [row0, kt * (BLOCK_K // 8)], bar, ring_w.index(stage))
-                if SCALE_RING:
-                    tma.async_copy_global_to_shared(s_desc, [row0, kt * (BLOCK_K // 16)], bar, ring_s.index(stage))
-                for j in gl.static_range(SUB):  # x's rows m0 .. m0 + BM (the first half only for a half tile)
-                    x_tile = ring_x.index(stage * SUB + j)
-                    k0 = kt * BLOCK_K + j * _X_SUB_K
-                    tma.async_copy_global_to_shared(x_desc, [m0, k0], bar, x_tile.slice(0, BLOCK_M // 2))
-                    tma.async_copy_global_to_shared(x_desc, [m0 + BLOCK_M // 2, k0], bar,
-                                                    x_tile.slice(BLOCK_M // 2, BLOCK_M // 2), pred=half == 0)
-                step += 1
+    if DYNAMIC:
+        programs = gl.num_programs(0)
+        tile = gl.program_id(0)
+        count = 0
+        while tile < num_tiles:
+            next_tile = gl.atomic_add(sched_ptr, 1, sem="relaxed") + programs
+            expert = tile // n_tiles
+            lo = gl.load(offsets_ptr + expert)
+            hi = gl.load(offsets_ptr + expert + 1)
+            scale_bits = gl.load(ws2_ptr + expert * stride_w2).to(gl.int32, bitcast=True)
+            _publish_tile(count, tile, lo, hi, scale_bits, queue, queued, taken)
+            step = _load_tile(tile, lo, hi, step, w_desc, x_desc, s_desc, ring_w, ring_x, ring_s, ready, empty, N,
+                              k_steps, n_tiles, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, HALF_TILE, SCALE_RING)
+            count += 1
+            tile = next_tile
+        _publish_tile(count, tile, 0, 0, 0, queue, queued, taken)  # past the last pair: the MMA warps stop
+        # every program takes exactly one id past the last before it gets here, so the last one to
+        # arrive knows nobody reads the counter again in this launch
+        if gl.atomic_add(sched_ptr + 1, 1, sem="acq_rel") == programs - 1:
+            gl.atomic_xchg(sched_ptr, 0, sem="relaxed")
+            gl.atomic_xchg(sched_ptr + 1, 0, sem="relaxed")
+    else:
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            expert = tile // n_tiles
+            lo = gl.load(offsets_ptr + expert)
+            hi = gl.load(offsets_ptr + expert + 1)
+            step = _load_tile(tile, lo, hi, step, w_desc, x_desc, s_desc, ring_w, ring_x, ring_s, ready, empty, N,
+                              k_steps, n_tiles, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, HALF_TILE, SCALE_RING)
 
 
 @gluon.jit
@@ -261,73 +349,118 @@ def _k_loop(acc, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps,
 
 
 @gluon.jit
-def _store_rows(acc, y_ptr, decode, row0, N, m0, hi, stride_ym, NUM_WARPS: gl.constexpr, Y_MMA_ORDER: gl.constexpr):
-    """``y[m, n] = bf16(acc[n, m] * decode)`` for ``n < N`` and ``m0 <= m < hi``; ``Y_MMA_ORDER``
-    stores column ``n`` at its K-order position."""
+def _store_rows(acc, y_ptr, decode, row0, N, m0, hi, stride_ym, NUM_WARPS: gl.constexpr, Y_MMA_ORDER: gl.constexpr,
+                EVEN_N: gl.constexpr, Y_I32: gl.constexpr):
+    """``y[m, n] = bf16(acc[n, m] * decode)`` for ``n < N`` (every ``n`` with ``EVEN_N``) and
+    ``m0 <= m < hi``; ``Y_MMA_ORDER`` stores column ``n`` at its K-order position. The 2-byte stores
+    follow the wgmma layout (a thread holds adjacent tokens, not adjacent columns), so the addresses
+    are kept cheap: a pointer a token, 32-bit offsets where ``Y_I32`` says ``y`` allows them, a mask
+    a token (or column) rather than an element."""
     MMA: gl.constexpr = wgmma_layout(acc.shape[1], NUM_WARPS)
     on = row0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, MMA))
     om = m0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, MMA))
     cols = _k_order_position(on, _X_ORDER_BLOCK) if Y_MMA_ORDER else on
-    y_ptrs = y_ptr + om[None, :].to(gl.int64) * stride_ym + cols[:, None]
-    gl.store(y_ptrs, (acc * decode).to(y_ptr.dtype.element_ty), mask=(on < N)[:, None] & (om < hi)[None, :])
+    if Y_I32:  # 32-bit offsets: a third fewer instructions than 64-bit ones (offline SASS)
+        rows = y_ptr + om * stride_ym
+    else:
+        rows = y_ptr + om.to(gl.int64) * stride_ym
+    mask = (om < hi)[None, :]
+    if not EVEN_N:
+        mask = mask & (on < N)[:, None]
+    gl.store(rows[None, :] + cols[:, None], (acc * decode).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @gluon.jit
-def _token_tile(TILE_M: gl.constexpr, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps, y_ptr, decode, n0, N, m0,
-                hi, stride_ym, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                NUM_WARPS: gl.constexpr, Y_MMA_ORDER: gl.constexpr, ROTATED: gl.constexpr,
-                SCALE_RING: gl.constexpr):
+def _token_tile(TILE_M: gl.constexpr, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps, y_ptr, decode, n0,
+                N, m0, hi, stride_ym, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                NUM_WARPS: gl.constexpr, Y_MMA_ORDER: gl.constexpr, EVEN_N: gl.constexpr, Y_I32: gl.constexpr,
+                ROTATED: gl.constexpr, SCALE_RING: gl.constexpr):
     """Rows ``m0 .. hi`` (at most ``TILE_M``: the first rows of each x tile) times the N tile
     (output columns ``n0 ..``) over the whole K, stored; returns the next ring step."""
     acc = gl.zeros((BLOCK_N, TILE_M), gl.float32, layout=wgmma_layout(TILE_M, NUM_WARPS))
     acc, step = _k_loop(acc, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps, BLOCK_K, STAGES, NUM_WARPS,
                         ROTATED, SCALE_RING)
-    _store_rows(acc, y_ptr, decode, n0, N, m0, hi, stride_ym, NUM_WARPS, Y_MMA_ORDER)
+    _store_rows(acc, y_ptr, decode, n0, N, m0, hi, stride_ym, NUM_WARPS, Y_MMA_ORDER, EVEN_N, Y_I32)
     return step
 
 
 @gluon.jit
-def _mma_partition(ring_w, ring_x, ring_s, ready, empty, scales_ptr, ws2_ptr, offsets_ptr, y_ptr, N, K, num_tiles, n_tiles,
-                   stride_se, stride_sn, stride_w2, stride_ym,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                   NUM_WARPS: gl.constexpr, HALF_TILE: gl.constexpr, Y_MMA_ORDER: gl.constexpr,
-                   ROTATED: gl.constexpr, SCALE_RING: gl.constexpr):
-    """The MMA warps: the program's tiles and token tiles in the loader's order, each over the whole K,
-    then stored (while the loader already fills the ring for the next)."""
-    k_steps = K // BLOCK_K
+def _mma_tile(tile, lo, hi, weight_scale_2, step, ring_w, ring_x, ring_s, ready, empty, scales_ptr, y_ptr, N, k_steps,
+              n_tiles, stride_se, stride_sn, stride_ym,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+              NUM_WARPS: gl.constexpr, HALF_TILE: gl.constexpr, Y_MMA_ORDER: gl.constexpr, EVEN_N: gl.constexpr,
+              Y_I32: gl.constexpr, ROTATED: gl.constexpr, SCALE_RING: gl.constexpr):
+    """(expert, N tile) pair ``tile`` (its expert's rows ``lo:hi``): its token tiles in the loader's
+    order, each over the whole K from ring step ``step`` on, then stored; returns the next ring step."""
     SCALES: gl.constexpr = scale_bytes_layout(BLOCK_N, _X_ORDER_BLOCK, NUM_WARPS)  # a 128-wide sub-step's
+    expert = tile // n_tiles
+    n0 = (tile % n_tiles) * BLOCK_N
+    s_ptrs = _scale_pointers(scales_ptr + expert.to(gl.int64) * stride_se, n0, N, stride_sn, BLOCK_N,
+                             _X_ORDER_BLOCK, SCALES)
+    decode = weight_scale_2 * (2.0 ** -OPERAND_LOG2_SCALE)
+    for m0 in range(lo, hi, BLOCK_M):
+        if HALF_TILE and hi - m0 <= BLOCK_M // 2:  # the last (often only) tile of a small expert
+            step = _token_tile(BLOCK_M // 2, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps, y_ptr, decode,
+                               n0, N, m0, hi, stride_ym, BLOCK_N, BLOCK_K, STAGES, NUM_WARPS, Y_MMA_ORDER, EVEN_N,
+                               Y_I32, ROTATED, SCALE_RING)
+        else:
+            step = _token_tile(BLOCK_M, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps, y_ptr, decode, n0,
+                               N, m0, hi, stride_ym, BLOCK_N, BLOCK_K, STAGES, NUM_WARPS, Y_MMA_ORDER, EVEN_N, Y_I32,
+                               ROTATED, SCALE_RING)
+    return step
+
+
+@gluon.jit
+def _mma_partition(ring_w, ring_x, ring_s, ready, empty, queue, queued, taken, scales_ptr, ws2_ptr, offsets_ptr, y_ptr,
+                   N, K, num_tiles, n_tiles, stride_se, stride_sn, stride_w2, stride_ym,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                   NUM_WARPS: gl.constexpr, HALF_TILE: gl.constexpr, Y_MMA_ORDER: gl.constexpr, EVEN_N: gl.constexpr,
+                   Y_I32: gl.constexpr,
+                   ROTATED: gl.constexpr, SCALE_RING: gl.constexpr, DYNAMIC: gl.constexpr):
+    """The MMA warps: the program's tiles in the loader's order (``DYNAMIC``: as the tile queue
+    gives them), each stored while the loader already fills the ring for the next."""
+    k_steps = K // BLOCK_K
     step = 0
-    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        expert = tile // n_tiles
-        n0 = (tile % n_tiles) * BLOCK_N
-        lo = gl.load(offsets_ptr + expert)
-        hi = gl.load(offsets_ptr + expert + 1)
-        s_ptrs = _scale_pointers(scales_ptr + expert.to(gl.int64) * stride_se, n0, N, stride_sn, BLOCK_N,
-                                 _X_ORDER_BLOCK, SCALES)
-        decode = gl.load(ws2_ptr + expert * stride_w2) * (2.0 ** -OPERAND_LOG2_SCALE)
-        for m0 in range(lo, hi, BLOCK_M):
-            if HALF_TILE and hi - m0 <= BLOCK_M // 2:  # the last (often only) tile of a small expert
-                step = _token_tile(BLOCK_M // 2, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps, y_ptr, decode, n0,
-                                   N, m0, hi, stride_ym, BLOCK_N, BLOCK_K, STAGES, NUM_WARPS, Y_MMA_ORDER, ROTATED,
-                                   SCALE_RING)
-            else:
-                step = _token_tile(BLOCK_M, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps, y_ptr, decode, n0, N,
-                                   m0, hi, stride_ym, BLOCK_N, BLOCK_K, STAGES, NUM_WARPS, Y_MMA_ORDER, ROTATED,
-                                   SCALE_RING)
+    if DYNAMIC:
+        count = 0
+        tile = _peek_tile(count, queue, queued, NUM_WARPS)
+        while tile < num_tiles:
+            lo, hi, weight_scale_2 = _take_tile(count, queue, taken, NUM_WARPS)
+            step = _mma_tile(tile, lo, hi, weight_scale_2, step, ring_w, ring_x, ring_s, ready, empty, scales_ptr,
+                             y_ptr, N, k_steps, n_tiles, stride_se, stride_sn, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K,
+                             STAGES, NUM_WARPS, HALF_TILE, Y_MMA_ORDER, EVEN_N, Y_I32, ROTATED, SCALE_RING)
+            count += 1
+            tile = _peek_tile(count, queue, queued, NUM_WARPS)
+    else:
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            expert = tile // n_tiles
+            lo = gl.load(offsets_ptr + expert)
+            hi = gl.load(offsets_ptr + expert + 1)
+            weight_scale_2 = gl.load(ws2_ptr + expert * stride_w2)
+            step = _mma_tile(tile, lo, hi, weight_scale_2, step, ring_w, ring_x, ring_s, ready, empty, scales_ptr,
+                             y_ptr, N, k_steps, n_tiles, stride_se, stride_sn, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K,
+                             STAGES, NUM_WARPS, HALF_TILE, Y_MMA_ORDER, EVEN_N, Y_I32, ROTATED, SCALE_RING)
+
+
+TILE_QUEUE_SLOTS = 4
+"""Tile ids in flight from the loader to the MMA warps (``DYNAMIC``); the ring already keeps the
+loader within ``STAGES`` K steps of them, so this only has to not be the tighter bound."""
+_TILE_QUEUE_SLOTS = gl.constexpr(TILE_QUEUE_SLOTS)
 
 
 @gluon.jit
 def _grouped_ws_kernel(
-    w_desc, x_desc, s_desc, scales_ptr, ws2_ptr, offsets_ptr, y_ptr,
+    w_desc, x_desc, s_desc, scales_ptr, ws2_ptr, offsets_ptr, sched_ptr, y_ptr,
     N, K, num_tiles, n_tiles, stride_se, stride_sn, stride_w2, stride_ym,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
     NUM_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, HALF_TILE: gl.constexpr, Y_MMA_ORDER: gl.constexpr,
-    ROTATED: gl.constexpr, SCALE_RING: gl.constexpr,
+    EVEN_N: gl.constexpr, Y_I32: gl.constexpr, ROTATED: gl.constexpr, SCALE_RING: gl.constexpr, DYNAMIC: gl.constexpr,
 ):
-    """Persistent: program ``p`` takes tiles ``p, p + P, ...`` of the ``E * n_tiles`` (expert, N tile)
-    pairs, expert-major (programs running together share an expert's x in L2); each covers the
-    expert's rows ``offsets[e]:offsets[e+1]`` in token tiles of ``BLOCK_M`` (``w_desc`` over the
-    stacked ``[E * N, K / 8]`` words)."""
+    """Persistent: the ``E * n_tiles`` (expert, N tile) pairs, expert-major (programs running together
+    share an expert's x in L2), program ``p`` taking ``p, p + P, ...`` or (``DYNAMIC``) ``p`` and then
+    the next untaken pair whenever its loader is ready for one; each covers the expert's rows
+    ``offsets[e]:offsets[e+1]`` in token tiles of ``BLOCK_M`` (``w_desc`` over the stacked
+    ``[E * N, K / 8]`` words). ``sched_ptr``: two int32 zeros (``DYNAMIC``), left zero."""
     ring_w = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, BLOCK_K // 8], words_ring_layout())
     ring_x = gl.allocate_shared_memory(gl.bfloat16, [STAGES * (BLOCK_K // _X_SUB_K), BLOCK_M, _X_SUB_K],
                                        x_tile_layout(BLOCK_M))
@@ -340,12 +473,22 @@ def _grouped_ws_kernel(
     for j in gl.static_range(STAGES):
         mbarrier.init(ready.index(j), count=1)
         mbarrier.init(empty.index(j), count=1)
+    SLOTS: gl.constexpr = _TILE_QUEUE_SLOTS if DYNAMIC else 1
+    queue = gl.allocate_shared_memory(gl.int32, [SLOTS, 4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    queued = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+    taken = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+    if DYNAMIC:
+        for j in gl.static_range(SLOTS):
+            mbarrier.init(queued.index(j), count=1)
+            mbarrier.init(taken.index(j), count=1)
     gl.warp_specialize([
-        (_mma_partition, (ring_w, ring_x, ring_s, ready, empty, scales_ptr, ws2_ptr, offsets_ptr, y_ptr, N, K, num_tiles,
-                          n_tiles, stride_se, stride_sn, stride_w2, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
-                          NUM_WARPS, HALF_TILE, Y_MMA_ORDER, ROTATED, SCALE_RING)),
-        (_load_partition, (w_desc, x_desc, s_desc, ring_w, ring_x, ring_s, ready, empty, offsets_ptr, N, K, num_tiles,
-                           n_tiles, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, HALF_TILE, SCALE_RING)),
+        (_mma_partition, (ring_w, ring_x, ring_s, ready, empty, queue, queued, taken, scales_ptr, ws2_ptr, offsets_ptr,
+                          y_ptr, N, K, num_tiles, n_tiles, stride_se, stride_sn, stride_w2, stride_ym, BLOCK_M, BLOCK_N,
+                          BLOCK_K, STAGES, NUM_WARPS, HALF_TILE, Y_MMA_ORDER, EVEN_N, Y_I32, ROTATED, SCALE_RING,
+                          DYNAMIC)),
+        (_load_partition, (w_desc, x_desc, s_desc, ring_w, ring_x, ring_s, ready, empty, queue, queued, taken,
+                           offsets_ptr, ws2_ptr, sched_ptr, N, K, num_tiles, n_tiles, stride_w2, BLOCK_M, BLOCK_N,
+                           BLOCK_K, STAGES, HALF_TILE, SCALE_RING, DYNAMIC)),
     ], [1], [LOADER_REGS])
 
 
@@ -356,9 +499,11 @@ DEFAULT_CONFIG = {"BLOCK_N": 128, "BLOCK_K": 128, "STAGES": 3, "num_warps": 8, "
 the register budget the partitions split (0: the compiler's; two CTAs of 12 warps an SM need 80 or
 fewer). ``SCALE_RING``: the scale bytes by TMA in the ring (``BLOCK_K`` 256 only: TMA rows of 16
 bytes or more; ignored otherwise); ``ROTATED``: code words in the rotated layout (a cached second
-copy). :func:`default_config` puts :data:`WIDE_K_CONFIG` or :data:`SHORT_K_CONFIG` over it: the
-fastest measured at Qwen3-30B-A3B expert shapes (``bench_kernels.py --quick --only grouped_ws``,
-H200, docs/kernels.md)."""
+copy); ``DYNAMIC``: tiles handed out by a shared counter as programs free up instead of ``p, p + P,
+...`` (a token tile of 33-64 rows costs about twice one of 32 or fewer, so the static split ends
+unevenly). :func:`default_config` puts :data:`WIDE_K_CONFIG`, :data:`SHORT_WIDE_K_CONFIG` or
+:data:`SHORT_K_CONFIG` over it: the fastest measured at Qwen3-30B-A3B expert shapes
+(``bench_kernels.py --quick --only grouped_ws``, H200, docs/kernels.md)."""
 
 WIDE_K_CONFIG = {"BLOCK_K": 256, "STAGES": 2, "SCALE_RING": 1}
 """Where 256 divides K: two 128-wide sub-steps a ring stage (one ring wait and release, and their CTA
@@ -368,6 +513,12 @@ sub-step ahead, which nothing hid at a tile's first step). Qwen3-30B-A3B, H200, 
 62.4 us against 63.9 for :data:`SHORT_K_CONFIG` (its default until then), and 41.1 against 49.6 at
 64 tokens."""
 
+SHORT_WIDE_K_CONFIG = {**WIDE_K_CONFIG, "DYNAMIC": 1}
+""":data:`WIDE_K_CONFIG` with the ``DYNAMIC`` schedule, for K up to 1024 (four 256-wide steps a
+tile). Qwen3-30B-A3B down (K 768), H200, 2026-11-30 session 13, four runs at 512 tokens: 58.7-60.1 us
+against 61.3-62.9 static (4-5%); at 64 tokens within 1% of static. Gate/up (K 2048) did not gain
+(-0.6% to +1.3% over the same runs), so wider K keeps the static split."""
+
 SHORT_K_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "STAGES": 3, "CTAS_PER_SM": 3}
 """One warpgroup, three CTAs an SM, for K below 1024 that 256 does not divide: at K 768 with
 ``BLOCK_K`` 128 it was the fastest (62.5-63.5 us at 512 tokens against 65.9-66.6 with two warpgroups)."""
@@ -376,7 +527,7 @@ SHORT_K_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "STAGES": 3, "CTAS_PER_SM": 3}
 def default_config(k: int) -> dict[str, int]:
     """The default config for an expert weight of ``k`` input features."""
     if k % 256 == 0:
-        return {**DEFAULT_CONFIG, **WIDE_K_CONFIG}
+        return {**DEFAULT_CONFIG, **(SHORT_WIDE_K_CONFIG if k <= 1024 else WIDE_K_CONFIG)}
     return {**DEFAULT_CONFIG, **(SHORT_K_CONFIG if k < 1024 else {})}
 
 
@@ -433,10 +584,14 @@ def grouped_w4a16_ws_into(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets: 
     n_tiles = triton.cdiv(n, cfg["BLOCK_N"])
     num_tiles = n_tiles * num_experts
     programs = min(num_tiles, cfg.get("PROGRAMS") or cfg["CTAS_PER_SM"] * _sm_count(x.device))
+    # DYNAMIC: the tile counter and finished-program count, two int32 zeros every launch leaves zero
+    # (the dense kernels' split-K counters: allocated before any graph capture, one buffer a device,
+    # so launches of these kernels on one device must not overlap); otherwise a stand-in, not read
+    scheduler = _split_counters(x.device, 2) if cfg.get("DYNAMIC") else expert_offsets
     _grouped_ws_kernel[(programs,)](
-        w_desc, x_desc, s_desc, scales, ws2, expert_offsets, out,
+        w_desc, x_desc, s_desc, scales, ws2, expert_offsets, scheduler, out,
         n, k, num_tiles, n_tiles, scales.stride(0), scales.stride(1), 1 if ws2.numel() > 1 else 0, out.stride(0),
-        **_meta(cfg, y_mma_order), **_launch_options(cfg),
+        **_meta(cfg, y_mma_order, n, out.shape[0] * out.stride(0)), **_launch_options(cfg),
     )
     return out
 
@@ -462,10 +617,17 @@ def _scale_ring(cfg: dict[str, Any]) -> bool:
     return bool(cfg.get("SCALE_RING")) and cfg["BLOCK_K"] == 2 * X_ORDER_BLOCK_K
 
 
-def _meta(cfg: dict[str, Any], y_mma_order: bool) -> dict[str, int]:
+Y_I32_LIMIT = 2**31
+"""Outputs spanning fewer elements than this are addressed with 32-bit offsets in the epilogue."""
+
+
+def _meta(cfg: dict[str, Any], y_mma_order: bool, n: int, y_elements: int) -> dict[str, int]:
+    """The kernel's compile-time arguments (``y_elements``: the span of the output's rows)."""
     return {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"], "STAGES": cfg["STAGES"],
             "NUM_WARPS": cfg["num_warps"], "LOADER_REGS": cfg["LOADER_REGS"], "HALF_TILE": cfg["HALF_TILE"],
-            "Y_MMA_ORDER": int(y_mma_order), "ROTATED": cfg.get("ROTATED", 0), "SCALE_RING": int(_scale_ring(cfg))}
+            "Y_MMA_ORDER": int(y_mma_order), "EVEN_N": int(n % cfg["BLOCK_N"] == 0),
+            "Y_I32": int(y_elements < Y_I32_LIMIT), "ROTATED": cfg.get("ROTATED", 0),
+            "SCALE_RING": int(_scale_ring(cfg)), "DYNAMIC": cfg.get("DYNAMIC", 0)}
 
 
 def _launch_options(cfg: dict[str, Any]) -> dict[str, int]:
@@ -489,10 +651,10 @@ def compile_offline(cfg: dict[str, Any], n: int, k: int, y_mma_order: bool = Fal
                                           torch.empty(2 * n, k // 16, dtype=torch.uint8, device="meta")
                                           if _scale_ring(cfg) else None, cfg)
     kernel = _grouped_ws_kernel
-    meta = _meta(cfg, y_mma_order)
+    meta = _meta(cfg, y_mma_order, n, 16 * n)
     types = {"w_desc": mangle_type(w_desc), "x_desc": mangle_type(x_desc), "s_desc": mangle_type(s_desc),
              "scales_ptr": "*u8", "ws2_ptr": "*fp32",
-             "offsets_ptr": "*i32", "y_ptr": "*bf16"}
+             "offsets_ptr": "*i32", "sched_ptr": "*i32", "y_ptr": "*bf16"}
     signature = {name: "constexpr" if name in meta else types.get(name, "i32") for name in kernel.arg_names}
     # what the launcher specializes on the GPU: pointers, K and the strides divisible by 16
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
