@@ -30,9 +30,9 @@ built once per weight and kept beside it: a second copy of the code words, so it
 
 Same operands, products and K order of the fp32 accumulation as the Triton kernel (bit for bit its
 output in every benchmark and GPU test so far). Dispatched by
-:func:`~megatron_quads.nvfp4.kernels.w4a16.grouped_w4a16_into` for x in K order on sm_90 (12-23%
-faster than the Triton kernel at 512 tokens, docs/kernels.md); ``bench_kernels.py --only
-grouped_ws`` times its configs. Needs ``K % BLOCK_K == 0`` and x in the K order of 128-blocks.
+:func:`~megatron_quads.nvfp4.kernels.w4a16.grouped_w4a16_into` for x in K order on sm_90 (1.19-1.20x
+the Triton kernel's speed at 512 tokens, 2.54x / 2.56x BF16 ``grouped_mm`` for gate/up / down,
+docs/kernels.md); ``bench_kernels.py --only grouped_ws`` times its configs. Needs ``K % BLOCK_K == 0`` and x in the K order of 128-blocks.
 """
 
 from __future__ import annotations
