@@ -208,3 +208,14 @@ def test_scale_ring_and_rotated_words_change_what_the_sass_does() -> None:
     assert ring["LDG"] < no_ring["LDG"] and ring["LDS"] > no_ring["LDS"]
     integer = ("LOP3", "IMAD", "SHF")
     assert sum(ring[op] for op in integer) - sum(rotated[op] for op in integer) == 2 * 64
+
+
+def test_dynamic_schedule_moves_the_tile_loads_to_the_loader() -> None:
+    """Offline sm_90 SASS: with ``DYNAMIC`` the loader loads each tile's row bounds and
+    ``weight_scale_2`` and hands them over in the tile queue, so the MMA warps' three global loads a
+    tile are gone (the static loader loads the bounds too: 2 + 3 against 3); the counter's atomics
+    appear."""
+    static, dynamic = _sass_ops({"DYNAMIC": 0}), _sass_ops({"DYNAMIC": 1})
+    assert dynamic["LDG"] < static["LDG"]
+    assert dynamic["ATOMG"] > 0 == static["ATOMG"]
+    assert dynamic["UTMALDG"] == static["UTMALDG"] and dynamic["HGMMA"] == static["HGMMA"]
