@@ -32,7 +32,8 @@ Same operands, products and K order of the fp32 accumulation as the Triton kerne
 output in every benchmark and GPU test so far). Dispatched by
 :func:`~megatron_quads.nvfp4.kernels.w4a16.grouped_w4a16_into` for x in K order on sm_90 (1.19-1.20x
 the Triton kernel's speed at 512 tokens, 2.54x / 2.56x BF16 ``grouped_mm`` for gate/up / down,
-docs/kernels.md); ``bench_kernels.py --only grouped_ws`` times its configs. Needs ``K % BLOCK_K == 0`` and x in the K order of 128-blocks.
+docs/kernels.md); ``bench_kernels.py --only grouped_ws`` times its configs. Needs ``K % BLOCK_K == 0``
+and x in the K order of 128-blocks.
 """
 
 from __future__ import annotations
@@ -415,8 +416,7 @@ def _mma_partition(ring_w, ring_x, ring_s, ready, empty, queue, queued, taken, s
                    N, K, num_tiles, n_tiles, stride_se, stride_sn, stride_w2, stride_ym,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                    NUM_WARPS: gl.constexpr, HALF_TILE: gl.constexpr, Y_MMA_ORDER: gl.constexpr, EVEN_N: gl.constexpr,
-                   Y_I32: gl.constexpr,
-                   ROTATED: gl.constexpr, SCALE_RING: gl.constexpr, DYNAMIC: gl.constexpr):
+                   Y_I32: gl.constexpr, ROTATED: gl.constexpr, SCALE_RING: gl.constexpr, DYNAMIC: gl.constexpr):
     """The MMA warps: the program's tiles in the loader's order (``DYNAMIC``: as the tile queue
     gives them), each stored while the loader already fills the ring for the next."""
     k_steps = K // BLOCK_K
