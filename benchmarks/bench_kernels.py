@@ -581,8 +581,6 @@ WS_CONFIGS = [
     {"DYNAMIC": 0},
     {"DYNAMIC": 1},
     {"DYNAMIC": 1, "ROTATED": 1},
-    {"DYNAMIC": 1, "BLOCK_M": 32, "STAGES": 3},
-
     {"ROTATED": 1},
     {"SCALE_RING": 0},
     {"HALF_TILE": 0},

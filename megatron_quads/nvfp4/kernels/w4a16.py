@@ -539,9 +539,9 @@ it off): 512 tokens gate/up 157.5 -> 151.1 us, 143.1 -> 129.0 us with x in the k
 _WS_DISPATCH = True
 """Whether :func:`grouped_w4a16_into` hands x-in-K-order calls without a config, tail or row scale to
 the warp-specialized Gluon kernel (:mod:`~megatron_quads.nvfp4.kernels.w4a16_ws`) where it runs
-(sm_90): H200, ``bench_kernels.py --quick --only grouped_ws`` (2026-11-30 13:45 run, its defaults),
-gate/up at 512 tokens 101.2 against 124.1 us, down 62.4 against 69.8 us; at 64 tokens gate/up 73.3
-against 87.7, down 41.1 against 45.8 (the engine orders x, and so takes this path, only from 16 rows
+(sm_90): H200, ``bench_kernels.py --quick --only grouped_ws`` (2026-11-30 15:15 run, its defaults),
+gate/up at 512 tokens 103.4 against 123.5 us, down 58.0 against 69.2 us; at 64 tokens gate/up 73.6
+against 87.2, down 41.4 against 54.9 (the engine orders x, and so takes this path, only from 16 rows
 an expert). Benchmarks switch it off to time the Triton kernel."""
 
 

@@ -164,6 +164,13 @@ def _load_tile(tile, lo, hi, step, w_desc, x_desc, s_desc, ring_w, ring_x, ring_
 
 
 @gluon.jit
+def _expert_params(tile, n_tiles, offsets_ptr, ws2_ptr, stride_w2):
+    """``(lo, hi, weight_scale_2)`` of pair ``tile``'s expert: its rows ``lo:hi`` and decode scale."""
+    expert = tile // n_tiles
+    return gl.load(offsets_ptr + expert), gl.load(offsets_ptr + expert + 1), gl.load(ws2_ptr + expert * stride_w2)
+
+
+@gluon.jit
 def _publish_tile(count, tile, lo, hi, scale_bits, queue, queued, taken):
     """The loader's ``count``-th tile into the tile queue (slot ``count % slots``, once the MMA warps
     are done with what it held): its id, its expert's rows ``lo:hi`` and the bits of its
@@ -178,18 +185,19 @@ def _publish_tile(count, tile, lo, hi, scale_bits, queue, queued, taken):
 
 
 @gluon.jit
-def _queue_field(entry, field, j: gl.constexpr):
-    return gl.sum(gl.where(field == j, entry, 0), axis=0)  # within a thread: every thread holds the entry
+def _queue_field(count, queue, j: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """Field ``j`` of the ``count``-th queue entry (every thread loads the whole entry: no exchange)."""
+    layout: gl.constexpr = gl.BlockedLayout([4], [32], [NUM_WARPS], [0])
+    entry = queue.index(count % queue.shape[0]).load(layout)
+    return gl.sum(gl.where(gl.arange(0, 4, layout=layout) == j, entry, 0), axis=0)
 
 
 @gluon.jit
 def _peek_tile(count, queue, queued, NUM_WARPS: gl.constexpr):
     """The id of the ``count``-th tile the loader published (its slot stays held)."""
     SLOTS: gl.constexpr = queue.shape[0]
-    slot = count % SLOTS
-    mbarrier.wait(queued.index(slot), (count // SLOTS) & 1)
-    layout: gl.constexpr = gl.BlockedLayout([4], [32], [NUM_WARPS], [0])
-    return _queue_field(queue.index(slot).load(layout), gl.arange(0, 4, layout=layout), 0)
+    mbarrier.wait(queued.index(count % SLOTS), (count // SLOTS) & 1)
+    return _queue_field(count, queue, 0, NUM_WARPS)
 
 
 @gluon.jit
@@ -197,15 +205,10 @@ def _take_tile(count, queue, taken, NUM_WARPS: gl.constexpr):
     """``(lo, hi, weight_scale_2)`` of the ``count``-th published tile (after :func:`_peek_tile`),
     and its slot back to the loader. Read at the top of a tile, not carried across the tile loop:
     the Gluon frontend of Triton 3.6 does not carry a value whose only use is a ``range`` bound."""
-    SLOTS: gl.constexpr = queue.shape[0]
-    slot = count % SLOTS
-    layout: gl.constexpr = gl.BlockedLayout([4], [32], [NUM_WARPS], [0])
-    entry = queue.index(slot).load(layout)
-    field = gl.arange(0, 4, layout=layout)
-    lo = _queue_field(entry, field, 1)
-    hi = _queue_field(entry, field, 2)
-    weight_scale_2 = _queue_field(entry, field, 3).to(gl.float32, bitcast=True)
-    mbarrier.arrive(taken.index(slot), count=1)
+    lo = _queue_field(count, queue, 1, NUM_WARPS)
+    hi = _queue_field(count, queue, 2, NUM_WARPS)
+    weight_scale_2 = _queue_field(count, queue, 3, NUM_WARPS).to(gl.float32, bitcast=True)
+    mbarrier.arrive(taken.index(count % queue.shape[0]), count=1)
     return lo, hi, weight_scale_2
 
 
@@ -228,11 +231,8 @@ def _load_partition(w_desc, x_desc, s_desc, ring_w, ring_x, ring_s, ready, empty
         count = 0
         while tile < num_tiles:
             next_tile = gl.atomic_add(sched_ptr, 1, sem="relaxed") + programs
-            expert = tile // n_tiles
-            lo = gl.load(offsets_ptr + expert)
-            hi = gl.load(offsets_ptr + expert + 1)
-            scale_bits = gl.load(ws2_ptr + expert * stride_w2).to(gl.int32, bitcast=True)
-            _publish_tile(count, tile, lo, hi, scale_bits, queue, queued, taken)
+            lo, hi, weight_scale_2 = _expert_params(tile, n_tiles, offsets_ptr, ws2_ptr, stride_w2)
+            _publish_tile(count, tile, lo, hi, weight_scale_2.to(gl.int32, bitcast=True), queue, queued, taken)
             step = _load_tile(tile, lo, hi, step, w_desc, x_desc, s_desc, ring_w, ring_x, ring_s, ready, empty, N,
                               k_steps, n_tiles, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, HALF_TILE, SCALE_RING)
             count += 1
@@ -245,9 +245,7 @@ def _load_partition(w_desc, x_desc, s_desc, ring_w, ring_x, ring_s, ready, empty
             gl.atomic_xchg(sched_ptr + 1, 0, sem="relaxed")
     else:
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            expert = tile // n_tiles
-            lo = gl.load(offsets_ptr + expert)
-            hi = gl.load(offsets_ptr + expert + 1)
+            lo, hi, _ = _expert_params(tile, n_tiles, offsets_ptr, ws2_ptr, stride_w2)
             step = _load_tile(tile, lo, hi, step, w_desc, x_desc, s_desc, ring_w, ring_x, ring_s, ready, empty, N,
                               k_steps, n_tiles, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, HALF_TILE, SCALE_RING)
 
@@ -361,7 +359,7 @@ def _store_rows(acc, y_ptr, decode, row0, N, m0, hi, stride_ym, NUM_WARPS: gl.co
     on = row0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, MMA))
     om = m0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, MMA))
     cols = _k_order_position(on, _X_ORDER_BLOCK) if Y_MMA_ORDER else on
-    if Y_I32:  # 32-bit offsets: a third fewer instructions than 64-bit ones (offline SASS)
+    if Y_I32:  # 32-bit offsets: with the per-token masks, 284 instead of 387 SASS instructions a 64-row tile
         rows = y_ptr + om * stride_ym
     else:
         rows = y_ptr + om.to(gl.int64) * stride_ym
@@ -433,10 +431,7 @@ def _mma_partition(ring_w, ring_x, ring_s, ready, empty, queue, queued, taken, s
             tile = _peek_tile(count, queue, queued, NUM_WARPS)
     else:
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            expert = tile // n_tiles
-            lo = gl.load(offsets_ptr + expert)
-            hi = gl.load(offsets_ptr + expert + 1)
-            weight_scale_2 = gl.load(ws2_ptr + expert * stride_w2)
+            lo, hi, weight_scale_2 = _expert_params(tile, n_tiles, offsets_ptr, ws2_ptr, stride_w2)
             step = _mma_tile(tile, lo, hi, weight_scale_2, step, ring_w, ring_x, ring_s, ready, empty, scales_ptr,
                              y_ptr, N, k_steps, n_tiles, stride_se, stride_sn, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K,
                              STAGES, NUM_WARPS, HALF_TILE, Y_MMA_ORDER, EVEN_N, Y_I32, ROTATED, SCALE_RING)
@@ -500,8 +495,8 @@ the register budget the partitions split (0: the compiler's; two CTAs of 12 warp
 fewer). ``SCALE_RING``: the scale bytes by TMA in the ring (``BLOCK_K`` 256 only: TMA rows of 16
 bytes or more; ignored otherwise); ``ROTATED``: code words in the rotated layout (a cached second
 copy); ``DYNAMIC``: tiles handed out by a shared counter as programs free up instead of ``p, p + P,
-...`` (a token tile of 33-64 rows costs about twice one of 32 or fewer, so the static split ends
-unevenly). :func:`default_config` puts :data:`WIDE_K_CONFIG`, :data:`SHORT_WIDE_K_CONFIG` or
+...`` (a token tile of 33-64 rows costs about twice one of 32 or fewer, inferred from the 64- and
+512-token times in docs/kernels.md, so the static split ends unevenly). :func:`default_config` puts :data:`WIDE_K_CONFIG`, :data:`SHORT_WIDE_K_CONFIG` or
 :data:`SHORT_K_CONFIG` over it: the fastest measured at Qwen3-30B-A3B expert shapes
 (``bench_kernels.py --quick --only grouped_ws``, H200, docs/kernels.md)."""
 
