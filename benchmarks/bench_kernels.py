@@ -15,6 +15,8 @@ Cases (each row: time, bytes moved, FLOPs, and the fraction of the limit reached
    engine runs for x in its K order (``grouped_ws``, each config checked against the Triton kernel).
 4. W4A4 + RAC: the cost of the residual channels against plain (emulated) W4A4 per ratio; no target.
 5. (extra, ``--only moe_layer``) the engine's grouped MoE layer, routing to combine, graph-replayed.
+6. (extra, ``--only rac_ws``) grouped W4A4 + RAC gate/up with its GEMM on the warp-specialized kernel
+   (the default on sm_90 where the tail fits) against the Triton kernel on natural-order values.
 Results: benchmarks/results/kernels_gpu.json (appended) and kernels_gpu.md.
 """
 
@@ -699,9 +701,7 @@ def bench_rac(bandwidth: float, quick: bool) -> list[dict]:
             s = num_residual_channels(k, ratio)
             if s:
                 channels = torch.stack([select_channels(torch.rand(k, device=DEV), ratio) for _ in range(experts)]).to(DEV)
-                parts = [reblock_columns(expert_weight(qw, e), channels[e]) for e in range(experts)]
-                residual = type(qw)(codes=torch.stack([p.codes for p in parts]), scales=torch.stack([p.scales for p in parts]),
-                                    weight_scale_2=qw.weight_scale_2, shape=torch.Size((experts, n, s)), dtype=qw.dtype)
+                residual = _stacked_rac_residual(qw, channels, s)
             else:
                 channels = residual = None
             via_w4a16, via_rac_gemm = _both_rac_paths(lambda: grouped_rac_kernel(x, qw, offsets, channels, residual), "grouped")
@@ -712,6 +712,52 @@ def bench_rac(bandwidth: float, quick: bool) -> list[dict]:
             rows.append(row(f"grouped w4a4+rac gate_up tokens={tokens} ratio={ratio}", t, nbytes,
                             2 * x.shape[0] * n * (k + s), bandwidth, overhead_vs_w4a4=round(t / base - 1, 3),
                             w4a16_path_us=round(via_w4a16, 2), rac_gemm_us=round(via_rac_gemm, 2)))
+    return rows
+
+
+def _stacked_rac_residual(qw, channels: torch.Tensor, s: int):
+    """The RAC residual weight ``[E, N, S]`` of stacked ``qw`` at each expert's channel set."""
+    experts, n = qw.shape[0], qw.shape[1]
+    parts = [reblock_columns(expert_weight(qw, e), channels[e]) for e in range(experts)]
+    return type(qw)(codes=torch.stack([p.codes for p in parts]), scales=torch.stack([p.scales for p in parts]),
+                    weight_scale_2=qw.weight_scale_2, shape=torch.Size((experts, n, s)), dtype=qw.dtype)
+
+
+def bench_rac_ws(bandwidth: float, quick: bool) -> list[dict]:
+    """Grouped W4A4 + RAC at Qwen3-30B-A3B gate/up (the engine's ``quads`` / ``w4a4`` MoE GEMM): the
+    default path (the prologue's block values in the K order, the GEMM on the warp-specialized
+    kernel) against the same call with that dispatch off (natural order, the Triton grouped kernel),
+    checked to agree within the fp32 bound before either is timed."""
+    import megatron_quads.nvfp4.kernels.w4a16 as kw
+    from megatron_quads.nvfp4.kernels.w4a4 import grouped_rac_kernel
+
+    experts, topk, k, n = 128, 8, 2048, 1536
+    _, qw = _weight(n, k, experts)
+    rows = []
+    for tokens in (64, 512):
+        counts = _routing(tokens, experts, topk)
+        offsets = expert_offsets_from_counts(counts)
+        x = torch.randn(tokens * topk, k, device=DEV, dtype=torch.bfloat16)
+        for ratio in (0.0, 0.125, 0.25):
+            s = num_residual_channels(k, ratio)
+            channels = (torch.stack([select_channels(torch.rand(k, device=DEV), ratio) for _ in range(experts)]).to(DEV)
+                        if s else None)
+            residual = _stacked_rac_residual(qw, channels, s) if s else None
+
+            def call(channels=channels, residual=residual):
+                return grouped_rac_kernel(x, qw, offsets, channels, residual)
+
+            with mock.patch.object(kw, "_WS_DISPATCH", False):
+                reference = call().float()
+                t_triton = time_graph(call)
+            agrees = bool(torch.allclose(call().float(), reference, rtol=2**-7,
+                                         atol=1e-3 * float(reference.abs().max())))
+            t_ws = time_graph(call) if agrees else float("nan")
+            active = int((counts > 0).sum())
+            nbytes = active * ((n * (k + s)) // 2 + n * (k + s) // 16) + x.shape[0] * (k * 2 + n * 2)
+            rows.append(row(f"grouped w4a4+rac gate_up tokens={tokens} ratio={ratio} (S {s})", t_ws, nbytes,
+                            2 * x.shape[0] * n * (k + s), bandwidth, triton_natural_us=round(t_triton, 2),
+                            speedup_vs_triton=round(t_triton / t_ws, 2), agrees_with_triton=agrees))
     return rows
 
 
@@ -726,7 +772,7 @@ def markdown_view(history: list[dict]) -> str:
     lines = ["# NVFP4 kernels on the GPU: the newest run of each section", "",
              ("From `kernels_gpu.json` (every run). `floor_us`: bytes / the copy bandwidth measured in the same "
              "run; `frac_of_floor`: floor_us / us. GEMMs timed by CUDA-graph replay."), ""]
-    order = ["quantize", "quantize_tiles", "w4a16", "w4a16_mma", "grouped", "grouped_ws", "moe_layer", "rac"]
+    order = ["quantize", "quantize_tiles", "w4a16", "w4a16_mma", "grouped", "grouped_ws", "moe_layer", "rac", "rac_ws"]
     for name in sorted(newest, key=lambda n: (order.index(n) if n in order else len(order), n)):
         record, rows = newest[name]
         keys = [key for key, value in rows[0].items() if not isinstance(value, dict)]  # sweeps stay in the JSON
@@ -770,6 +816,7 @@ def main() -> None:
                 "grouped": lambda: bench_grouped(bandwidth, args.quick), "rac": lambda: bench_rac(bandwidth, args.quick),
                 "moe_layer": lambda: bench_moe_layer(bandwidth, args.quick),
                 "grouped_ws": lambda: bench_grouped_ws(bandwidth, args.quick),
+                "rac_ws": lambda: bench_rac_ws(bandwidth, args.quick),
                 "w4a16_mma": lambda: bench_w4a16_mma(bandwidth, args.quick, shapes=args.mma_shape),
                 "w4a16_mma_dense": lambda: bench_w4a16_mma(bandwidth, args.quick, grouped=False, shapes=args.mma_shape),
                 "w4a16_tma": lambda: bench_w4a16_tma(bandwidth, args.quick, shapes=args.mma_shape)}

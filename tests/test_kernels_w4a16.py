@@ -540,6 +540,36 @@ def test_grouped_x_in_mma_order(kernel_device: str, config: dict[str, int] | Non
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", [None, {"BLOCK_N": 32, "BLOCK_K": 128, "BLOCK_M": 16, "num_warps": 4, "num_stages": 2}],
+                         ids=_config_id)
+def test_grouped_x_in_mma_order_with_a_tail_and_row_scale(kernel_device: str, config: dict[str, int] | None) -> None:
+    """The W4A4 + RAC form (a tail weight over ``K2`` more columns of x, a row scale) with x, tail
+    included, in the K order: with a given config the natural-order kernel's output bit for bit, and
+    within the fp32 bound of it from the autotuner."""
+    for counts, n, k, k2 in (([3, 0, 17, 5], 40, 256, 128), ([0, 70, 0, 1], 72, 128, 256)):
+        weight = _gaussian_weight((len(counts), n, k), kernel_device)
+        part = _gaussian_weight((len(counts), n, k2), kernel_device)
+        tail = NVFP4Tensor(codes=part.codes, scales=part.scales, weight_scale_2=weight.weight_scale_2, shape=part.shape,
+                           dtype=part.dtype)
+        x = _activations((sum(counts), k + k2), torch.bfloat16, kernel_device)
+        row_scale = torch.rand(x.shape[0], device=kernel_device) + 0.5
+        offsets = expert_offsets_from_counts(torch.tensor(counts)).to(kernel_device)
+        natural, ordered = (torch.full((x.shape[0], n), float("nan"), dtype=torch.bfloat16, device=kernel_device)
+                            for _ in range(2))
+        w4a16.grouped_w4a16_into(x, weight, offsets, natural, config, tail=tail, row_scale=row_scale)
+        w4a16.grouped_w4a16_into(w4a16.mma_k_order_rows(x, w4a16.X_ORDER_BLOCK_K), weight, offsets, ordered, config,
+                                 tail=tail, row_scale=row_scale, x_mma_order=True)
+        if config is not None:
+            assert _same_bits(ordered, natural), (counts, n, k, k2)
+        scale = float(natural.float().abs().max())
+        assert torch.allclose(ordered.float(), natural.float(), rtol=2**-7, atol=1e-3 * scale), (counts, n, k, k2)
+    with pytest.raises(ValueError, match="the tail's K2 % 128 == 0"):
+        w4a16.grouped_w4a16_into(torch.zeros(3, k + 192, dtype=torch.bfloat16, device=kernel_device), weight, offsets,
+                                 torch.empty(3, n, dtype=torch.bfloat16, device=kernel_device),
+                                 tail=_gaussian_weight((len(counts), n, 192), kernel_device), x_mma_order=True)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("config", [
     None,
     {"BLOCK_N": 32, "BLOCK_K": 64, "BLOCK_M": 32, "num_warps": 4, "num_stages": 2},

@@ -30,6 +30,7 @@ from test_kernels_w4a16_mma import (
     grouped_cases,
 )
 
+from megatron_quads.nvfp4 import NVFP4Tensor
 from megatron_quads.nvfp4.kernels import w4a16, w4a16_ws
 from megatron_quads.rollout.grouped import expert_offsets_from_counts
 
@@ -93,6 +94,51 @@ def test_y_mma_order_stores_each_row_in_the_k_order(kernel_device: str, config: 
         natural = _run(x, weight, counts, config)
         ordered = _run(x, weight, counts, config, y_mma_order=True)
         assert torch.equal(ordered, w4a16.mma_k_order_rows(natural, w4a16.X_ORDER_BLOCK_K))
+
+
+def _with_weight_scale(tail: NVFP4Tensor, weight: NVFP4Tensor) -> NVFP4Tensor:
+    """A RAC tail weight: its own codes and scale bytes under the weight's ``weight_scale_2``."""
+    return NVFP4Tensor(codes=tail.codes, scales=tail.scales, weight_scale_2=weight.weight_scale_2, shape=tail.shape,
+                       dtype=tail.dtype)
+
+
+def _rac_outputs(counts: list[int], n: int, k: int, k2: int, out_dtype: torch.dtype,
+                 device: str) -> dict[str, torch.Tensor]:
+    """One W4A4 + RAC grouped GEMM (a ``k2``-column tail, a row scale) by this kernel, by the Triton
+    kernel on the same K-ordered x and on natural x, and through ``grouped_w4a16_into``'s dispatch."""
+    from unittest import mock
+
+    weight = _gaussian_weight((len(counts), n, k), device)
+    tail = _with_weight_scale(_gaussian_weight((len(counts), n, k2), device), weight)
+    x = _activations((sum(counts), k + k2), torch.bfloat16, device)
+    ordered = w4a16.mma_k_order_rows(x, w4a16.X_ORDER_BLOCK_K)
+    row_scale = torch.rand(x.shape[0], device=device) + 0.5
+    offsets = expert_offsets_from_counts(torch.tensor(counts)).to(device)
+    outputs = {}
+    for name, fn, rows, kwargs in (("ws", w4a16_ws.grouped_w4a16_ws_into, ordered, {}),
+                                   ("dispatched", w4a16.grouped_w4a16_into, ordered, {"x_mma_order": True}),
+                                   ("triton_x_order", w4a16.grouped_w4a16_into, ordered, {"x_mma_order": True}),
+                                   ("natural", w4a16.grouped_w4a16_into, x, {})):
+        out = torch.full((x.shape[0], n), float("nan"), dtype=out_dtype, device=device)
+        with mock.patch.object(w4a16, "_WS_DISPATCH", name in ("ws", "dispatched")):
+            fn(rows, weight, offsets, out, tail=tail, row_scale=row_scale, **kwargs)
+        outputs[name] = out
+    return outputs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_tail_and_row_scale_give_the_triton_x_order_bits(kernel_device: str, out_dtype: torch.dtype) -> None:
+    """W4A4 + RAC on this kernel (a tail weight over ``K2`` more columns of x, ``alpha`` a row in the
+    epilogue): bit for bit the Triton kernel's x-order path with the same tail (which is within the
+    fp32 bound of its natural-order path), at the short-K (dynamic) and the wide-K defaults, and what
+    ``grouped_w4a16_into`` dispatches to."""
+    for counts, n, k, k2 in (([0, 37, 5, 300, 64, 1, 33, 90], 384, 512, 256), (_cases()[3][0], 1536, 2048, 256)):
+        out = _rac_outputs(counts, n, k, k2, out_dtype, kernel_device)
+        assert torch.equal(out["ws"], out["triton_x_order"]), (n, k)
+        assert torch.equal(out["dispatched"], out["ws"]), (n, k)
+        scale = float(out["natural"].float().abs().max())
+        assert torch.allclose(out["ws"].float(), out["natural"].float(), rtol=2**-7, atol=1e-3 * scale), (n, k)
 
 
 @pytest.mark.gpu
@@ -183,6 +229,13 @@ def test_argument_errors() -> None:
     with pytest.raises(ValueError, match="divide K"):
         w4a16_ws.grouped_w4a16_ws_into(torch.zeros(6, 320, dtype=torch.bfloat16), _raw_weight((4, 256, 320), "cpu"),
                                        offsets, out)
+    tail = _raw_weight((4, 256, 128), "cpu")
+    with pytest.raises(ValueError, match="a tail runs on the scale ring"):  # 128 columns: half a 256-wide step
+        w4a16_ws.grouped_w4a16_ws_into(torch.zeros(6, 384, dtype=torch.bfloat16), stacked, offsets, out, tail=tail)
+    with pytest.raises(ValueError, match="row_scale must be float32"):
+        w4a16_ws.grouped_w4a16_ws_into(x, stacked, offsets, out, row_scale=torch.ones(6, dtype=torch.float16))
+    assert w4a16_ws.takes_tail(2048, 256) and w4a16_ws.takes_tail(512, 512)
+    assert not w4a16_ws.takes_tail(2048, 128) and not w4a16_ws.takes_tail(640, 256)  # K 640: no 256-wide steps
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
@@ -208,6 +261,19 @@ def test_scale_ring_and_rotated_words_change_what_the_sass_does() -> None:
     assert ring["LDG"] < no_ring["LDG"] and ring["LDS"] > no_ring["LDS"]
     integer = ("LOP3", "IMAD", "SHF")
     assert sum(ring[op] for op in integer) - sum(rotated[op] for op in integer) == 2 * 64
+
+
+def test_a_tail_adds_its_tma_copies_and_a_row_scale_its_loads() -> None:
+    """Offline sm_90 SASS of the W4A4 + RAC variant: the loader copies the tail's words and scale
+    bytes by their own descriptors (two more UTMALDG), the MMA is unchanged, the epilogue loads a
+    row scale a token."""
+    plain = w4a16_ws.compile_offline({**w4a16_ws.default_config(2048), "BLOCK_M": 64}, n=1536, k=2048)
+    rac = w4a16_ws.compile_offline({**w4a16_ws.default_config(2048), "BLOCK_M": 64}, n=1536, k=2048, k2=256,
+                                   row_scale=True)
+    count = collections.Counter(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9]+)", rac, re.MULTILINE))
+    base = collections.Counter(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9]+)", plain, re.MULTILINE))
+    assert count["UTMALDG"] == base["UTMALDG"] + 2 and count["HGMMA"] == base["HGMMA"]
+    assert count["LDG"] > base["LDG"]
 
 
 def test_dynamic_schedule_moves_the_tile_loads_to_the_loader() -> None:

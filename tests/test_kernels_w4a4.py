@@ -27,6 +27,7 @@ from megatron_quads.nvfp4.kernels.w4a4 import (
     quantize_activations_kernel,
     rac_linear_kernel,
 )
+from megatron_quads.nvfp4.kernels.w4a16 import X_ORDER_BLOCK_K, mma_k_order_rows
 from megatron_quads.rollout.grouped import (
     expert_offsets_from_counts,
     expert_weight,
@@ -225,6 +226,21 @@ def test_prologue_is_byte_identical_to_the_reference(kernel_device: str, mode: A
         assert torch.equal(values_decode.cpu(), ref_decode)
 
 
+def test_prologue_k_order_is_the_w4a16_kernels_k_order(kernel_device: str) -> None:
+    """``k_order`` writes the same block values where ``mma_k_order_rows(., 128)`` puts them, each
+    part (x's K and the RAC tail) on its own 128-column blocks; K or S not a multiple of 128 is refused."""
+    k = 256
+    x = _activations(5 if kernel_device == "cpu" else 64, k, torch.bfloat16, 3).to(kernel_device)
+    for ratio in (0.0, 0.5):
+        channels = _channels(k, ratio, 4).to(kernel_device)
+        values, decode = activation_block_values_kernel(x, channels)
+        ordered, ordered_decode = activation_block_values_kernel(x, channels, k_order=True)
+        assert torch.equal(ordered, mma_k_order_rows(values, X_ORDER_BLOCK_K))
+        assert torch.equal(ordered_decode, decode)
+    with pytest.raises(ValueError, match="k_order needs K and the RAC channel count multiples of 128"):
+        activation_block_values_kernel(x, _channels(k, 0.25, 5).to(kernel_device), k_order=True)
+
+
 def test_prologue_allocates_aligned_buffers_and_handles_no_tokens(kernel_device: str) -> None:
     k = 80
     x = _activations(3, k, torch.bfloat16, 7).to(kernel_device)
@@ -380,7 +396,7 @@ def _stacked_residual(weight: NVFP4Tensor, channels: torch.Tensor) -> NVFP4Tenso
 
 @pytest.mark.parametrize("w4a16_rows", (1 << 62, 0), ids=("w4a16 path", "rac gemm path"))
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("ratio", (0.0, 0.25))
+@pytest.mark.parametrize("ratio", (0.0, 0.25, 0.5))  # on the H200 0.0 and 0.5 (S 256) run w4a16_ws, 0.25 Triton
 def test_grouped_rac_matches_the_per_expert_reference(
     kernel_device: str, mode: ActivationScale, ratio: float, w4a16_rows: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -390,7 +390,7 @@ def _grouped_rows(
                       BLOCK_K, EVEN_K, DOT_F32, X_MMA_ORDER)
     if HAS_TAIL:
         acc = _accumulate(acc, x_rows + K * stride_xk, live, tail_w_rows, tail_s_rows,
-                          stride_xk, 0, tl.cdiv(K2, BLOCK_K), K2, BLOCK_K, EVEN_K2, DOT_F32)
+                          stride_xk, 0, tl.cdiv(K2, BLOCK_K), K2, BLOCK_K, EVEN_K2, DOT_F32, X_MMA_ORDER)
     _store_output(acc, ws2_ptr, y_ptr, offs_n, offs_m, N, hi, stride_yn, stride_ym, row_scale_ptr, ROW_SCALE, Y_MMA_ORDER)
 
 
@@ -537,12 +537,13 @@ it off): 512 tokens gate/up 157.5 -> 151.1 us, 143.1 -> 129.0 us with x in the k
 
 
 _WS_DISPATCH = True
-"""Whether :func:`grouped_w4a16_into` hands x-in-K-order calls without a config, tail or row scale to
-the warp-specialized Gluon kernel (:mod:`~megatron_quads.nvfp4.kernels.w4a16_ws`) where it runs
-(sm_90): H200, ``bench_kernels.py --quick --only grouped_ws`` (2026-11-30 15:15 run, its defaults),
-gate/up at 512 tokens 103.4 against 123.5 us, down 58.0 against 69.2 us; at 64 tokens gate/up 73.6
-against 87.2, down 41.4 against 54.9 (the engine orders x, and so takes this path, only from 16 rows
-an expert). Benchmarks switch it off to time the Triton kernel."""
+"""Whether :func:`grouped_w4a16_into` hands x-in-K-order calls without a config (a W4A4 + RAC tail
+where :func:`~megatron_quads.nvfp4.kernels.w4a16_ws.takes_tail` says so) to the warp-specialized
+Gluon kernel (:mod:`~megatron_quads.nvfp4.kernels.w4a16_ws`) where it runs (sm_90): H200,
+``bench_kernels.py --quick --only grouped_ws`` (2026-11-30 15:15 run, its defaults), gate/up at 512
+tokens 103.4 against 123.5 us, down 58.0 against 69.2 us; at 64 tokens gate/up 73.6 against 87.2,
+down 41.4 against 54.9 (the engine orders x, and so takes this path, only from 16 rows an expert).
+Benchmarks switch it off to time the Triton kernel."""
 
 
 @functools.cache
@@ -744,8 +745,9 @@ def w4a16_augmented_into(
 
 
 def check_grouped_bf16_call(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets: torch.Tensor,
-                            out: torch.Tensor) -> tuple[int, int, int]:
-    """The argument checks the Gluon grouped kernels share (plain W4A16, bf16 in and out): x ``[T, K]``
+                            out: torch.Tensor, out_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)
+                            ) -> tuple[int, int, int]:
+    """The argument checks the Gluon grouped kernels share (bf16 in, ``out_dtypes`` out): x ``[T, K]``
     against the stacked ``[E, N, K]`` weight, int32 offsets, one or ``E`` decode scales, out ``[T, N]``;
     returns ``(E, N, K)``."""
     from megatron_quads.rollout.grouped import check_grouped_shapes
@@ -757,7 +759,7 @@ def check_grouped_bf16_call(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets
         raise ValueError(f"expert_offsets must be int32, got {expert_offsets.dtype}")
     if weight.weight_scale_2.numel() not in (1, num_experts):
         raise ValueError(f"weight_scale_2 must hold 1 or {num_experts} values, got shape {tuple(weight.weight_scale_2.shape)}")
-    _check_out(out, (x.shape[0], n), (torch.bfloat16,), x.device)
+    _check_out(out, (x.shape[0], n), out_dtypes, x.device)
     return num_experts, n, k
 
 
@@ -788,7 +790,8 @@ def grouped_w4a16_into(
     op on it (the MoE's ``act(gate) * up``) then yields the next grouped GEMM's ``x_mma_order`` input.
     ``tail`` (stacked ``[E, N, K2]``, the weight's ``weight_scale_2``) and ``row_scale`` (fp32 ``[T]``)
     make it the grouped W4A4 + RAC decode GEMM, as :func:`w4a16_augmented_into` does for one weight:
-    x then holds ``K + K2`` values a row.
+    x then holds ``K + K2`` values a row (with ``x_mma_order`` both parts in the K order, ``K2`` a
+    multiple of the block).
     """
     from megatron_quads.rollout.grouped import check_grouped_shapes
 
@@ -807,18 +810,19 @@ def grouped_w4a16_into(
     # the RAC path (row_scale) writes the caller's dtype; plain W4A16 writes x's
     _check_out(out, (x.shape[0], n), (x.dtype,) if row_scale is None else _OUT_DTYPES, x.device)
     _check_config(config)
-    if x_mma_order and (tail is not None or k % X_ORDER_BLOCK_K
+    if x_mma_order and (k % X_ORDER_BLOCK_K or k2 % X_ORDER_BLOCK_K
                         or (config is not None and config["BLOCK_K"] != X_ORDER_BLOCK_K)):
-        raise ValueError(f"x_mma_order needs K % {X_ORDER_BLOCK_K} == 0 (got K={k}), no tail and BLOCK_K "
-                         f"{X_ORDER_BLOCK_K} in a given config")
+        raise ValueError(f"x_mma_order needs K % {X_ORDER_BLOCK_K} == 0 and the tail's K2 % {X_ORDER_BLOCK_K} == 0 "
+                         f"(got K={k}, K2={k2}) and BLOCK_K {X_ORDER_BLOCK_K} in a given config")
     if y_mma_order and n % X_ORDER_BLOCK_K:
         raise ValueError(f"y_mma_order needs N % {X_ORDER_BLOCK_K} == 0 (whole K-order blocks), got N={n}")
     if out.numel() == 0:
         return out
-    if x_mma_order and config is None and tail is None and row_scale is None and _WS_DISPATCH:
+    if x_mma_order and config is None and _WS_DISPATCH:
         ws = _warp_specialized()
-        if ws is not None and ws.supports(x, k):
-            return ws.grouped_w4a16_ws_into(x, weight, expert_offsets.to(x.device), out, y_mma_order=y_mma_order)
+        if ws is not None and ws.supports(x, k) and (tail is None or ws.takes_tail(k, k2)):
+            return ws.grouped_w4a16_ws_into(x, weight, expert_offsets.to(x.device), out, y_mma_order=y_mma_order,
+                                            tail=tail, row_scale=row_scale)
     x = _rows_contiguous(x)
     codes, scales = _operands(weight)
     tail_codes, tail_scales = (codes, scales) if tail is None else _operands(tail)  # never read without a tail

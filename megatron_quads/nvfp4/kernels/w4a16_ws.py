@@ -56,6 +56,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from megatron_quads.nvfp4.kernels.w4a16 import (
     _DEQUANT_WORD_PTX,
     _INTERPRET,
+    _OUT_DTYPES,
     _X_ORDER_BLOCK,
     OPERAND_LOG2_SCALE,
     X_ORDER_BLOCK_K,
@@ -129,13 +130,14 @@ def _k_order_position(cols, BLOCK_K: gl.constexpr):
 
 
 @gluon.jit
-def _load_tile(tile, lo, hi, step, w_desc, x_desc, s_desc, ring_w, ring_x, ring_s, ready, empty, N, k_steps, n_tiles,
-               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-               HALF_TILE: gl.constexpr, SCALE_RING: gl.constexpr):
+def _load_tile(tile, lo, hi, step, w_desc, x_desc, s_desc, t_desc, ts_desc, ring_w, ring_x, ring_s, ready, empty, N,
+               k_main, k_steps, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+               STAGES: gl.constexpr, HALF_TILE: gl.constexpr, SCALE_RING: gl.constexpr, HAS_TAIL: gl.constexpr):
     """Every (token tile, K step) of (expert, N tile) pair ``tile`` (its expert's rows ``lo:hi``)
-    into the ring from ring step ``step`` on: the weight rows' code words, and x as ``BLOCK_K / 64``
-    tiles of ``[BM, 64]`` by half-height boxes (a half tile reads only the rows it multiplies);
-    returns the next ring step."""
+    into the ring from ring step ``step`` on: the weight rows' code words (and scale bytes), from
+    the tail's descriptors ``t_desc`` / ``ts_desc`` for the steps past ``k_main`` (``HAS_TAIL``: x
+    then holds ``K + K2`` columns), and x as ``BLOCK_K / 64`` tiles of ``[BM, 64]`` by half-height
+    boxes (a half tile reads only the rows it multiplies); returns the next ring step."""
     SUB: gl.constexpr = BLOCK_K // _X_SUB_K
     HALF_X_BYTES: gl.constexpr = x_desc.block_type.nbytes * SUB
     FULL_BYTES: gl.constexpr = w_desc.block_type.nbytes + 2 * HALF_X_BYTES + SCALE_RING * s_desc.block_type.nbytes
@@ -150,9 +152,20 @@ def _load_tile(tile, lo, hi, step, w_desc, x_desc, s_desc, ring_w, ring_x, ring_
             bar = ready.index(stage)
             mbarrier.expect(bar, FULL_BYTES - HALF_X_BYTES, pred=half == 1)  # the byte count is a constant
             mbarrier.expect(bar, FULL_BYTES, pred=half == 0)
-            tma.async_copy_global_to_shared(w_desc, [row0, kt * (BLOCK_K // 8)], bar, ring_w.index(stage))
-            if SCALE_RING:
-                tma.async_copy_global_to_shared(s_desc, [row0, kt * (BLOCK_K // 16)], bar, ring_s.index(stage))
+            if HAS_TAIL:  # the tail's boxes have the main weight's shape: same byte count
+                main = kt < k_main
+                kw = gl.where(main, kt, kt - k_main)
+                tma.async_copy_global_to_shared(w_desc, [row0, kw * (BLOCK_K // 8)], bar, ring_w.index(stage), pred=main)
+                tma.async_copy_global_to_shared(t_desc, [row0, kw * (BLOCK_K // 8)], bar, ring_w.index(stage),
+                                                pred=kt >= k_main)
+                tma.async_copy_global_to_shared(s_desc, [row0, kw * (BLOCK_K // 16)], bar, ring_s.index(stage),
+                                                pred=main)
+                tma.async_copy_global_to_shared(ts_desc, [row0, kw * (BLOCK_K // 16)], bar, ring_s.index(stage),
+                                                pred=kt >= k_main)
+            else:
+                tma.async_copy_global_to_shared(w_desc, [row0, kt * (BLOCK_K // 8)], bar, ring_w.index(stage))
+                if SCALE_RING:
+                    tma.async_copy_global_to_shared(s_desc, [row0, kt * (BLOCK_K // 16)], bar, ring_s.index(stage))
             for j in gl.static_range(SUB):  # x's rows m0 .. m0 + BM (the first half only for a half tile)
                 x_tile = ring_x.index(stage * SUB + j)
                 k0 = kt * BLOCK_K + j * _X_SUB_K
@@ -213,17 +226,18 @@ def _take_tile(count, queue, taken, NUM_WARPS: gl.constexpr):
 
 
 @gluon.jit
-def _load_partition(w_desc, x_desc, s_desc, ring_w, ring_x, ring_s, ready, empty, queue, queued, taken, offsets_ptr,
-                    ws2_ptr, sched_ptr, N, K, num_tiles, n_tiles, stride_w2, BLOCK_M: gl.constexpr,
+def _load_partition(w_desc, x_desc, s_desc, t_desc, ts_desc, ring_w, ring_x, ring_s, ready, empty, queue, queued, taken,
+                    offsets_ptr, ws2_ptr, sched_ptr, N, K, K2, num_tiles, n_tiles, stride_w2, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, HALF_TILE: gl.constexpr,
-                    SCALE_RING: gl.constexpr, DYNAMIC: gl.constexpr):
+                    SCALE_RING: gl.constexpr, DYNAMIC: gl.constexpr, HAS_TAIL: gl.constexpr):
     """The loader warp: the program's tiles (:func:`_load_tile`) in the MMA warps' order. Static:
     tiles ``p, p + P, ...``. ``DYNAMIC``: tile ``p``, then whichever tile the shared counter at
     ``sched_ptr`` hands out next (taken one tile ahead, so its latency hides behind the loads), each
     id published to the MMA warps through the tile queue with its expert's row bounds and
     ``weight_scale_2`` (:func:`_publish_tile`), an id past the last one ending both; the last program
     to finish puts the counters back to zero for the next launch."""
-    k_steps = K // BLOCK_K
+    k_main = K // BLOCK_K
+    k_steps = (K + K2) // BLOCK_K
     step = 0
     if DYNAMIC:
         programs = gl.num_programs(0)
@@ -233,8 +247,9 @@ def _load_partition(w_desc, x_desc, s_desc, ring_w, ring_x, ring_s, ready, empty
             next_tile = gl.atomic_add(sched_ptr, 1, sem="relaxed") + programs
             lo, hi, weight_scale_2 = _expert_params(tile, n_tiles, offsets_ptr, ws2_ptr, stride_w2)
             _publish_tile(count, tile, lo, hi, weight_scale_2.to(gl.int32, bitcast=True), queue, queued, taken)
-            step = _load_tile(tile, lo, hi, step, w_desc, x_desc, s_desc, ring_w, ring_x, ring_s, ready, empty, N,
-                              k_steps, n_tiles, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, HALF_TILE, SCALE_RING)
+            step = _load_tile(tile, lo, hi, step, w_desc, x_desc, s_desc, t_desc, ts_desc, ring_w, ring_x, ring_s,
+                              ready, empty, N, k_main, k_steps, n_tiles, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, HALF_TILE,
+                              SCALE_RING, HAS_TAIL)
             count += 1
             tile = next_tile
         _publish_tile(count, tile, 0, 0, 0, queue, queued, taken)  # past the last pair: the MMA warps stop
@@ -246,8 +261,9 @@ def _load_partition(w_desc, x_desc, s_desc, ring_w, ring_x, ring_s, ready, empty
     else:
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             lo, hi, _ = _expert_params(tile, n_tiles, offsets_ptr, ws2_ptr, stride_w2)
-            step = _load_tile(tile, lo, hi, step, w_desc, x_desc, s_desc, ring_w, ring_x, ring_s, ready, empty, N,
-                              k_steps, n_tiles, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, HALF_TILE, SCALE_RING)
+            step = _load_tile(tile, lo, hi, step, w_desc, x_desc, s_desc, t_desc, ts_desc, ring_w, ring_x, ring_s,
+                              ready, empty, N, k_main, k_steps, n_tiles, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, HALF_TILE,
+                              SCALE_RING, HAS_TAIL)
 
 
 @gluon.jit
@@ -348,10 +364,12 @@ def _k_loop(acc, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps,
 
 
 @gluon.jit
-def _store_rows(acc, y_ptr, decode, row0, N, m0, hi, stride_ym, NUM_WARPS: gl.constexpr, Y_MMA_ORDER: gl.constexpr,
-                EVEN_N: gl.constexpr, Y_I32: gl.constexpr):
-    """``y[m, n] = bf16(acc[n, m] * decode)`` for ``n < N`` (every ``n`` with ``EVEN_N``) and
-    ``m0 <= m < hi``; ``Y_MMA_ORDER`` stores column ``n`` at its K-order position. The 2-byte stores
+def _store_rows(acc, y_ptr, weight_scale_2, row_scale_ptr, row0, N, m0, hi, stride_ym, NUM_WARPS: gl.constexpr,
+                Y_MMA_ORDER: gl.constexpr, EVEN_N: gl.constexpr, Y_I32: gl.constexpr, ROW_SCALE: gl.constexpr):
+    """``y[m, n] = cast(acc[n, m] * decode)`` for ``n < N`` (every ``n`` with ``EVEN_N``) and
+    ``m0 <= m < hi``, ``decode`` the operands' exact rescale times ``weight_scale_2`` (times
+    ``row_scale[m]`` first with ``ROW_SCALE``: the W4A4 ``alpha``, in the Triton epilogue's order of
+    operations); ``Y_MMA_ORDER`` stores column ``n`` at its K-order position. The stores
     follow the wgmma layout (a thread holds adjacent tokens, not adjacent columns), so the addresses
     are kept cheap: a pointer a token, 32-bit offsets where ``Y_I32`` says ``y`` allows them, a mask
     a token (or column) rather than an element."""
@@ -366,29 +384,35 @@ def _store_rows(acc, y_ptr, decode, row0, N, m0, hi, stride_ym, NUM_WARPS: gl.co
     mask = (om < hi)[None, :]
     if not EVEN_N:
         mask = mask & (on < N)[:, None]
+    if ROW_SCALE:
+        alpha = gl.load(row_scale_ptr + om, mask=om < hi, other=0.0) * weight_scale_2
+        decode = (alpha * (2.0 ** -OPERAND_LOG2_SCALE))[None, :]
+    else:
+        decode = weight_scale_2 * (2.0 ** -OPERAND_LOG2_SCALE)
     gl.store(rows[None, :] + cols[:, None], (acc * decode).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @gluon.jit
-def _token_tile(TILE_M: gl.constexpr, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps, y_ptr, decode, n0,
-                N, m0, hi, stride_ym, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                NUM_WARPS: gl.constexpr, Y_MMA_ORDER: gl.constexpr, EVEN_N: gl.constexpr, Y_I32: gl.constexpr,
-                ROTATED: gl.constexpr, SCALE_RING: gl.constexpr):
+def _token_tile(TILE_M: gl.constexpr, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps, y_ptr,
+                weight_scale_2, row_scale_ptr, n0, N, m0, hi, stride_ym, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, Y_MMA_ORDER: gl.constexpr, EVEN_N: gl.constexpr,
+                Y_I32: gl.constexpr, ROTATED: gl.constexpr, SCALE_RING: gl.constexpr, ROW_SCALE: gl.constexpr):
     """Rows ``m0 .. hi`` (at most ``TILE_M``: the first rows of each x tile) times the N tile
     (output columns ``n0 ..``) over the whole K, stored; returns the next ring step."""
     acc = gl.zeros((BLOCK_N, TILE_M), gl.float32, layout=wgmma_layout(TILE_M, NUM_WARPS))
     acc, step = _k_loop(acc, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps, BLOCK_K, STAGES, NUM_WARPS,
                         ROTATED, SCALE_RING)
-    _store_rows(acc, y_ptr, decode, n0, N, m0, hi, stride_ym, NUM_WARPS, Y_MMA_ORDER, EVEN_N, Y_I32)
+    _store_rows(acc, y_ptr, weight_scale_2, row_scale_ptr, n0, N, m0, hi, stride_ym, NUM_WARPS, Y_MMA_ORDER, EVEN_N,
+                Y_I32, ROW_SCALE)
     return step
 
 
 @gluon.jit
-def _mma_tile(tile, lo, hi, weight_scale_2, step, ring_w, ring_x, ring_s, ready, empty, scales_ptr, y_ptr, N, k_steps,
-              n_tiles, stride_se, stride_sn, stride_ym,
+def _mma_tile(tile, lo, hi, weight_scale_2, step, ring_w, ring_x, ring_s, ready, empty, scales_ptr, y_ptr, row_scale_ptr,
+              N, k_steps, n_tiles, stride_se, stride_sn, stride_ym,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
               NUM_WARPS: gl.constexpr, HALF_TILE: gl.constexpr, Y_MMA_ORDER: gl.constexpr, EVEN_N: gl.constexpr,
-              Y_I32: gl.constexpr, ROTATED: gl.constexpr, SCALE_RING: gl.constexpr):
+              Y_I32: gl.constexpr, ROTATED: gl.constexpr, SCALE_RING: gl.constexpr, ROW_SCALE: gl.constexpr):
     """(expert, N tile) pair ``tile`` (its expert's rows ``lo:hi``): its token tiles in the loader's
     order, each over the whole K from ring step ``step`` on, then stored; returns the next ring step."""
     SCALES: gl.constexpr = scale_bytes_layout(BLOCK_N, _X_ORDER_BLOCK, NUM_WARPS)  # a 128-wide sub-step's
@@ -396,28 +420,28 @@ def _mma_tile(tile, lo, hi, weight_scale_2, step, ring_w, ring_x, ring_s, ready,
     n0 = (tile % n_tiles) * BLOCK_N
     s_ptrs = _scale_pointers(scales_ptr + expert.to(gl.int64) * stride_se, n0, N, stride_sn, BLOCK_N,
                              _X_ORDER_BLOCK, SCALES)
-    decode = weight_scale_2 * (2.0 ** -OPERAND_LOG2_SCALE)
     for m0 in range(lo, hi, BLOCK_M):
         if HALF_TILE and hi - m0 <= BLOCK_M // 2:  # the last (often only) tile of a small expert
-            step = _token_tile(BLOCK_M // 2, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps, y_ptr, decode,
-                               n0, N, m0, hi, stride_ym, BLOCK_N, BLOCK_K, STAGES, NUM_WARPS, Y_MMA_ORDER, EVEN_N,
-                               Y_I32, ROTATED, SCALE_RING)
+            step = _token_tile(BLOCK_M // 2, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps, y_ptr,
+                               weight_scale_2, row_scale_ptr, n0, N, m0, hi, stride_ym, BLOCK_N, BLOCK_K, STAGES,
+                               NUM_WARPS, Y_MMA_ORDER, EVEN_N, Y_I32, ROTATED, SCALE_RING, ROW_SCALE)
         else:
-            step = _token_tile(BLOCK_M, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps, y_ptr, decode, n0,
-                               N, m0, hi, stride_ym, BLOCK_N, BLOCK_K, STAGES, NUM_WARPS, Y_MMA_ORDER, EVEN_N, Y_I32,
-                               ROTATED, SCALE_RING)
+            step = _token_tile(BLOCK_M, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps, y_ptr,
+                               weight_scale_2, row_scale_ptr, n0, N, m0, hi, stride_ym, BLOCK_N, BLOCK_K, STAGES,
+                               NUM_WARPS, Y_MMA_ORDER, EVEN_N, Y_I32, ROTATED, SCALE_RING, ROW_SCALE)
     return step
 
 
 @gluon.jit
 def _mma_partition(ring_w, ring_x, ring_s, ready, empty, queue, queued, taken, scales_ptr, ws2_ptr, offsets_ptr, y_ptr,
-                   N, K, num_tiles, n_tiles, stride_se, stride_sn, stride_w2, stride_ym,
+                   row_scale_ptr, N, K, K2, num_tiles, n_tiles, stride_se, stride_sn, stride_w2, stride_ym,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                    NUM_WARPS: gl.constexpr, HALF_TILE: gl.constexpr, Y_MMA_ORDER: gl.constexpr, EVEN_N: gl.constexpr,
-                   Y_I32: gl.constexpr, ROTATED: gl.constexpr, SCALE_RING: gl.constexpr, DYNAMIC: gl.constexpr):
+                   Y_I32: gl.constexpr, ROTATED: gl.constexpr, SCALE_RING: gl.constexpr, DYNAMIC: gl.constexpr,
+                   ROW_SCALE: gl.constexpr):
     """The MMA warps: the program's tiles in the loader's order (``DYNAMIC``: as the tile queue
     gives them), each stored while the loader already fills the ring for the next."""
-    k_steps = K // BLOCK_K
+    k_steps = (K + K2) // BLOCK_K
     step = 0
     if DYNAMIC:
         count = 0
@@ -425,16 +449,18 @@ def _mma_partition(ring_w, ring_x, ring_s, ready, empty, queue, queued, taken, s
         while tile < num_tiles:
             lo, hi, weight_scale_2 = _take_tile(count, queue, taken, NUM_WARPS)
             step = _mma_tile(tile, lo, hi, weight_scale_2, step, ring_w, ring_x, ring_s, ready, empty, scales_ptr,
-                             y_ptr, N, k_steps, n_tiles, stride_se, stride_sn, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K,
-                             STAGES, NUM_WARPS, HALF_TILE, Y_MMA_ORDER, EVEN_N, Y_I32, ROTATED, SCALE_RING)
+                             y_ptr, row_scale_ptr, N, k_steps, n_tiles, stride_se, stride_sn, stride_ym, BLOCK_M,
+                             BLOCK_N, BLOCK_K, STAGES, NUM_WARPS, HALF_TILE, Y_MMA_ORDER, EVEN_N, Y_I32, ROTATED,
+                             SCALE_RING, ROW_SCALE)
             count += 1
             tile = _peek_tile(count, queue, queued, NUM_WARPS)
     else:
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             lo, hi, weight_scale_2 = _expert_params(tile, n_tiles, offsets_ptr, ws2_ptr, stride_w2)
             step = _mma_tile(tile, lo, hi, weight_scale_2, step, ring_w, ring_x, ring_s, ready, empty, scales_ptr,
-                             y_ptr, N, k_steps, n_tiles, stride_se, stride_sn, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K,
-                             STAGES, NUM_WARPS, HALF_TILE, Y_MMA_ORDER, EVEN_N, Y_I32, ROTATED, SCALE_RING)
+                             y_ptr, row_scale_ptr, N, k_steps, n_tiles, stride_se, stride_sn, stride_ym, BLOCK_M,
+                             BLOCK_N, BLOCK_K, STAGES, NUM_WARPS, HALF_TILE, Y_MMA_ORDER, EVEN_N, Y_I32, ROTATED,
+                             SCALE_RING, ROW_SCALE)
 
 
 TILE_QUEUE_SLOTS = 4
@@ -445,17 +471,21 @@ _TILE_QUEUE_SLOTS = gl.constexpr(TILE_QUEUE_SLOTS)
 
 @gluon.jit
 def _grouped_ws_kernel(
-    w_desc, x_desc, s_desc, scales_ptr, ws2_ptr, offsets_ptr, sched_ptr, y_ptr,
-    N, K, num_tiles, n_tiles, stride_se, stride_sn, stride_w2, stride_ym,
+    w_desc, x_desc, s_desc, t_desc, ts_desc, scales_ptr, ws2_ptr, offsets_ptr, sched_ptr, y_ptr, row_scale_ptr,
+    N, K, K2, num_tiles, n_tiles, stride_se, stride_sn, stride_w2, stride_ym,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
     NUM_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, HALF_TILE: gl.constexpr, Y_MMA_ORDER: gl.constexpr,
     EVEN_N: gl.constexpr, Y_I32: gl.constexpr, ROTATED: gl.constexpr, SCALE_RING: gl.constexpr, DYNAMIC: gl.constexpr,
+    HAS_TAIL: gl.constexpr, ROW_SCALE: gl.constexpr,
 ):
     """Persistent: the ``E * n_tiles`` (expert, N tile) pairs, expert-major (programs running together
     share an expert's x in L2), program ``p`` taking ``p, p + P, ...`` or (``DYNAMIC``) ``p`` and then
     the next untaken pair whenever its loader is ready for one; each covers the expert's rows
     ``offsets[e]:offsets[e+1]`` in token tiles of ``BLOCK_M`` (``w_desc`` over the stacked
-    ``[E * N, K / 8]`` words). ``sched_ptr``: two int32 zeros (``DYNAMIC``), left zero."""
+    ``[E * N, K / 8]`` words). ``sched_ptr``: two int32 zeros (``DYNAMIC``), left zero. ``HAS_TAIL``:
+    the reduction runs on over the tail weight's ``K2`` columns (``t_desc`` / ``ts_desc``, its words
+    and scale bytes stacked as the weight's; x rows hold ``K + K2`` values, the tail's in K order
+    too); ``ROW_SCALE``: the epilogue's factor is ``row_scale[m] * weight_scale_2`` (W4A4 + RAC)."""
     ring_w = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, BLOCK_K // 8], words_ring_layout())
     ring_x = gl.allocate_shared_memory(gl.bfloat16, [STAGES * (BLOCK_K // _X_SUB_K), BLOCK_M, _X_SUB_K],
                                        x_tile_layout(BLOCK_M))
@@ -478,12 +508,12 @@ def _grouped_ws_kernel(
             mbarrier.init(taken.index(j), count=1)
     gl.warp_specialize([
         (_mma_partition, (ring_w, ring_x, ring_s, ready, empty, queue, queued, taken, scales_ptr, ws2_ptr, offsets_ptr,
-                          y_ptr, N, K, num_tiles, n_tiles, stride_se, stride_sn, stride_w2, stride_ym, BLOCK_M, BLOCK_N,
-                          BLOCK_K, STAGES, NUM_WARPS, HALF_TILE, Y_MMA_ORDER, EVEN_N, Y_I32, ROTATED, SCALE_RING,
-                          DYNAMIC)),
-        (_load_partition, (w_desc, x_desc, s_desc, ring_w, ring_x, ring_s, ready, empty, queue, queued, taken,
-                           offsets_ptr, ws2_ptr, sched_ptr, N, K, num_tiles, n_tiles, stride_w2, BLOCK_M, BLOCK_N,
-                           BLOCK_K, STAGES, HALF_TILE, SCALE_RING, DYNAMIC)),
+                          y_ptr, row_scale_ptr, N, K, K2, num_tiles, n_tiles, stride_se, stride_sn, stride_w2,
+                          stride_ym, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, NUM_WARPS, HALF_TILE, Y_MMA_ORDER, EVEN_N,
+                          Y_I32, ROTATED, SCALE_RING, DYNAMIC, ROW_SCALE)),
+        (_load_partition, (w_desc, x_desc, s_desc, t_desc, ts_desc, ring_w, ring_x, ring_s, ready, empty, queue, queued,
+                           taken, offsets_ptr, ws2_ptr, sched_ptr, N, K, K2, num_tiles, n_tiles, stride_w2, BLOCK_M,
+                           BLOCK_N, BLOCK_K, STAGES, HALF_TILE, SCALE_RING, DYNAMIC, HAS_TAIL)),
     ], [1], [LOADER_REGS])
 
 
@@ -531,11 +561,15 @@ def _hopper(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) == (9, 0)
 
 
+def runs_on(device: torch.device) -> bool:
+    """Whether the kernel runs on ``device``: an sm_90 GPU (wgmma), not under the Triton interpreter."""
+    return device.type == "cuda" and not _INTERPRET and _hopper(device)
+
+
 def supports(x: torch.Tensor, k: int) -> bool:
-    """Whether :func:`grouped_w4a16_ws_into` can run here: bf16 x on an sm_90 GPU (wgmma), K a
-    multiple of 128 (x's K order), not under the Triton interpreter."""
-    return (x.is_cuda and x.dtype == torch.bfloat16 and k % X_ORDER_BLOCK_K == 0 and not _INTERPRET
-            and _hopper(x.device))
+    """Whether :func:`grouped_w4a16_ws_into` can run here: bf16 x on a device it :func:`runs_on`,
+    K a multiple of 128 (x's K order)."""
+    return x.dtype == torch.bfloat16 and k % X_ORDER_BLOCK_K == 0 and runs_on(x.device)
 
 
 def check_config(cfg: dict[str, Any], n: int, k: int) -> None:
@@ -554,18 +588,39 @@ def check_config(cfg: dict[str, Any], n: int, k: int) -> None:
                          "STAGES, BLOCK_N or BLOCK_M")
 
 
+def takes_tail(k: int, k2: int) -> bool:
+    """Whether the default config for ``k`` can run a tail of ``k2`` columns (W4A4 + RAC): the tail's
+    steps need the scale ring (``BLOCK_K`` 256) and whole steps."""
+    cfg = default_config(k)
+    return _scale_ring(cfg) and k2 % cfg["BLOCK_K"] == 0
+
+
 def grouped_w4a16_ws_into(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets: torch.Tensor, out: torch.Tensor,
-                          config: dict[str, int] | None = None, y_mma_order: bool = False) -> torch.Tensor:
+                          config: dict[str, int] | None = None, y_mma_order: bool = False,
+                          tail: NVFP4Tensor | None = None, row_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``out[rows of e] = x[rows of e] @ dq(W_e).T`` with :func:`_grouped_ws_kernel`; x ``[T, K]`` bf16
     sorted by expert with each row in the K order of ``mma_k_order_rows(., 128)`` (what
     ``grouped_w4a16_into(..., x_mma_order=True)`` takes), ``weight`` stacked ``[E, N, K]``,
     ``expert_offsets`` int32 ``[E + 1]`` (not checked on the host: no sync), ``y_mma_order`` as there.
-    ``config`` over :func:`default_config`; ``BLOCK_M`` defaults to the Triton kernel's token tile."""
-    num_experts, n, k = check_grouped_bf16_call(x, weight, expert_offsets, out)
+    ``config`` over :func:`default_config`; ``BLOCK_M`` defaults to the Triton kernel's token tile.
+    ``tail`` (stacked ``[E, N, K2]``, the weight's ``weight_scale_2``) and ``row_scale`` (fp32 ``[T]``)
+    make it the grouped W4A4 + RAC GEMM as in ``grouped_w4a16_into``: x rows then hold ``K + K2``
+    values, both parts in the K order; ``out`` may then be bf16, fp16 or fp32."""
+    k2 = 0 if tail is None else tail.shape[-1]
+    num_experts, n, k = check_grouped_bf16_call(x[:, : x.shape[1] - k2], weight, expert_offsets, out,
+                                                _OUT_DTYPES if row_scale is not None else (torch.bfloat16,))
     if y_mma_order and n % X_ORDER_BLOCK_K:
         raise ValueError(f"y_mma_order needs N % {X_ORDER_BLOCK_K} == 0 (whole K-order blocks), got N={n}")
     cfg: dict[str, Any] = {**default_config(k), "BLOCK_M": _grouped_block_m(x.shape[0], num_experts), **(config or {})}
     check_config(cfg, n, k)
+    if tail is not None:
+        if tuple(tail.shape) != (num_experts, n, k2) or k2 == 0:
+            raise ValueError(f"the tail weight must be [{num_experts}, {n}, K2] with K2 > 0, got {tuple(tail.shape)}")
+        if not _scale_ring(cfg) or k2 % cfg["BLOCK_K"]:
+            raise ValueError(f"a tail runs on the scale ring: BLOCK_K 256 with SCALE_RING and K2 a multiple of it; "
+                             f"got K2={k2} and {cfg} (pad the tail, or use grouped_w4a16_into's Triton kernel)")
+    if row_scale is not None and (row_scale.shape != (x.shape[0],) or row_scale.dtype != torch.float32):
+        raise ValueError(f"row_scale must be float32 [{x.shape[0]}], got {row_scale.dtype} {tuple(row_scale.shape)}")
     if out.numel() == 0:
         return out
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:  # TMA: 16-byte aligned rows
@@ -575,6 +630,13 @@ def grouped_w4a16_ws_into(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets: 
         codes = rotated_code_words(weight.codes, codes)
     stacked_scales = scales.reshape(num_experts * n, k // 16) if _scale_ring(cfg) else None
     w_desc, x_desc, s_desc = _descriptors(codes.reshape(num_experts * n, k // 8), x, stacked_scales, cfg)
+    t_desc, ts_desc = w_desc, s_desc  # stand-ins the kernel does not read without a tail
+    if tail is not None:
+        tail_codes, tail_scales = _operands(tail)
+        if cfg.get("ROTATED"):
+            tail_codes = rotated_code_words(tail.codes, tail_codes)
+        t_desc, _, ts_desc = _descriptors(tail_codes.reshape(num_experts * n, k2 // 8), x,
+                                          tail_scales.reshape(num_experts * n, k2 // 16), cfg)
     ws2 = weight.weight_scale_2.reshape(-1).to(torch.float32)
     n_tiles = triton.cdiv(n, cfg["BLOCK_N"])
     num_tiles = n_tiles * num_experts
@@ -584,9 +646,11 @@ def grouped_w4a16_ws_into(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets: 
     # so launches of these kernels on one device must not overlap); otherwise a stand-in, not read
     scheduler = _split_counters(x.device, 2) if cfg.get("DYNAMIC") else expert_offsets
     _grouped_ws_kernel[(programs,)](
-        w_desc, x_desc, s_desc, scales, ws2, expert_offsets, scheduler, out,
-        n, k, num_tiles, n_tiles, scales.stride(0), scales.stride(1), 1 if ws2.numel() > 1 else 0, out.stride(0),
-        **_meta(cfg, y_mma_order, n, out.shape[0] * out.stride(0)), **_launch_options(cfg),
+        w_desc, x_desc, s_desc, t_desc, ts_desc, scales, ws2, expert_offsets, scheduler, out,
+        ws2 if row_scale is None else row_scale, n, k, k2, num_tiles, n_tiles, scales.stride(0), scales.stride(1),
+        1 if ws2.numel() > 1 else 0, out.stride(0),
+        **_meta(cfg, y_mma_order, n, out.shape[0] * out.stride(0), tail is not None, row_scale is not None),
+        **_launch_options(cfg),
     )
     return out
 
@@ -616,22 +680,26 @@ Y_I32_LIMIT = 2**31
 """Outputs spanning fewer elements than this are addressed with 32-bit offsets in the epilogue."""
 
 
-def _meta(cfg: dict[str, Any], y_mma_order: bool, n: int, y_elements: int) -> dict[str, int]:
+def _meta(cfg: dict[str, Any], y_mma_order: bool, n: int, y_elements: int, has_tail: bool = False,
+          row_scale: bool = False) -> dict[str, int]:
     """The kernel's compile-time arguments (``y_elements``: the span of the output's rows)."""
     return {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"], "STAGES": cfg["STAGES"],
             "NUM_WARPS": cfg["num_warps"], "LOADER_REGS": cfg["LOADER_REGS"], "HALF_TILE": cfg["HALF_TILE"],
             "Y_MMA_ORDER": int(y_mma_order), "EVEN_N": int(n % cfg["BLOCK_N"] == 0),
             "Y_I32": int(y_elements < Y_I32_LIMIT), "ROTATED": cfg.get("ROTATED", 0),
-            "SCALE_RING": int(_scale_ring(cfg)), "DYNAMIC": cfg.get("DYNAMIC", 0)}
+            "SCALE_RING": int(_scale_ring(cfg)), "DYNAMIC": cfg.get("DYNAMIC", 0), "HAS_TAIL": int(has_tail),
+            "ROW_SCALE": int(row_scale)}
 
 
 def _launch_options(cfg: dict[str, Any]) -> dict[str, int]:
     return {"num_warps": cfg["num_warps"], **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {})}
 
 
-def compile_offline(cfg: dict[str, Any], n: int, k: int, y_mma_order: bool = False) -> str:
+def compile_offline(cfg: dict[str, Any], n: int, k: int, y_mma_order: bool = False, k2: int = 0,
+                    row_scale: bool = False) -> str:
     """Compile :func:`_grouped_ws_kernel` for sm_90 without a GPU (``cfg`` a full config, ``[E, n, k]``
-    weights) and return its SASS (cuobjdump of Triton's bundled CUDA tools)."""
+    weights, a ``k2``-column tail and a row scale if given) and return its SASS (cuobjdump of Triton's
+    bundled CUDA tools)."""
     import os
     import subprocess
     import tempfile
@@ -642,18 +710,18 @@ def compile_offline(cfg: dict[str, Any], n: int, k: int, y_mma_order: bool = Fal
 
     check_config(cfg, n, k)
     w_desc, x_desc, s_desc = _descriptors(torch.empty(2 * n, k // 8, dtype=torch.int32, device="meta"),
-                                          torch.empty(16, k, dtype=torch.bfloat16, device="meta"),
+                                          torch.empty(16, k + k2, dtype=torch.bfloat16, device="meta"),
                                           torch.empty(2 * n, k // 16, dtype=torch.uint8, device="meta")
                                           if _scale_ring(cfg) else None, cfg)
     kernel = _grouped_ws_kernel
-    meta = _meta(cfg, y_mma_order, n, 16 * n)
+    meta = _meta(cfg, y_mma_order, n, 16 * n, k2 > 0, row_scale)
     types = {"w_desc": mangle_type(w_desc), "x_desc": mangle_type(x_desc), "s_desc": mangle_type(s_desc),
-             "scales_ptr": "*u8", "ws2_ptr": "*fp32",
-             "offsets_ptr": "*i32", "sched_ptr": "*i32", "y_ptr": "*bf16"}
+             "t_desc": mangle_type(w_desc), "ts_desc": mangle_type(s_desc), "scales_ptr": "*u8", "ws2_ptr": "*fp32",
+             "offsets_ptr": "*i32", "sched_ptr": "*i32", "y_ptr": "*bf16", "row_scale_ptr": "*fp32"}
     signature = {name: "constexpr" if name in meta else types.get(name, "i32") for name in kernel.arg_names}
     # what the launcher specializes on the GPU: pointers, K and the strides divisible by 16
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
-               if signature[name] == "i32" and name in ("K", "stride_se", "stride_sn", "stride_ym")
+               if signature[name] == "i32" and name in ("K", "K2", "stride_se", "stride_sn", "stride_ym")
                or signature[name].startswith("*")}
     source = GluonASTSource(fn=kernel, signature=signature, attrs=aligned,
                             constexprs={(kernel.arg_names.index(name),): v for name, v in meta.items()})

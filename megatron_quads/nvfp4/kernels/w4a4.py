@@ -31,6 +31,7 @@ import triton.language as tl
 from megatron_quads.nvfp4 import BLOCK_SIZE, NVFP4Tensor
 from megatron_quads.nvfp4.format import SUPPORTED_DTYPES
 from megatron_quads.nvfp4.kernels.common import e2m1_to_f32, unpack_e2m1
+from megatron_quads.nvfp4.kernels.w4a16 import X_ORDER_BLOCK_K, mma_k_order_position
 from megatron_quads.rollout.w4a4 import ActivationScale
 
 # constexpr: the only kind of global a compiled (non-interpreted) Triton function may read
@@ -113,12 +114,18 @@ def _quantize_pairs(even, odd, encode_div6, decode):
 
 
 @triton.jit
-def _store_values(values_row, even, packed, scale_f32, mask):
+def _store_values(values_row, even, packed, scale_f32, mask, K_ORDER: tl.constexpr):
     """The block values ``e2m1 * e4m3`` of ``packed`` codes (bf16, exact: at most 6 significant bits)
-    at the even columns ``even [NB, 8]`` and the odd ones after them."""
+    at the even columns ``even [NB, 8]`` and the odd ones after them (``K_ORDER``: where
+    :func:`~megatron_quads.nvfp4.kernels.w4a16.mma_k_order_rows` puts those columns in their
+    128-column block, the order the W4A16 kernels' ``x_mma_order`` takes)."""
     scale = scale_f32[:, None]
+    odd = even + 1
+    if K_ORDER:
+        even = mma_k_order_position(even, X_ORDER_BLOCK_K)
+        odd = mma_k_order_position(odd, X_ORDER_BLOCK_K)
     tl.store(values_row + even, (e2m1_to_f32(packed & 15) * scale).to(tl.bfloat16), mask=mask)
-    tl.store(values_row + even + 1, (e2m1_to_f32(packed >> 4) * scale).to(tl.bfloat16), mask=mask)
+    tl.store(values_row + odd, (e2m1_to_f32(packed >> 4) * scale).to(tl.bfloat16), mask=mask)
 
 
 @triton.jit
@@ -158,11 +165,11 @@ def _quantize_rows_kernel(
     values_ptr, stride_vm,
     K: tl.constexpr, S: tl.constexpr,
     ROW_AMAX: tl.constexpr, GROUPED: tl.constexpr, VALUES: tl.constexpr,
-    BLOCK_KB: tl.constexpr, BLOCK_SB: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_KB: tl.constexpr, BLOCK_SB: tl.constexpr, BLOCK_E: tl.constexpr, K_ORDER: tl.constexpr = False,
 ):
     """One token row: amax, NVFP4 codes/scales of x, then of the residual at the channels S; with
     ``VALUES`` instead the block values ``e2m1 * e4m3`` of both parts (bf16, without the row's
-    ``weight_scale_2``) into one row of ``K + S`` values."""
+    ``weight_scale_2``) into one row of ``K + S`` values (``K_ORDER``: each part in the K order)."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
     codes_row = codes_ptr + row * stride_cm
@@ -200,7 +207,7 @@ def _quantize_rows_kernel(
             tl.store(codes_row + blocks[:, None] * 8 + pair, packed.to(tl.uint8), mask=mask)
             tl.store(scales_row + blocks, scale_byte.to(tl.uint8), mask=bmask)
         else:
-            _store_values(values_row, even, packed, scale_f32, mask)
+            _store_values(values_row, even, packed, scale_f32, mask, K_ORDER)
 
     ch_row = ch_ptr + expert * stride_ch
     for b0 in range(0, S // 16, BLOCK_SB):
@@ -217,7 +224,7 @@ def _quantize_rows_kernel(
             tl.store(codes_row + K // 2 + blocks[:, None] * 8 + pair, packed.to(tl.uint8), mask=mask)
             tl.store(scales_row + K // 16 + blocks, scale_byte.to(tl.uint8), mask=bmask)
         else:
-            _store_values(values_row + K, even, packed, scale_f32, mask)
+            _store_values(values_row + K, even, packed, scale_f32, mask, K_ORDER)
 
 
 @triton.jit
@@ -482,8 +489,10 @@ def _launch_prologue(
     decode: torch.Tensor,
     codes_and_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     values: torch.Tensor | None = None,
+    k_order: bool = False,
 ) -> None:
-    """One program per row of ``x2d``: codes and scales into ``codes_and_scales``, or block values into ``values``."""
+    """One program per row of ``x2d``: codes and scales into ``codes_and_scales``, or block values into
+    ``values`` (``k_order``: in the W4A16 kernels' K order)."""
     rows, k = x2d.shape
     if rows == 0:
         return
@@ -506,6 +515,7 @@ def _launch_prologue(
         BLOCK_KB=min(64, triton.next_power_of_2(k // BLOCK_SIZE)),
         BLOCK_SB=min(16, triton.next_power_of_2(max(ch.shape[1] // BLOCK_SIZE, 1))),
         BLOCK_E=triton.next_power_of_2(ch.shape[0] + 1),
+        K_ORDER=k_order,
         enable_fp_fusion=False,
         num_warps=4,
     )
@@ -553,15 +563,21 @@ def activation_block_values_kernel(
     static_amax: float | torch.Tensor | None = None,
     expert_offsets: torch.Tensor | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    k_order: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The prologue for the W4A16 kernels: ``(values bf16 [T, K+S], a_decode fp32 [T])``.
 
     Quantizes as :func:`quantize_activations_kernel` (same arguments) but writes each row's block
     values ``e2m1 * e4m3`` instead of its codes and scales: exact in bf16, and times ``a_decode``
     they are the dequantized augmented activations ``[dq(q(x)), dq(q(r_S))]``. ``out`` optionally
-    supplies both buffers.
+    supplies both buffers. ``k_order`` writes each part in the K order of 128-column blocks
+    (``mma_k_order_rows(values, 128)``, what ``grouped_w4a16_into(..., x_mma_order=True)`` takes;
+    K and S multiples of 128).
     """
     ch, offsets, width = _prologue_rows(x2d, mode, channels, expert_offsets)
+    if k_order and (x2d.shape[1] % X_ORDER_BLOCK_K or ch.shape[1] % X_ORDER_BLOCK_K):
+        raise ValueError(f"k_order needs K and the RAC channel count multiples of {X_ORDER_BLOCK_K}, got K="
+                         f"{x2d.shape[1]}, S={ch.shape[1]}")
     rows = x2d.shape[0]
     if out is None:
         out = (torch.empty(rows, width, dtype=torch.bfloat16, device=x2d.device),
@@ -571,7 +587,7 @@ def activation_block_values_kernel(
             or decode.shape != (rows,) or decode.dtype != torch.float32 or decode.stride(0) != 1):
         raise ValueError(f"out must be a bfloat16 [{rows}, {width}] tensor with unit stride along the last dim and a "
                          f"float32 [{rows}] one, got {values.dtype} {tuple(values.shape)} and {decode.dtype} {tuple(decode.shape)}")
-    _launch_prologue(x2d, ch, mode, static_amax, offsets, decode, values=values)
+    _launch_prologue(x2d, ch, mode, static_amax, offsets, decode, values=values, k_order=k_order)
     return values, decode
 
 
@@ -684,6 +700,18 @@ def rac_linear_kernel(
     return y
 
 
+def _warp_specialized_takes(device: torch.device, k: int, s: int) -> bool:
+    """Whether the grouped W4A16 path's GEMM goes to the warp-specialized kernel (``w4a16_ws``, sm_90,
+    the dispatch on): then the prologue writes the block values in its K order. Needs K a multiple
+    of 128 and a RAC tail of whole 256-wide steps (``w4a16_ws.takes_tail``); otherwise the Triton
+    kernel takes natural-order values."""
+    from megatron_quads.nvfp4.kernels import w4a16
+
+    ws = w4a16._warp_specialized() if w4a16._WS_DISPATCH else None
+    return (ws is not None and k % X_ORDER_BLOCK_K == 0 and ws.runs_on(device)
+            and (s == 0 or ws.takes_tail(k, s)))
+
+
 def grouped_rac_kernel(
     x: torch.Tensor,
     weight: NVFP4Tensor,
@@ -719,8 +747,10 @@ def grouped_rac_kernel(
         # the grouped W4A16 kernel over the prologue's bf16 block values
         from megatron_quads.nvfp4.kernels.w4a16 import grouped_w4a16_into
 
-        values, decode = activation_block_values_kernel(x, ch, mode, static_amax, offsets)
-        grouped_w4a16_into(values, weight, offsets, y, tail=residual_weight if ch.shape[1] else None, row_scale=decode)
+        k_order = _warp_specialized_takes(x.device, weight.shape[-1], ch.shape[1])
+        values, decode = activation_block_values_kernel(x, ch, mode, static_amax, offsets, k_order=k_order)
+        grouped_w4a16_into(values, weight, offsets, y, tail=residual_weight if ch.shape[1] else None, row_scale=decode,
+                           x_mma_order=k_order)
         return y
     act = quantize_activations_kernel(x, ch, mode, static_amax, offsets)
     _launch_gemm(act, weight, residual_weight if ch.shape[1] else None, y, offsets, config)
