@@ -31,7 +31,11 @@ import triton.language as tl
 from megatron_quads.nvfp4 import BLOCK_SIZE, NVFP4Tensor
 from megatron_quads.nvfp4.format import SUPPORTED_DTYPES
 from megatron_quads.nvfp4.kernels.common import e2m1_to_f32, unpack_e2m1
-from megatron_quads.nvfp4.kernels.w4a16 import X_ORDER_BLOCK_K, mma_k_order_position
+from megatron_quads.nvfp4.kernels.w4a16 import (
+    _X_ORDER_BLOCK,
+    X_ORDER_BLOCK_K,
+    mma_k_order_position,
+)
 from megatron_quads.rollout.w4a4 import ActivationScale
 
 # constexpr: the only kind of global a compiled (non-interpreted) Triton function may read
@@ -122,8 +126,8 @@ def _store_values(values_row, even, packed, scale_f32, mask, K_ORDER: tl.constex
     scale = scale_f32[:, None]
     odd = even + 1
     if K_ORDER:
-        even = mma_k_order_position(even, X_ORDER_BLOCK_K)
-        odd = mma_k_order_position(odd, X_ORDER_BLOCK_K)
+        even = mma_k_order_position(even, _X_ORDER_BLOCK)
+        odd = mma_k_order_position(odd, _X_ORDER_BLOCK)
     tl.store(values_row + even, (e2m1_to_f32(packed & 15) * scale).to(tl.bfloat16), mask=mask)
     tl.store(values_row + odd, (e2m1_to_f32(packed >> 4) * scale).to(tl.bfloat16), mask=mask)
 
