@@ -349,6 +349,39 @@ def _dense_sweep_rows(bandwidth: float, shapes: list[tuple[int, int, int]], labe
     return rows
 
 
+WS_DENSE_CONFIGS = [{}, {"STAGES": 2}, {"STAGES": 4}, {"ROTATED": 1}, {"SPLIT_K": 2}, {"SPLIT_K": 8},
+                    {"BLOCK_N": 64, "num_warps": 4, "CTAS_PER_SM": 3},
+                    {"BLOCK_N": 64, "num_warps": 4, "CTAS_PER_SM": 4, "STAGES": 2}]
+"""Configs of the warp-specialized dense kernel's sweep, over its defaults (``w4a16_ws_dense``)."""
+
+WS_DENSE_SHAPES = [(1, 8192, 8192), (16, 8192, 8192), (32, 8192, 8192), (64, 8192, 8192), (1, 4096, 4096),
+                   (16, 4096, 4096), (64, 4096, 4096)]
+"""(M, K, N) of the ``w4a16_ws_dense`` section."""
+
+
+def bench_w4a16_ws_dense(bandwidth: float, quick: bool) -> list[dict]:
+    """The warp-specialized dense kernel (``w4a16_ws_dense``) per decode shape: the best of
+    :data:`WS_DENSE_CONFIGS` on natural x (its K reordering included, as a caller without K-ordered
+    x pays it), that config on x already in the K order, and the reordering alone, beside the
+    Triton kernel, cuBLAS FP8 and BF16 (``_dense_sweep_rows``)."""
+    from megatron_quads.nvfp4.kernels.w4a16 import X_ORDER_BLOCK_K, mma_k_order_rows
+    from megatron_quads.nvfp4.kernels.w4a16_ws_dense import w4a16_ws_linear_into
+
+    configs = {",".join(f"{key}={value}" for key, value in cfg.items()) or "default": cfg for cfg in WS_DENSE_CONFIGS}
+    rows = _dense_sweep_rows(bandwidth, WS_DENSE_SHAPES, "ws dense", w4a16_ws_linear_into, lambda k: configs)
+    for r, (m, k, n) in zip(rows, WS_DENSE_SHAPES, strict=True):
+        _, qw = _weight(n, k)
+        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+        ordered = mma_k_order_rows(x, X_ORDER_BLOCK_K)
+        out = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)
+        cfg = configs.get(r["best_config"], {})
+        r["x_ordered_us"] = round(time_graph(lambda cfg=cfg: w4a16_ws_linear_into(ordered, qw, out, cfg,
+                                                                                  x_mma_order=True)), 2)
+        r["x_reorder_alone_us"] = round(time_graph(lambda: mma_k_order_rows(x, X_ORDER_BLOCK_K)), 2)
+        r["x_ordered_vs_fp8"] = round(r["fp8_us"] / r["x_ordered_us"], 2)
+    return rows
+
+
 def bench_w4a16_mma(bandwidth: float, quick: bool, grouped: bool = True,
                     shapes: list[tuple[int, int, int]] | None = None) -> list[dict]:
     """The experimental Gluon decode kernel (register-operand mma.sync) against the Triton W4A16
@@ -772,7 +805,7 @@ def markdown_view(history: list[dict]) -> str:
     lines = ["# NVFP4 kernels on the GPU: the newest run of each section", "",
              ("From `kernels_gpu.json` (every run). `floor_us`: bytes / the copy bandwidth measured in the same "
              "run; `frac_of_floor`: floor_us / us. GEMMs timed by CUDA-graph replay."), ""]
-    order = ["quantize", "quantize_tiles", "w4a16", "w4a16_mma", "grouped", "grouped_ws", "moe_layer", "rac", "rac_ws"]
+    order = ["quantize", "quantize_tiles", "w4a16", "w4a16_ws_dense", "w4a16_mma", "grouped", "grouped_ws", "moe_layer", "rac", "rac_ws"]
     for name in sorted(newest, key=lambda n: (order.index(n) if n in order else len(order), n)):
         record, rows = newest[name]
         keys = [key for key, value in rows[0].items() if not isinstance(value, dict)]  # sweeps stay in the JSON
@@ -800,7 +833,8 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=["quantize", "w4a16", "grouped", "grouped_ws", "rac"],
                         help="sections (grouped_ws: the warp-specialized Gluon grouped kernel); extra: quantize_tiles "
                              "(each quantize tile config), moe_layer (the engine's grouped MoE layer), w4a16_mma (the "
-                             "experimental Gluon kernels), w4a16_mma_dense (its dense rows only), w4a16_tma (the TMA-ring kernel)")
+                             "experimental Gluon kernels), w4a16_mma_dense (its dense rows only), w4a16_tma (the TMA-ring kernel), "
+                             "w4a16_ws_dense (the warp-specialized dense kernel)")
     parser.add_argument("--render", action="store_true", help="only rewrite kernels_gpu.md from kernels_gpu.json (no GPU)")
     parser.add_argument("--mma-shape", action="append", type=_shape_arg, default=None, metavar="M,K,N",
                         help="dense shape of the w4a16_mma / w4a16_tma sections instead of their default list (repeatable)")
@@ -819,7 +853,8 @@ def main() -> None:
                 "rac_ws": lambda: bench_rac_ws(bandwidth, args.quick),
                 "w4a16_mma": lambda: bench_w4a16_mma(bandwidth, args.quick, shapes=args.mma_shape),
                 "w4a16_mma_dense": lambda: bench_w4a16_mma(bandwidth, args.quick, grouped=False, shapes=args.mma_shape),
-                "w4a16_tma": lambda: bench_w4a16_tma(bandwidth, args.quick, shapes=args.mma_shape)}
+                "w4a16_tma": lambda: bench_w4a16_tma(bandwidth, args.quick, shapes=args.mma_shape),
+                "w4a16_ws_dense": lambda: bench_w4a16_ws_dense(bandwidth, args.quick)}
     results = {}
     for name in args.only:
         results[name] = sections[name]()

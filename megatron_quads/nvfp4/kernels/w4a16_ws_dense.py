@@ -1,0 +1,352 @@
+"""Dense decode W4A16 on the warp-specialized kernel's pipeline: split-K over persistent programs.
+
+The dense Triton kernel (:func:`~megatron_quads.nvfp4.kernels.w4a16.w4a16_linear_into`) loads,
+dequantizes and multiplies in the same warps and reorders x in registers every K step; at 8192^2 and
+M = 16 it sits at FP8 parity (docs/kernels.md). The grouped warp-specialized kernel
+(:mod:`~megatron_quads.nvfp4.kernels.w4a16_ws`) does the same products with a loader warp streaming
+code words, scale bytes and x (already in the MMA K order) by TMA into a shared-memory ring and
+register-A wgmma in the MMA warps; timed as a split-K dense GEMM (``benchmarks/diag_ws_dense.py``,
+splits posed as experts, partials not summed) it took 16.0 against 19.9 us. This module is that
+GEMM for real:
+
+* tiles are (N tile, K split, token tile) triples, split fastest, taken ``p, p + P, ...`` by
+  ``CTAS_PER_SM`` persistent programs an SM; split ``s`` covers the ring steps ``[s q, (s + 1) q)``
+  of ``BLOCK_K`` (256) columns, ``q = cdiv(K / BLOCK_K, SPLIT_K)`` (the split count is lowered until
+  no split is empty);
+* the loader (:func:`_load_partition`) puts each step's words ``[BN, BK/8]``, scale bytes
+  ``[BN, BK/16]`` and x ``[BM, 64]`` tiles into the ring; the MMA warps run the grouped kernel's
+  K loop (:func:`~megatron_quads.nvfp4.kernels.w4a16_ws._k_loop`) over the split;
+* without split-K the epilogue stores ``acc * weight_scale_2``; with it each split stores its fp32
+  partial, and the last split of an output tile to arrive (a gpu-scope counter, left at zero) sums
+  the partials in split order, so the result does not depend on timing: the Triton dense kernel's
+  scheme, and its bits where the split boundaries coincide.
+
+x must be in the K order of ``mma_k_order_rows(x, 128)``; :func:`w4a16_ws_linear_into` reorders it
+unless told it already is (``x_mma_order``). Needs ``K % 256 == 0`` and bf16 x and output.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from megatron_quads.nvfp4.kernels import w4a16 as _triton_w4a16
+from megatron_quads.nvfp4.kernels.w4a16 import (
+    X_ORDER_BLOCK_K,
+    _check_out,
+    _check_weight_parts,
+    _operands,
+    _sm_count,
+    _split_counters,
+    mma_k_order_rows,
+)
+from megatron_quads.nvfp4.kernels.w4a16_ws import (
+    X_SUB_K,
+    _k_loop,
+    _launch_options,
+    _store_rows,
+    runs_on,
+    scales_ring_layout,
+    wgmma_layout,
+    x_tile_layout,
+)
+from megatron_quads.nvfp4.kernels.w4a16_tma import words_ring_layout
+from megatron_quads.nvfp4.kernels.word_layout import rotated_code_words
+from megatron_quads.nvfp4.tensor import NVFP4Tensor
+
+_X_SUB_K = gl.constexpr(X_SUB_K)
+
+
+@gluon.jit
+def _tile_coordinates(tile, n_tiles, SPLIT_K: gl.constexpr):
+    """``(output tile, split, N tile, token tile)`` of ``tile`` (split fastest, then N, then tokens)."""
+    out_tile = tile // SPLIT_K
+    return out_tile, tile % SPLIT_K, out_tile % n_tiles, out_tile // n_tiles
+
+
+@gluon.jit
+def _split_range(split, k_steps, SPLIT_K: gl.constexpr):
+    """Ring steps ``[lo, hi)`` of ``split`` (``k_steps`` in all; the caller keeps every split non-empty)."""
+    per_split = gl.cdiv(k_steps, SPLIT_K)
+    lo = split * per_split
+    return lo, gl.minimum(lo + per_split, k_steps)
+
+
+@gluon.jit
+def _load_partition(w_desc, x_desc, s_desc, ring_w, ring_x, ring_s, ready, empty, num_tiles, n_tiles, k_steps,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                    SPLIT_K: gl.constexpr):
+    """The loader warp: each of the program's tiles' ring steps (words, scale bytes, x tiles) by TMA."""
+    SUB: gl.constexpr = BLOCK_K // _X_SUB_K
+    BYTES: gl.constexpr = (w_desc.block_type.nbytes + s_desc.block_type.nbytes + SUB * x_desc.block_type.nbytes)
+    step = 0
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        _, split, n_tile, m_tile = _tile_coordinates(tile, n_tiles, SPLIT_K)
+        kt_lo, kt_hi = _split_range(split, k_steps, SPLIT_K)
+        row0 = n_tile * BLOCK_N
+        m0 = m_tile * BLOCK_M
+        for kt in range(kt_lo, kt_hi):
+            stage = step % STAGES
+            # a fresh mbarrier counts as having completed the phase before 0: the first lap waits on nothing
+            mbarrier.wait(empty.index(stage), ((step // STAGES) & 1) ^ 1)
+            bar = ready.index(stage)
+            mbarrier.expect(bar, BYTES)  # rows past N or M are zero-filled and counted
+            tma.async_copy_global_to_shared(w_desc, [row0, kt * (BLOCK_K // 8)], bar, ring_w.index(stage))
+            tma.async_copy_global_to_shared(s_desc, [row0, kt * (BLOCK_K // 16)], bar, ring_s.index(stage))
+            for j in gl.static_range(SUB):
+                tma.async_copy_global_to_shared(x_desc, [m0, kt * BLOCK_K + j * _X_SUB_K], bar,
+                                                ring_x.index(stage * SUB + j))
+            step += 1
+
+
+@gluon.jit
+def _store_partial(acc, partials_ptr, counters_ptr, out_tile, split, SPLIT_K: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """Store this split's fp32 partial of ``out_tile`` and count its arrival: ``(last, total)``, where
+    ``last`` says this program arrived last, and then ``total`` is the sum of the tile's partials in
+    split order (and its counter is back at zero)."""
+    MMA: gl.constexpr = wgmma_layout(acc.shape[1], NUM_WARPS)
+    TILE: gl.constexpr = acc.shape[0] * acc.shape[1]
+    local = (gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, MMA))[:, None] * acc.shape[1]
+             + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, MMA))[None, :])
+    base = partials_ptr + out_tile.to(gl.int64) * (SPLIT_K * TILE)
+    gl.store(base + split * TILE + local, acc)
+    gl.thread_barrier()  # every thread's partial is stored before one thread's gpu-scope release
+    arrived = gl.atomic_add(counters_ptr + out_tile, 1, sem="acq_rel", scope="gpu")
+    last = arrived == SPLIT_K - 1
+    total = acc
+    if last:
+        total = gl.zeros(acc.shape, gl.float32, layout=MMA)
+        for s in gl.static_range(SPLIT_K):  # fixed order: the result does not depend on timing
+            total += gl.load(base + s * TILE + local, cache_modifier=".cg")
+        gl.atomic_xchg(counters_ptr + out_tile, 0, sem="relaxed", scope="gpu")
+    return last, total
+
+
+@gluon.jit
+def _mma_partition(ring_w, ring_x, ring_s, ready, empty, ws2_ptr, y_ptr, partials_ptr, counters_ptr, M, N,
+                   num_tiles, n_tiles, k_steps, stride_ym,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                   NUM_WARPS: gl.constexpr, SPLIT_K: gl.constexpr, EVEN_N: gl.constexpr, Y_I32: gl.constexpr,
+                   ROTATED: gl.constexpr):
+    """The MMA warps: each tile's split of K through the grouped kernel's K loop, then its store (or
+    its partial, and the tile's sum by the last split)."""
+    weight_scale_2 = gl.load(ws2_ptr)
+    step = 0
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        out_tile, split, n_tile, m_tile = _tile_coordinates(tile, n_tiles, SPLIT_K)
+        kt_lo, kt_hi = _split_range(split, k_steps, SPLIT_K)
+        acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=wgmma_layout(BLOCK_M, NUM_WARPS))
+        # the scale bytes come through the ring (SCALE_RING): the pointer argument is not read
+        acc, step = _k_loop(acc, ring_w, ring_x, ring_s, ready, empty, ws2_ptr, step, kt_hi - kt_lo, BLOCK_K, STAGES,
+                            NUM_WARPS, ROTATED, True)
+        if SPLIT_K == 1:
+            _store_rows(acc, y_ptr, weight_scale_2, ws2_ptr, n_tile * BLOCK_N, N, m_tile * BLOCK_M, M, stride_ym,
+                        NUM_WARPS, False, EVEN_N, Y_I32, False)
+        else:
+            last, total = _store_partial(acc, partials_ptr, counters_ptr, out_tile, split, SPLIT_K, NUM_WARPS)
+            if last:
+                _store_rows(total, y_ptr, weight_scale_2, ws2_ptr, n_tile * BLOCK_N, N, m_tile * BLOCK_M, M,
+                            stride_ym, NUM_WARPS, False, EVEN_N, Y_I32, False)
+
+
+@gluon.jit
+def _dense_ws_kernel(
+    w_desc, x_desc, s_desc, ws2_ptr, y_ptr, partials_ptr, counters_ptr, M, N, num_tiles, n_tiles, k_steps, stride_ym,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+    NUM_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, SPLIT_K: gl.constexpr, EVEN_N: gl.constexpr,
+    Y_I32: gl.constexpr, ROTATED: gl.constexpr,
+):
+    """Persistent: program ``p`` takes tiles ``p, p + P, ...`` of ``num_tiles`` (N tiles x splits x
+    token tiles); ``w_desc`` / ``s_desc`` over the ``[N, K / 8]`` words and ``[N, K / 16]`` scale
+    bytes, ``x_desc`` over x ``[M, K]`` in the K order."""
+    ring_w = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, BLOCK_K // 8], words_ring_layout())
+    ring_x = gl.allocate_shared_memory(gl.bfloat16, [STAGES * (BLOCK_K // _X_SUB_K), BLOCK_M, _X_SUB_K],
+                                       x_tile_layout(BLOCK_M))
+    ring_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, BLOCK_K // 16], scales_ring_layout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(STAGES):
+        mbarrier.init(ready.index(j), count=1)
+        mbarrier.init(empty.index(j), count=1)
+    gl.warp_specialize([
+        (_mma_partition, (ring_w, ring_x, ring_s, ready, empty, ws2_ptr, y_ptr, partials_ptr, counters_ptr, M, N,
+                          num_tiles, n_tiles, k_steps, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, NUM_WARPS,
+                          SPLIT_K, EVEN_N, Y_I32, ROTATED)),
+        (_load_partition, (w_desc, x_desc, s_desc, ring_w, ring_x, ring_s, ready, empty, num_tiles, n_tiles, k_steps,
+                           BLOCK_M, BLOCK_N, BLOCK_K, STAGES, SPLIT_K)),
+    ], [1], [LOADER_REGS])
+
+
+DEFAULT_CONFIG = {"BLOCK_N": 128, "BLOCK_K": 256, "STAGES": 3, "num_warps": 8, "LOADER_REGS": 40, "CTAS_PER_SM": 2,
+                  "maxnreg": 80}
+"""``BLOCK_M`` (16, 32 or 64) defaults to the smallest that holds M (at most 64; ``STAGES`` then 2),
+``SPLIT_K`` to :func:`default_split`; ``num_warps`` must be ``BLOCK_N / 16`` (a warpgroup a 64 weight rows);
+``ROTATED`` decodes a cached rotated copy of the code words (:mod:`~megatron_quads.nvfp4.kernels.word_layout`)."""
+
+BLOCK_K = 2 * X_ORDER_BLOCK_K
+"""The ring step: two 128-blocks of x's K order, and 16 scale bytes a row (TMA rows need 16 bytes)."""
+
+Y_I32_LIMIT = 2**31
+
+
+def default_block_m(m: int) -> int:
+    """Tokens per tile: the smallest of 16, 32, 64 holding ``m`` (64 above that: several token tiles)."""
+    return 16 if m <= 16 else 32 if m <= 32 else 64
+
+
+def split_count(k_steps: int, split_k: int) -> int:
+    """The split count actually run: ``split_k`` lowered until every split has a step
+    (``cdiv(k_steps, cdiv(k_steps, split_k))``)."""
+    return triton.cdiv(k_steps, triton.cdiv(k_steps, max(1, min(split_k, k_steps))))
+
+
+def default_split(out_tiles: int, k_steps: int, programs: int) -> int:
+    """The largest power-of-two split count (at most 16) whose tiles fit in one wave of ``programs``
+    and that gives every split the same number of steps; 1 if none does."""
+    split = 1
+    while split < 16 and out_tiles * split * 2 <= programs and k_steps % (split * 2) == 0:
+        split *= 2
+    return split
+
+
+def check_config(cfg: dict[str, Any], n: int, k: int) -> None:
+    """Raise unless ``cfg`` tiles an ``[N, K]`` weight the way :func:`_dense_ws_kernel` needs."""
+    if k % BLOCK_K:
+        raise ValueError(f"the warp-specialized dense kernel needs K % {BLOCK_K} == 0 (its ring step), got K={k}; "
+                         "use w4a16_linear_into's Triton kernel")
+    if cfg["BLOCK_K"] != BLOCK_K:
+        raise ValueError(f"BLOCK_K must be {BLOCK_K} (the scale bytes' TMA rows), got {cfg['BLOCK_K']}")
+    if cfg["BLOCK_N"] not in (64, 128, 256) or cfg["num_warps"] != cfg["BLOCK_N"] // 16:
+        raise ValueError(f"BLOCK_N must be 64, 128 or 256 with num_warps = BLOCK_N / 16, got {cfg}")
+    if cfg["BLOCK_M"] not in (16, 32, 64) or cfg["STAGES"] not in range(2, 9) or cfg["SPLIT_K"] < 1:
+        raise ValueError(f"BLOCK_M must be 16, 32 or 64, STAGES 2..8 and SPLIT_K >= 1, got {cfg}")
+    stage_bytes = cfg["BLOCK_N"] * BLOCK_K // 2 + cfg["BLOCK_M"] * BLOCK_K * 2 + cfg["BLOCK_N"] * BLOCK_K // 16
+    if cfg["STAGES"] * stage_bytes > 200 * 1024:
+        raise ValueError(f"{cfg['STAGES']} ring stages of {stage_bytes} bytes do not fit in shared memory; lower "
+                         "STAGES, BLOCK_N or BLOCK_M")
+
+
+def supports(x: torch.Tensor, weight: NVFP4Tensor) -> bool:
+    """Whether :func:`w4a16_ws_linear_into` can run this call: bf16 x on an sm_90 GPU, an ``[N, K]``
+    weight with ``K % 256 == 0``."""
+    return (x.dtype == torch.bfloat16 and len(weight.shape) == 2 and weight.shape[1] % BLOCK_K == 0
+            and runs_on(x.device))
+
+
+def resolve_config(m: int, n: int, k: int, device: torch.device, config: dict[str, Any] | None) -> dict[str, Any]:
+    """``config`` over :data:`DEFAULT_CONFIG` with ``BLOCK_M`` and ``SPLIT_K`` filled in and checked
+    (``SPLIT_K`` as run: :func:`split_count`)."""
+    cfg: dict[str, Any] = {**DEFAULT_CONFIG, "BLOCK_M": default_block_m(m), **(config or {})}
+    if "STAGES" not in (config or {}) and cfg["BLOCK_M"] == 64:
+        cfg["STAGES"] = 2  # 50 KB a stage: two CTAs an SM hold two stages each
+    k_steps = k // BLOCK_K if k % BLOCK_K == 0 else 1
+    out_tiles = triton.cdiv(n, cfg["BLOCK_N"]) * triton.cdiv(max(m, 1), cfg["BLOCK_M"])
+    if cfg.get("SPLIT_K") is None:
+        cfg["SPLIT_K"] = default_split(out_tiles, k_steps, cfg["CTAS_PER_SM"] * _sm_count(device))
+    check_config(cfg, n, k)
+    cfg["SPLIT_K"] = split_count(k_steps, cfg["SPLIT_K"])
+    return cfg
+
+
+def _descriptors(codes: torch.Tensor, scales: torch.Tensor, x: torch.Tensor,
+                 cfg: dict[str, Any]) -> tuple[TensorDescriptor, TensorDescriptor, TensorDescriptor]:
+    """TMA descriptors of the words ``[N, K / 8]``, the scale bytes ``[N, K / 16]`` and x ``[M, K]``."""
+    block_n = cfg["BLOCK_N"]
+    w_desc = TensorDescriptor(codes, list(codes.shape), [codes.stride(0), 1], [block_n, BLOCK_K // 8],
+                              words_ring_layout())
+    s_desc = TensorDescriptor(scales, list(scales.shape), [scales.stride(0), 1], [block_n, BLOCK_K // 16],
+                              scales_ring_layout())
+    x_desc = TensorDescriptor(x, list(x.shape), [x.stride(0), 1], [cfg["BLOCK_M"], X_SUB_K],
+                              x_tile_layout(cfg["BLOCK_M"]))
+    return w_desc, s_desc, x_desc
+
+
+def _meta(cfg: dict[str, Any], n: int, y_elements: int) -> dict[str, int]:
+    return {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": BLOCK_K, "STAGES": cfg["STAGES"],
+            "NUM_WARPS": cfg["num_warps"], "LOADER_REGS": cfg["LOADER_REGS"], "SPLIT_K": cfg["SPLIT_K"],
+            "EVEN_N": int(n % cfg["BLOCK_N"] == 0), "Y_I32": int(y_elements < Y_I32_LIMIT),
+            "ROTATED": int(bool(cfg.get("ROTATED")))}
+
+
+def w4a16_ws_linear_into(x: torch.Tensor, weight: NVFP4Tensor, out: torch.Tensor,
+                         config: dict[str, Any] | None = None, x_mma_order: bool = False) -> torch.Tensor:
+    """``out [M, N] = x [M, K] @ dq(W).T`` (bf16) with :func:`_dense_ws_kernel`.
+
+    ``x_mma_order``: x is already in the K order of ``mma_k_order_rows(x, 128)`` (else it is
+    reordered here: one more copy kernel). ``config`` over :data:`DEFAULT_CONFIG`: ``BLOCK_M``,
+    ``BLOCK_N``, ``STAGES``, ``SPLIT_K``, ``CTAS_PER_SM`` (or ``PROGRAMS``), ``ROTATED``, ``maxnreg``.
+    """
+    if len(weight.shape) != 2:
+        raise ValueError(f"w4a16_ws_linear_into needs an [N, K] weight, got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    _check_weight_parts(x, weight, k)
+    if x.ndim != 2:
+        raise ValueError(f"x must be [M, {k}], got shape {tuple(x.shape)}")
+    m = x.shape[0]
+    _check_out(out, (m, n), (torch.bfloat16,), x.device)
+    cfg = resolve_config(m, n, k, x.device, config)
+    if m == 0:
+        return out
+    if not x_mma_order:
+        x = mma_k_order_rows(x, X_ORDER_BLOCK_K)
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:  # TMA: 16-byte aligned rows
+        x = x.contiguous()
+    codes, scales = _operands(weight)
+    if cfg.get("ROTATED"):
+        codes = rotated_code_words(weight.codes, codes)
+    w_desc, s_desc, x_desc = _descriptors(codes, scales, x, cfg)
+    split = cfg["SPLIT_K"]
+    n_tiles, m_tiles = triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"])
+    num_tiles = n_tiles * m_tiles * split
+    programs = min(num_tiles, cfg.get("PROGRAMS") or cfg["CTAS_PER_SM"] * _sm_count(x.device))
+    tile_elements = cfg["BLOCK_N"] * cfg["BLOCK_M"]
+    # looked up in the Triton module: the tests poison the workspace there, for every kernel
+    partials = _triton_w4a16._new_partials(split * n_tiles * m_tiles * tile_elements if split > 1 else 1, x.device)
+    counters = _split_counters(x.device, n_tiles * m_tiles)
+    ws2 = weight.weight_scale_2.reshape(1).to(torch.float32)
+    _dense_ws_kernel[(programs,)](
+        w_desc, x_desc, s_desc, ws2, out, partials, counters, m, n, num_tiles, n_tiles, k // BLOCK_K, out.stride(0),
+        **_meta(cfg, n, m * out.stride(0)), **_launch_options(cfg),
+    )
+    return out
+
+
+def compile_offline(cfg: dict[str, Any], n: int, k: int, m: int = 16) -> dict[str, str]:
+    """Compile :func:`_dense_ws_kernel` for sm_90 without a GPU (``cfg`` as :func:`resolve_config`
+    returns it) and return its ``ptx`` and ``sass`` (cuobjdump of Triton's bundled CUDA tools)."""
+    import os
+    import subprocess
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    check_config(cfg, n, k)
+    w_desc, s_desc, x_desc = _descriptors(torch.empty(n, k // 8, dtype=torch.int32, device="meta"),
+                                          torch.empty(n, k // 16, dtype=torch.uint8, device="meta"),
+                                          torch.empty(m, k, dtype=torch.bfloat16, device="meta"), cfg)
+    kernel = _dense_ws_kernel
+    meta = _meta(cfg, n, m * n)
+    types = {"w_desc": mangle_type(w_desc), "x_desc": mangle_type(x_desc), "s_desc": mangle_type(s_desc),
+             "ws2_ptr": "*fp32", "y_ptr": "*bf16", "partials_ptr": "*fp32", "counters_ptr": "*i32"}
+    signature = {name: "constexpr" if name in meta else types.get(name, "i32") for name in kernel.arg_names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+               if signature[name].startswith("*") or name == "stride_ym"}
+    source = GluonASTSource(fn=kernel, signature=signature, attrs=aligned,
+                            constexprs={(kernel.arg_names.index(name),): v for name, v in meta.items()})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=_launch_options(cfg))
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as directory:
+        cubin = os.path.join(directory, "kernel.cubin")
+        with open(cubin, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", cubin], capture_output=True, text=True,
+                              check=True).stdout
+    return {"ptx": compiled.asm["ptx"], "sass": sass}

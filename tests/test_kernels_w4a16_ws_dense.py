@@ -1,0 +1,142 @@
+"""The warp-specialized dense decode W4A16 kernel (``w4a16_ws_dense``) against the fp64 oracle.
+
+The dense kernels' checks (tests/test_kernels_w4a16_mma.py): bit for bit on inputs whose fp32 sums
+are exact, within the fp32 accumulation bound on realistic and raw weights, outputs and the split-K
+workspace NaN-poisoned, the arrival counters back at zero after every call. Split-K partials are
+summed in split order, so with the Triton dense kernel's split boundaries the result is its bits.
+Gluon kernels need the GPU; the argument checks, the split rules and the offline sm_90 compile run
+on CPU (with Triton installed).
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon")
+
+from test_kernels_w4a16 import (
+    _activations,
+    _gaussian_weight,
+    _raw_weight,
+    poisoned_partials,  # noqa: F401 (a fixture: NaN in the split-K workspace)
+)
+from test_kernels_w4a16_mma import check_exact, check_within_fp32_bound, run_into
+
+from megatron_quads.nvfp4.kernels import w4a16, w4a16_ws_dense
+
+CONFIGS: list[dict[str, Any]] = [
+    {},  # defaults: token tile and split from the shape
+    {"SPLIT_K": 3},  # uneven splits (and fewer than asked where a split would be empty)
+    {"SPLIT_K": 1},  # no partials: the direct epilogue
+    {"BLOCK_M": 16, "SPLIT_K": 2, "PROGRAMS": 3},  # several token tiles; persistent programs wrap the ring
+    {"BLOCK_N": 64, "num_warps": 4, "STAGES": 4, "CTAS_PER_SM": 3},
+    {"BLOCK_N": 256, "num_warps": 16, "STAGES": 2, "CTAS_PER_SM": 1, "maxnreg": 0},
+    {"ROTATED": 1, "STAGES": 2, "PROGRAMS": 5},
+    {"BLOCK_M": 64, "STAGES": 2, "SPLIT_K": 4},
+]
+
+
+def _config_id(config: dict[str, Any]) -> str:
+    return "-".join(f"{k[0]}{k[-1]}{v}" for k, v in config.items()) or "default"
+
+
+def _run(x: torch.Tensor, weight, config: dict[str, Any]) -> torch.Tensor:
+    return run_into(w4a16_ws_dense.w4a16_ws_linear_into, x, weight, config)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("poisoned_partials")
+@pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
+def test_exact_on_exactly_summable_inputs(kernel_device: str, config: dict[str, Any]) -> None:
+    check_exact(lambda x, weight: _run(x, weight, config), kernel_device)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("poisoned_partials")
+@pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
+def test_within_fp32_accumulation_error(kernel_device: str, config: dict[str, Any]) -> None:
+    check_within_fp32_bound(lambda x, weight: _run(x, weight, config), kernel_device)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("poisoned_partials")
+@pytest.mark.parametrize("m", [1, 16, 40])
+def test_triton_split_boundaries_give_the_triton_bits_and_k_ordered_x_too(kernel_device: str, m: int) -> None:
+    """Split 4 of K 4096 in both kernels (ring steps of 256 here, K tiles of 128 there): the same
+    per-split sums in the same K order, added in split order: equal bits; x passed already in the K
+    order gives the same bits as x reordered inside the call."""
+    weight = _gaussian_weight((1024 + 64, 4096), kernel_device)
+    x = _activations((m, 4096), torch.bfloat16, kernel_device)
+    triton_out = torch.empty(m, 1024 + 64, dtype=torch.bfloat16, device=kernel_device)
+    w4a16.w4a16_linear_into(x, weight, triton_out, {"BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 4})
+    ours = _run(x, weight, {"SPLIT_K": 4})
+    assert torch.equal(ours, triton_out)
+    ordered = w4a16.mma_k_order_rows(x, w4a16.X_ORDER_BLOCK_K)
+    out = torch.full_like(ours, float("nan"))
+    w4a16_ws_dense.w4a16_ws_linear_into(ordered, weight, out, {"SPLIT_K": 4}, x_mma_order=True)
+    assert torch.equal(out, ours)
+
+
+def test_split_rules() -> None:
+    # one wave of 264 programs: 64 N tiles of 8192 take 4 splits, 32 of 4096 take 8 (steps permitting)
+    assert w4a16_ws_dense.default_split(64, 32, 264) == 4
+    assert w4a16_ws_dense.default_split(32, 16, 264) == 8
+    assert w4a16_ws_dense.default_split(32, 4, 264) == 4  # no more splits than steps divide evenly
+    assert w4a16_ws_dense.default_split(300, 32, 264) == 1
+    assert w4a16_ws_dense.split_count(5, 4) == 3  # 2 steps a split: the fourth would be empty
+    assert w4a16_ws_dense.split_count(1, 8) == 1
+    assert w4a16_ws_dense.split_count(32, 3) == 3
+
+
+def test_config_defaults_follow_the_shape() -> None:
+    cpu = torch.device("cpu")
+    small = w4a16_ws_dense.resolve_config(16, 8192, 8192, cpu, None)
+    assert (small["BLOCK_M"], small["STAGES"], small["SPLIT_K"]) == (16, 3, 4)
+    wide = w4a16_ws_dense.resolve_config(64, 8192, 8192, cpu, None)
+    assert (wide["BLOCK_M"], wide["STAGES"]) == (64, 2)  # three 50 KB stages would leave one CTA an SM
+    assert w4a16_ws_dense.resolve_config(64, 8192, 8192, cpu, {"BLOCK_M": 64, "STAGES": 3})["STAGES"] == 3
+
+
+def test_argument_errors() -> None:
+    weight = _raw_weight((256, 512), "cpu")
+    x = torch.zeros(4, 512, dtype=torch.bfloat16)
+    out = torch.empty(4, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="K % 256 == 0"):
+        w4a16_ws_dense.w4a16_ws_linear_into(torch.zeros(4, 384, dtype=torch.bfloat16), _raw_weight((256, 384), "cpu"),
+                                            out)
+    with pytest.raises(ValueError, match="num_warps = BLOCK_N / 16"):
+        w4a16_ws_dense.w4a16_ws_linear_into(x, weight, out, {"BLOCK_N": 64})
+    with pytest.raises(ValueError, match="do not fit in shared memory"):
+        w4a16_ws_dense.w4a16_ws_linear_into(x, weight, out, {"BLOCK_M": 64, "STAGES": 8})
+    with pytest.raises(TypeError, match="take bfloat16 activations"):
+        w4a16_ws_dense.w4a16_ws_linear_into(x.float(), weight, out)
+    with pytest.raises(ValueError, match="out must be"):
+        w4a16_ws_dense.w4a16_ws_linear_into(x, weight, torch.empty(4, 255, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"\[N, K\] weight"):
+        w4a16_ws_dense.w4a16_ws_linear_into(x, _raw_weight((2, 256, 512), "cpu"), out)
+    assert not w4a16_ws_dense.supports(x, weight)  # CPU
+
+
+def _ops(sass: str) -> collections.Counter:
+    return collections.Counter(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9]+)", sass, re.MULTILINE))
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
+def test_every_config_compiles_for_sm90(config: dict[str, Any]) -> None:
+    """The kernel builds for sm_90 without a GPU, with the wgmma and the loader's three kinds of TMA
+    copies; the split-K arrival (a gpu-scope atomic, then the counter's reset) only with splits, and
+    the MMA warps' barriers on their own 256 threads (``bar.sync 0, 256``), never the whole CTA
+    with the loader warp."""
+    cfg = w4a16_ws_dense.resolve_config(16, 1024, 4096, torch.device("cpu"), config)
+    out = w4a16_ws_dense.compile_offline(cfg, 1024, 4096)
+    ops = _ops(out["sass"])
+    assert ops["HGMMA"] > 0 and ops["UTMALDG"] >= 3
+    assert (ops["ATOMG"] > 0) == (cfg["SPLIT_K"] > 1)
+    threads = 32 * cfg["num_warps"]
+    assert re.findall(r"bar\.sync\s+0, (\d+);", out["ptx"]) and \
+        set(re.findall(r"bar\.sync\s+0, (\d+);", out["ptx"])) == {str(threads)}
