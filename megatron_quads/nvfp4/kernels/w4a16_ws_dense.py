@@ -46,6 +46,7 @@ from megatron_quads.nvfp4.kernels.w4a16 import (
     _split_counters,
     mma_k_order_rows,
 )
+from megatron_quads.nvfp4.kernels.w4a16_tma import words_ring_layout
 from megatron_quads.nvfp4.kernels.w4a16_ws import (
     X_SUB_K,
     _k_loop,
@@ -56,7 +57,6 @@ from megatron_quads.nvfp4.kernels.w4a16_ws import (
     wgmma_layout,
     x_tile_layout,
 )
-from megatron_quads.nvfp4.kernels.w4a16_tma import words_ring_layout
 from megatron_quads.nvfp4.kernels.word_layout import rotated_code_words
 from megatron_quads.nvfp4.tensor import NVFP4Tensor
 
