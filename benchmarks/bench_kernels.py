@@ -349,9 +349,10 @@ def _dense_sweep_rows(bandwidth: float, shapes: list[tuple[int, int, int]], labe
     return rows
 
 
-WS_DENSE_CONFIGS = [{}, {"STAGES": 2}, {"STAGES": 4}, {"ROTATED": 1}, {"SPLIT_K": 2}, {"SPLIT_K": 8},
-                    {"BLOCK_N": 64, "num_warps": 4, "CTAS_PER_SM": 3},
-                    {"BLOCK_N": 64, "num_warps": 4, "CTAS_PER_SM": 4, "STAGES": 2}]
+WS_DENSE_CONFIGS = [{}, {"ROTATED": 1}, {"SPLIT_K": 2}, {"BLOCK_N": 64, "num_warps": 4, "CTAS_PER_SM": 3},
+                    {"BLOCK_N": 64, "num_warps": 4, "CTAS_PER_SM": 3, "ROTATED": 1},
+                    {"BLOCK_N": 64, "num_warps": 4, "CTAS_PER_SM": 3, "SPLIT_K": 1},
+                    {"BLOCK_N": 64, "num_warps": 4, "CTAS_PER_SM": 3, "SPLIT_K": 4}]
 """Configs of the warp-specialized dense kernel's sweep, over its defaults (``w4a16_ws_dense``)."""
 
 WS_DENSE_SHAPES = [(1, 8192, 8192), (16, 8192, 8192), (32, 8192, 8192), (64, 8192, 8192), (1, 4096, 4096),
