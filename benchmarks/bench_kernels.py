@@ -349,7 +349,9 @@ def _dense_sweep_rows(bandwidth: float, shapes: list[tuple[int, int, int]], labe
     return rows
 
 
-WS_DENSE_CONFIGS = [{}, {"ROTATED": 1}, {"SPLIT_K": 2}, {"BLOCK_N": 64, "num_warps": 4, "CTAS_PER_SM": 3},
+WS_DENSE_CONFIGS = [{}, {"X_WARPS": 0}, {"X_WARPS": 1}, {"X_WARPS": 4}, {"ROTATED": 1}, {"SPLIT_K": 2},
+                    {"BLOCK_N": 64, "num_warps": 4, "CTAS_PER_SM": 3},
+                    {"BLOCK_N": 64, "num_warps": 4, "CTAS_PER_SM": 3, "X_WARPS": 1},
                     {"BLOCK_N": 64, "num_warps": 4, "CTAS_PER_SM": 3, "ROTATED": 1},
                     {"BLOCK_N": 64, "num_warps": 4, "CTAS_PER_SM": 3, "SPLIT_K": 1},
                     {"BLOCK_N": 64, "num_warps": 4, "CTAS_PER_SM": 3, "SPLIT_K": 4}]
@@ -362,9 +364,10 @@ WS_DENSE_SHAPES = [(1, 8192, 8192), (16, 8192, 8192), (32, 8192, 8192), (64, 819
 
 def bench_w4a16_ws_dense(bandwidth: float, quick: bool) -> list[dict]:
     """The warp-specialized dense kernel (``w4a16_ws_dense``) per decode shape: the best of
-    :data:`WS_DENSE_CONFIGS` on natural x (its K reordering included, as a caller without K-ordered
-    x pays it), that config on x already in the K order, and the reordering alone, beside the
-    Triton kernel, cuBLAS FP8 and BF16 (``_dense_sweep_rows``)."""
+    :data:`WS_DENSE_CONFIGS` on natural x (reordered by the kernel's x warps, or with ``X_WARPS`` 0
+    by a copy kernel first, as a caller without K-ordered x pays it), that config on x already in
+    the K order (TMA), and the copy kernel's reordering alone, beside the Triton kernel, cuBLAS FP8
+    and BF16 (``_dense_sweep_rows``)."""
     from megatron_quads.nvfp4.kernels.w4a16 import X_ORDER_BLOCK_K, mma_k_order_rows
     from megatron_quads.nvfp4.kernels.w4a16_ws_dense import w4a16_ws_linear_into
 

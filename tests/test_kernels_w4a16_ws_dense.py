@@ -30,7 +30,10 @@ from test_kernels_w4a16_mma import check_exact, check_within_fp32_bound, run_int
 from megatron_quads.nvfp4.kernels import w4a16, w4a16_ws_dense
 
 CONFIGS: list[dict[str, Any]] = [
-    {},  # defaults: token tile and split from the shape
+    {},  # defaults: token tile and split from the shape, x reordered by the kernel's x warps
+    {"X_WARPS": 0},  # x reordered by a copy kernel, then loaded by TMA
+    {"X_WARPS": 1, "BLOCK_M": 32},
+    {"X_WARPS": 4, "BLOCK_M": 64, "STAGES": 2, "PROGRAMS": 7},
     {"SPLIT_K": 3},  # uneven splits (and fewer than asked where a split would be empty)
     {"SPLIT_K": 1},  # no partials: the direct epilogue
     {"BLOCK_M": 16, "SPLIT_K": 2, "PROGRAMS": 3},  # several token tiles; persistent programs wrap the ring
@@ -68,14 +71,15 @@ def test_within_fp32_accumulation_error(kernel_device: str, config: dict[str, An
 @pytest.mark.parametrize("m", [1, 16, 40])
 def test_triton_split_boundaries_give_the_triton_bits_and_k_ordered_x_too(kernel_device: str, m: int) -> None:
     """Split 4 of K 4096 in both kernels (ring steps of 256 here, K tiles of 128 there): the same
-    per-split sums in the same K order, added in split order: equal bits; x passed already in the K
-    order gives the same bits as x reordered inside the call."""
+    per-split sums in the same K order, added in split order: equal bits (x a strided view, which
+    the x warps read in place); x passed already in the K order (loaded by TMA) gives the same bits."""
     weight = _gaussian_weight((1024 + 64, 4096), kernel_device)
-    x = _activations((m, 4096), torch.bfloat16, kernel_device)
+    x = _activations((m, 4096 + 64), torch.bfloat16, kernel_device)[:, 32:4096 + 32]  # rows 4160 apart
     triton_out = torch.empty(m, 1024 + 64, dtype=torch.bfloat16, device=kernel_device)
     w4a16.w4a16_linear_into(x, weight, triton_out, {"BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 4})
     ours = _run(x, weight, {"SPLIT_K": 4})
     assert torch.equal(ours, triton_out)
+    assert torch.equal(_run(x, weight, {"SPLIT_K": 4, "X_WARPS": 0}), ours)
     ordered = w4a16.mma_k_order_rows(x, w4a16.X_ORDER_BLOCK_K)
     out = torch.full_like(ours, float("nan"))
     w4a16_ws_dense.w4a16_ws_linear_into(ordered, weight, out, {"SPLIT_K": 4}, x_mma_order=True)
@@ -128,15 +132,27 @@ def _ops(sass: str) -> collections.Counter:
 
 @pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
 def test_every_config_compiles_for_sm90(config: dict[str, Any]) -> None:
-    """The kernel builds for sm_90 without a GPU, with the wgmma and the loader's three kinds of TMA
-    copies; the split-K arrival (a gpu-scope atomic, then the counter's reset) only with splits, and
-    the MMA warps' barriers on their own 256 threads (``bar.sync 0, 256``), never the whole CTA
-    with the loader warp."""
+    """The kernel builds for sm_90 without a GPU, with the wgmma and the loader's TMA copies (x's
+    too where the x warps do not load it); the split-K arrival (a gpu-scope atomic, then the
+    counter's reset) only with splits; the MMA warps' barriers on their own threads (``bar.sync 0,
+    32 num_warps``), never the whole CTA with the loader and x warps."""
     cfg = w4a16_ws_dense.resolve_config(16, 1024, 4096, torch.device("cpu"), config)
+    for x_mma_order in (False, True):
+        out = w4a16_ws_dense.compile_offline(cfg, 1024, 4096, x_mma_order=x_mma_order)
+        ops = _ops(out["sass"])
+        x_warps = cfg["X_WARPS"] and not x_mma_order
+        assert ops["HGMMA"] > 0 and ops["UTMALDG"] == (2 if x_warps else 6)
+        assert (ops["ATOMG"] > 0) == (cfg["SPLIT_K"] > 1)
+        assert set(re.findall(r"bar\.sync\s+0, (\d+);", out["ptx"])) == {str(32 * cfg["num_warps"])}
+
+
+def test_x_warps_move_x_in_16_byte_loads_and_4_byte_stores() -> None:
+    """Offline sm_90 SASS of the x warps' reordering: a 256-wide step of 16 token rows is 16 bytes
+    a thread a load (8 consecutive columns) and a bf16 pair a shared store (columns ``2 t``, ``2 t + 1``
+    are natural columns 4 apart: one PRMT a pair), and the stores are fenced for the wgmma's reads."""
+    cfg = w4a16_ws_dense.resolve_config(16, 1024, 4096, torch.device("cpu"), {"X_WARPS": 1})
     out = w4a16_ws_dense.compile_offline(cfg, 1024, 4096)
-    ops = _ops(out["sass"])
-    assert ops["HGMMA"] > 0 and ops["UTMALDG"] >= 3
-    assert (ops["ATOMG"] > 0) == (cfg["SPLIT_K"] > 1)
-    threads = 32 * cfg["num_warps"]
-    assert re.findall(r"bar\.sync\s+0, (\d+);", out["ptx"]) and \
-        set(re.findall(r"bar\.sync\s+0, (\d+);", out["ptx"])) == {str(threads)}
+    ops = collections.Counter(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9]+(?:\.[A-Z0-9]+)*)",
+                                         out["sass"], re.MULTILINE))
+    assert ops["LDG.E.128"] == 16 * 32 * 8 * 2 // (32 * 16)  # 8 KB a step, one warp
+    assert ops["STS"] >= 64 and "fence.proxy.async.shared::cta" in out["ptx"]

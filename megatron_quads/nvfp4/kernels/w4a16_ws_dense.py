@@ -33,7 +33,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from megatron_quads.nvfp4.kernels import w4a16 as _triton_w4a16
@@ -81,10 +81,12 @@ def _split_range(split, k_steps, SPLIT_K: gl.constexpr):
 @gluon.jit
 def _load_partition(w_desc, x_desc, s_desc, ring_w, ring_x, ring_s, ready, empty, num_tiles, n_tiles, k_steps,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                    SPLIT_K: gl.constexpr):
-    """The loader warp: each of the program's tiles' ring steps (words, scale bytes, x tiles) by TMA."""
+                    SPLIT_K: gl.constexpr, X_NATURAL: gl.constexpr):
+    """The loader warp: each of the program's tiles' ring steps (words, scale bytes and, unless
+    ``X_NATURAL``, x tiles) by TMA."""
     SUB: gl.constexpr = BLOCK_K // _X_SUB_K
-    BYTES: gl.constexpr = (w_desc.block_type.nbytes + s_desc.block_type.nbytes + SUB * x_desc.block_type.nbytes)
+    X_BYTES: gl.constexpr = 0 if X_NATURAL else SUB * x_desc.block_type.nbytes
+    BYTES: gl.constexpr = w_desc.block_type.nbytes + s_desc.block_type.nbytes + X_BYTES
     step = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         _, split, n_tile, m_tile = _tile_coordinates(tile, n_tiles, SPLIT_K)
@@ -99,9 +101,78 @@ def _load_partition(w_desc, x_desc, s_desc, ring_w, ring_x, ring_s, ready, empty
             mbarrier.expect(bar, BYTES)  # rows past N or M are zero-filled and counted
             tma.async_copy_global_to_shared(w_desc, [row0, kt * (BLOCK_K // 8)], bar, ring_w.index(stage))
             tma.async_copy_global_to_shared(s_desc, [row0, kt * (BLOCK_K // 16)], bar, ring_s.index(stage))
-            for j in gl.static_range(SUB):
-                tma.async_copy_global_to_shared(x_desc, [m0, kt * BLOCK_K + j * _X_SUB_K], bar,
-                                                ring_x.index(stage * SUB + j))
+            if not X_NATURAL:
+                for j in gl.static_range(SUB):
+                    tma.async_copy_global_to_shared(x_desc, [m0, kt * BLOCK_K + j * _X_SUB_K], bar,
+                                                    ring_x.index(stage * SUB + j))
+            step += 1
+
+
+X_ROWS = 16
+"""Token rows the x warps move at a time (their registers hold ``16 x 64`` values a tile)."""
+_X_ROWS = gl.constexpr(X_ROWS)
+
+
+@gluon.constexpr_function
+def x_load_layout(x_warps: int) -> gl.BlockedLayout:
+    """The natural-order x values of one ring x tile's 16 rows, ``[16, 4, 2, 8]`` (row, ``t``,
+    ``i % 2``, 8 consecutive columns): 16 bytes a thread, the warps over rows."""
+    return gl.BlockedLayout(size_per_thread=[1, 1, 1, 8], threads_per_warp=[4, 4, 2, 1],
+                            warps_per_cta=[x_warps, 1, 1, 1], order=[3, 2, 1, 0])
+
+
+@gluon.jit
+def _x_tile_pointers(x_ptr, rows, stride_xm, LOAD: gl.constexpr):
+    """Pointers (and the row mask) of ring x tile 0's natural-order columns for token ``rows``: in a
+    256-wide step, tile ``j`` holds the natural columns ``128 (j // 2) + 16 (j % 2) + 32 t + 8 i + v``
+    (``t < 4``, ``i < 2``, ``v < 8``: the K order of ``mma_k_order_rows(x, 128)``); add the step's
+    and the tile's column offset."""
+    COLS: gl.constexpr = gl.SliceLayout(0, LOAD)  # [t, i, v]
+    t = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, COLS)))
+    i = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, COLS)))
+    v = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, COLS)))
+    cols = (32 * t)[:, None, None] + (8 * i)[None, :, None] + v[None, None, :]
+    row_ptrs = x_ptr + rows.to(gl.int64) * stride_xm
+    return row_ptrs[:, None, None, None] + cols[None, :, :, :]
+
+
+@gluon.jit
+def _k_order_tile(values):
+    """One x tile's values ``[16, 4 (t), 2 (i), 8 (4 h + 2 q1 + q0)]`` in its K order, ``[16, 64]``:
+    column ``32 i + 16 q1 + 8 q0 + 2 t + h`` (a renaming of register and lane bits; no data moves
+    until the store)."""
+    v = gl.reshape(values, [_X_ROWS, 4, 2, 2, 2, 2])  # [m, t, i, h, q1, q0]
+    return gl.reshape(gl.permute(v, [0, 2, 4, 5, 1, 3]), [_X_ROWS, _X_SUB_K])
+
+
+@gluon.jit
+def _x_partition(x_ptr, ring_x, ready, empty, M, stride_xm, num_tiles, n_tiles, k_steps,
+                 BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr,
+                 X_WARPS: gl.constexpr):
+    """The x warps (``X_NATURAL``): each ring step's x ``[BM, 256]`` read from global memory in
+    natural order, 16 rows of one x tile at a time, and stored into the stage's x tiles in the K
+    order (the first 16 rows' loads issued before the stage is free, so their latency overlaps the
+    wait), then the stage's second ``ready`` arrival. Rows past M are stored as zeros."""
+    LOAD: gl.constexpr = x_load_layout(X_WARPS)
+    SUB: gl.constexpr = BLOCK_K // _X_SUB_K
+    rows0 = gl.arange(0, _X_ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, LOAD))))
+    step = 0
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        _, split, _, m_tile = _tile_coordinates(tile, n_tiles, SPLIT_K)
+        kt_lo, kt_hi = _split_range(split, k_steps, SPLIT_K)
+        for kt in range(kt_lo, kt_hi):
+            stage = step % STAGES
+            for c in gl.static_range(BLOCK_M // _X_ROWS):
+                rows = m_tile * BLOCK_M + c * _X_ROWS + rows0
+                ptrs = _x_tile_pointers(x_ptr + kt * BLOCK_K, rows, stride_xm, LOAD)
+                mask = (rows < M)[:, None, None, None]
+                for j in gl.static_range(SUB):
+                    values = gl.load(ptrs + (128 * (j // 2) + 16 * (j % 2)), mask=mask, other=0.0)
+                    if c == 0 and j == 0:
+                        mbarrier.wait(empty.index(stage), ((step // STAGES) & 1) ^ 1)
+                    ring_x.index(stage * SUB + j).slice(c * _X_ROWS, _X_ROWS).store(_k_order_tile(values))
+            fence_async_shared()  # the generic-proxy stores before the wgmma's async-proxy reads
+            mbarrier.arrive(ready.index(stage), count=1)
             step += 1
 
 
@@ -157,14 +228,17 @@ def _mma_partition(ring_w, ring_x, ring_s, ready, empty, ws2_ptr, y_ptr, partial
 
 @gluon.jit
 def _dense_ws_kernel(
-    w_desc, x_desc, s_desc, ws2_ptr, y_ptr, partials_ptr, counters_ptr, M, N, num_tiles, n_tiles, k_steps, stride_ym,
+    w_desc, x_desc, s_desc, x_ptr, ws2_ptr, y_ptr, partials_ptr, counters_ptr, M, N, num_tiles, n_tiles, k_steps,
+    stride_xm, stride_ym,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
     NUM_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, SPLIT_K: gl.constexpr, EVEN_N: gl.constexpr,
-    Y_I32: gl.constexpr, ROTATED: gl.constexpr,
+    Y_I32: gl.constexpr, ROTATED: gl.constexpr, X_NATURAL: gl.constexpr, X_WARPS: gl.constexpr,
+    X_REGS: gl.constexpr,
 ):
     """Persistent: program ``p`` takes tiles ``p, p + P, ...`` of ``num_tiles`` (N tiles x splits x
     token tiles); ``w_desc`` / ``s_desc`` over the ``[N, K / 8]`` words and ``[N, K / 16]`` scale
-    bytes, ``x_desc`` over x ``[M, K]`` in the K order."""
+    bytes, ``x_desc`` over x ``[M, K]`` in the K order; with ``X_NATURAL`` the x warps read x
+    (``x_ptr``, natural order) and reorder it instead, each stage then completing on two arrivals."""
     ring_w = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, BLOCK_K // 8], words_ring_layout())
     ring_x = gl.allocate_shared_memory(gl.bfloat16, [STAGES * (BLOCK_K // _X_SUB_K), BLOCK_M, _X_SUB_K],
                                        x_tile_layout(BLOCK_M))
@@ -172,22 +246,35 @@ def _dense_ws_kernel(
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for j in gl.static_range(STAGES):
-        mbarrier.init(ready.index(j), count=1)
+        mbarrier.init(ready.index(j), count=2 if X_NATURAL else 1)
         mbarrier.init(empty.index(j), count=1)
-    gl.warp_specialize([
-        (_mma_partition, (ring_w, ring_x, ring_s, ready, empty, ws2_ptr, y_ptr, partials_ptr, counters_ptr, M, N,
-                          num_tiles, n_tiles, k_steps, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, NUM_WARPS,
-                          SPLIT_K, EVEN_N, Y_I32, ROTATED)),
-        (_load_partition, (w_desc, x_desc, s_desc, ring_w, ring_x, ring_s, ready, empty, num_tiles, n_tiles, k_steps,
-                           BLOCK_M, BLOCK_N, BLOCK_K, STAGES, SPLIT_K)),
-    ], [1], [LOADER_REGS])
+    if X_NATURAL:
+        gl.warp_specialize([
+            (_mma_partition, (ring_w, ring_x, ring_s, ready, empty, ws2_ptr, y_ptr, partials_ptr, counters_ptr, M, N,
+                              num_tiles, n_tiles, k_steps, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, NUM_WARPS,
+                              SPLIT_K, EVEN_N, Y_I32, ROTATED)),
+            (_load_partition, (w_desc, x_desc, s_desc, ring_w, ring_x, ring_s, ready, empty, num_tiles, n_tiles,
+                               k_steps, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, SPLIT_K, X_NATURAL)),
+            (_x_partition, (x_ptr, ring_x, ready, empty, M, stride_xm, num_tiles, n_tiles, k_steps, BLOCK_M, BLOCK_K,
+                            STAGES, SPLIT_K, X_WARPS)),
+        ], [1, X_WARPS], [LOADER_REGS, X_REGS])
+    else:
+        gl.warp_specialize([
+            (_mma_partition, (ring_w, ring_x, ring_s, ready, empty, ws2_ptr, y_ptr, partials_ptr, counters_ptr, M, N,
+                              num_tiles, n_tiles, k_steps, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, NUM_WARPS,
+                              SPLIT_K, EVEN_N, Y_I32, ROTATED)),
+            (_load_partition, (w_desc, x_desc, s_desc, ring_w, ring_x, ring_s, ready, empty, num_tiles, n_tiles,
+                               k_steps, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, SPLIT_K, X_NATURAL)),
+        ], [1], [LOADER_REGS])
 
 
 DEFAULT_CONFIG = {"BLOCK_N": 128, "BLOCK_K": 256, "STAGES": 3, "num_warps": 8, "LOADER_REGS": 40, "CTAS_PER_SM": 2,
-                  "maxnreg": 80}
+                  "maxnreg": 80, "X_WARPS": 2, "X_REGS": 80}
 """``BLOCK_M`` (16, 32 or 64) defaults to the smallest that holds M (at most 64; ``STAGES`` then 2),
 ``SPLIT_K`` to :func:`default_split`; ``num_warps`` must be ``BLOCK_N / 16`` (a warpgroup a 64 weight rows);
-``ROTATED`` decodes a cached rotated copy of the code words (:mod:`~megatron_quads.nvfp4.kernels.word_layout`)."""
+``ROTATED`` decodes a cached rotated copy of the code words (:mod:`~megatron_quads.nvfp4.kernels.word_layout`);
+``X_WARPS`` warps (``X_REGS`` registers each) reorder natural-order x inside the kernel (0: a copy
+kernel, ``mma_k_order_rows``, reorders it before the launch)."""
 
 BLOCK_K = 2 * X_ORDER_BLOCK_K
 """The ring step: two 128-blocks of x's K order, and 16 scale bytes a row (TMA rows need 16 bytes)."""
@@ -254,33 +341,38 @@ def resolve_config(m: int, n: int, k: int, device: torch.device, config: dict[st
     return cfg
 
 
-def _descriptors(codes: torch.Tensor, scales: torch.Tensor, x: torch.Tensor,
+def _descriptors(codes: torch.Tensor, scales: torch.Tensor, x: torch.Tensor | None,
                  cfg: dict[str, Any]) -> tuple[TensorDescriptor, TensorDescriptor, TensorDescriptor]:
-    """TMA descriptors of the words ``[N, K / 8]``, the scale bytes ``[N, K / 16]`` and x ``[M, K]``."""
+    """TMA descriptors of the words ``[N, K / 8]``, the scale bytes ``[N, K / 16]`` and x ``[M, K]``
+    (without x, the words' descriptor stands in for it: the kernel then does not read it)."""
     block_n = cfg["BLOCK_N"]
     w_desc = TensorDescriptor(codes, list(codes.shape), [codes.stride(0), 1], [block_n, BLOCK_K // 8],
                               words_ring_layout())
     s_desc = TensorDescriptor(scales, list(scales.shape), [scales.stride(0), 1], [block_n, BLOCK_K // 16],
                               scales_ring_layout())
+    if x is None:
+        return w_desc, s_desc, w_desc
     x_desc = TensorDescriptor(x, list(x.shape), [x.stride(0), 1], [cfg["BLOCK_M"], X_SUB_K],
                               x_tile_layout(cfg["BLOCK_M"]))
     return w_desc, s_desc, x_desc
 
 
-def _meta(cfg: dict[str, Any], n: int, y_elements: int) -> dict[str, int]:
+def _meta(cfg: dict[str, Any], n: int, y_elements: int, x_natural: bool) -> dict[str, int]:
     return {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": BLOCK_K, "STAGES": cfg["STAGES"],
             "NUM_WARPS": cfg["num_warps"], "LOADER_REGS": cfg["LOADER_REGS"], "SPLIT_K": cfg["SPLIT_K"],
             "EVEN_N": int(n % cfg["BLOCK_N"] == 0), "Y_I32": int(y_elements < Y_I32_LIMIT),
-            "ROTATED": int(bool(cfg.get("ROTATED")))}
+            "ROTATED": int(bool(cfg.get("ROTATED"))), "X_NATURAL": int(x_natural), "X_WARPS": cfg["X_WARPS"] or 1,
+            "X_REGS": cfg["X_REGS"]}
 
 
 def w4a16_ws_linear_into(x: torch.Tensor, weight: NVFP4Tensor, out: torch.Tensor,
                          config: dict[str, Any] | None = None, x_mma_order: bool = False) -> torch.Tensor:
     """``out [M, N] = x [M, K] @ dq(W).T`` (bf16) with :func:`_dense_ws_kernel`.
 
-    ``x_mma_order``: x is already in the K order of ``mma_k_order_rows(x, 128)`` (else it is
-    reordered here: one more copy kernel). ``config`` over :data:`DEFAULT_CONFIG`: ``BLOCK_M``,
-    ``BLOCK_N``, ``STAGES``, ``SPLIT_K``, ``CTAS_PER_SM`` (or ``PROGRAMS``), ``ROTATED``, ``maxnreg``.
+    ``x_mma_order``: x is already in the K order of ``mma_k_order_rows(x, 128)`` (else the kernel's x
+    warps reorder it, or with ``X_WARPS`` 0 a copy kernel before the launch). ``config`` over
+    :data:`DEFAULT_CONFIG`: ``BLOCK_M``, ``BLOCK_N``, ``STAGES``, ``SPLIT_K``, ``CTAS_PER_SM`` (or
+    ``PROGRAMS``), ``ROTATED``, ``X_WARPS``, ``maxnreg``.
     """
     if len(weight.shape) != 2:
         raise ValueError(f"w4a16_ws_linear_into needs an [N, K] weight, got shape {tuple(weight.shape)}")
@@ -293,14 +385,15 @@ def w4a16_ws_linear_into(x: torch.Tensor, weight: NVFP4Tensor, out: torch.Tensor
     cfg = resolve_config(m, n, k, x.device, config)
     if m == 0:
         return out
-    if not x_mma_order:
+    x_natural = not x_mma_order and cfg["X_WARPS"] > 0  # the kernel reorders x
+    if not x_mma_order and not x_natural:
         x = mma_k_order_rows(x, X_ORDER_BLOCK_K)
-    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:  # TMA: 16-byte aligned rows
+    if x.stride(1) != 1 or (not x_natural and (x.stride(0) % 8 or x.data_ptr() % 16)):  # TMA: 16-byte aligned rows
         x = x.contiguous()
     codes, scales = _operands(weight)
     if cfg.get("ROTATED"):
         codes = rotated_code_words(weight.codes, codes)
-    w_desc, s_desc, x_desc = _descriptors(codes, scales, x, cfg)
+    w_desc, s_desc, x_desc = _descriptors(codes, scales, None if x_natural else x, cfg)
     split = cfg["SPLIT_K"]
     n_tiles, m_tiles = triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"])
     num_tiles = n_tiles * m_tiles * split
@@ -311,13 +404,13 @@ def w4a16_ws_linear_into(x: torch.Tensor, weight: NVFP4Tensor, out: torch.Tensor
     counters = _split_counters(x.device, n_tiles * m_tiles)
     ws2 = weight.weight_scale_2.reshape(1).to(torch.float32)
     _dense_ws_kernel[(programs,)](
-        w_desc, x_desc, s_desc, ws2, out, partials, counters, m, n, num_tiles, n_tiles, k // BLOCK_K, out.stride(0),
-        **_meta(cfg, n, m * out.stride(0)), **_launch_options(cfg),
+        w_desc, x_desc, s_desc, x, ws2, out, partials, counters, m, n, num_tiles, n_tiles, k // BLOCK_K, x.stride(0),
+        out.stride(0), **_meta(cfg, n, m * out.stride(0), x_natural), **_launch_options(cfg),
     )
     return out
 
 
-def compile_offline(cfg: dict[str, Any], n: int, k: int, m: int = 16) -> dict[str, str]:
+def compile_offline(cfg: dict[str, Any], n: int, k: int, m: int = 16, x_mma_order: bool = False) -> dict[str, str]:
     """Compile :func:`_dense_ws_kernel` for sm_90 without a GPU (``cfg`` as :func:`resolve_config`
     returns it) and return its ``ptx`` and ``sass`` (cuobjdump of Triton's bundled CUDA tools)."""
     import os
@@ -333,12 +426,15 @@ def compile_offline(cfg: dict[str, Any], n: int, k: int, m: int = 16) -> dict[st
                                           torch.empty(n, k // 16, dtype=torch.uint8, device="meta"),
                                           torch.empty(m, k, dtype=torch.bfloat16, device="meta"), cfg)
     kernel = _dense_ws_kernel
-    meta = _meta(cfg, n, m * n)
+    x_natural = not x_mma_order and cfg["X_WARPS"] > 0
+    if x_natural:
+        x_desc = w_desc
+    meta = _meta(cfg, n, m * n, x_natural)
     types = {"w_desc": mangle_type(w_desc), "x_desc": mangle_type(x_desc), "s_desc": mangle_type(s_desc),
-             "ws2_ptr": "*fp32", "y_ptr": "*bf16", "partials_ptr": "*fp32", "counters_ptr": "*i32"}
+             "x_ptr": "*bf16", "ws2_ptr": "*fp32", "y_ptr": "*bf16", "partials_ptr": "*fp32", "counters_ptr": "*i32"}
     signature = {name: "constexpr" if name in meta else types.get(name, "i32") for name in kernel.arg_names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
-               if signature[name].startswith("*") or name == "stride_ym"}
+               if signature[name].startswith("*") or name in ("stride_xm", "stride_ym")}
     source = GluonASTSource(fn=kernel, signature=signature, attrs=aligned,
                             constexprs={(kernel.arg_names.index(name),): v for name, v in meta.items()})
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=_launch_options(cfg))
