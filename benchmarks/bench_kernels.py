@@ -234,7 +234,9 @@ def _weight(n: int, k: int, experts: int | None = None):
 
 
 def bench_w4a16(bandwidth: float, quick: bool) -> list[dict]:
-    """Dense decode GEMMs: W4A16 kernel vs cuBLAS BF16 and FP8."""
+    """Dense decode GEMMs: the dispatched W4A16 kernel (the warp-specialized one on sm_90 up to
+    ``WS_DENSE_MAX_M`` rows) vs cuBLAS BF16 and FP8, and the Triton kernel (``triton_us``)."""
+    import megatron_quads.nvfp4.kernels.w4a16 as kw
     from megatron_quads.nvfp4.kernels.w4a16 import w4a16_linear_kernel
 
     rows = []
@@ -248,11 +250,14 @@ def bench_w4a16(bandwidth: float, quick: bool) -> list[dict]:
             x8 = torch.randn(max(m, 16), k, device=DEV).to(torch.float8_e4m3fn)
             fp4_bytes = n * k // 2 + n * k // 16 + m * k * 2 + m * n * 2
             flops = 2 * m * n * k
-            t4 = time_graph(lambda: w4a16_linear_kernel(x, qw))
+            t4 = time_graph(lambda: w4a16_linear_kernel(x, qw))  # the dispatched kernel
+            with mock.patch.object(kw, "_WS_DENSE_DISPATCH", False):
+                t_triton = time_graph(lambda: w4a16_linear_kernel(x, qw))
             tb = time_graph(lambda: x @ w.t())
             t8 = time_graph(lambda: torch._scaled_mm(x8, w8.t(), one, one, out_dtype=torch.bfloat16))
             rows.append(row(f"w4a16 M={m} K={k} N={n}", t4, fp4_bytes, flops, bandwidth, bf16_us=round(tb, 2),
-                            fp8_us=round(t8, 2), speedup_vs_fp8=round(t8 / t4, 2), speedup_vs_bf16=round(tb / t4, 2)))
+                            fp8_us=round(t8, 2), speedup_vs_fp8=round(t8 / t4, 2), speedup_vs_bf16=round(tb / t4, 2),
+                            triton_us=round(t_triton, 2)))
     return rows
 
 
@@ -327,6 +332,7 @@ def _dense_sweep_rows(bandwidth: float, shapes: list[tuple[int, int, int]], labe
     """Per shape: the best of ``configs(K)`` for ``run_into(x, weight, out, config)`` (each checked
     against the Triton kernel first; all under ``sweep``) beside the Triton W4A16 kernel and cuBLAS
     FP8 / BF16 in the same run."""
+    import megatron_quads.nvfp4.kernels.w4a16 as kw
     from megatron_quads.nvfp4.kernels.w4a16 import w4a16_linear_kernel
 
     rows = []
@@ -337,9 +343,10 @@ def _dense_sweep_rows(bandwidth: float, shapes: list[tuple[int, int, int]], labe
         x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
         x8 = torch.randn(max(m, 16), k, device=DEV).to(torch.float8_e4m3fn)
         out = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)
-        best, t_best, sweep = _best_of_sweep(lambda cfg: run_into(x, qw, out, cfg), out, w4a16_linear_kernel(x, qw),
-                                             configs(k))
-        t4 = time_graph(lambda: w4a16_linear_kernel(x, qw))
+        with mock.patch.object(kw, "_WS_DENSE_DISPATCH", False):  # the Triton kernel, not the Gluon dispatch
+            best, t_best, sweep = _best_of_sweep(lambda cfg: run_into(x, qw, out, cfg), out,
+                                                 w4a16_linear_kernel(x, qw), configs(k))
+            t4 = time_graph(lambda: w4a16_linear_kernel(x, qw))
         tb = time_graph(lambda: x @ w.t())
         t8 = time_graph(lambda: torch._scaled_mm(x8, w8.t(), one, one, out_dtype=torch.bfloat16))
         fp4_bytes = n * k // 2 + n * k // 16 + m * k * 2 + m * n * 2
@@ -349,12 +356,10 @@ def _dense_sweep_rows(bandwidth: float, shapes: list[tuple[int, int, int]], labe
     return rows
 
 
-WS_DENSE_CONFIGS = [{}, {"X_WARPS": 0}, {"X_WARPS": 1}, {"X_WARPS": 4}, {"ROTATED": 1}, {"SPLIT_K": 2},
-                    {"BLOCK_N": 64, "num_warps": 4, "CTAS_PER_SM": 3},
-                    {"BLOCK_N": 64, "num_warps": 4, "CTAS_PER_SM": 3, "X_WARPS": 1},
-                    {"BLOCK_N": 64, "num_warps": 4, "CTAS_PER_SM": 3, "ROTATED": 1},
-                    {"BLOCK_N": 64, "num_warps": 4, "CTAS_PER_SM": 3, "SPLIT_K": 1},
-                    {"BLOCK_N": 64, "num_warps": 4, "CTAS_PER_SM": 3, "SPLIT_K": 4}]
+WS_DENSE_CONFIGS = [{}, {"X_WARPS": 0}, {"X_WARPS": 4}, {"ROTATED": 1}, {"SPLIT_K": 4},
+                    {"BLOCK_N": 128, "num_warps": 8, "CTAS_PER_SM": 2},
+                    {"BLOCK_N": 128, "num_warps": 8, "CTAS_PER_SM": 2, "X_WARPS": 2},
+                    {"BLOCK_N": 128, "num_warps": 8, "CTAS_PER_SM": 2, "SPLIT_K": 2}]
 """Configs of the warp-specialized dense kernel's sweep, over its defaults (``w4a16_ws_dense``)."""
 
 WS_DENSE_SHAPES = [(1, 8192, 8192), (16, 8192, 8192), (32, 8192, 8192), (64, 8192, 8192), (1, 4096, 4096),

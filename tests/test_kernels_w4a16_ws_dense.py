@@ -86,6 +86,27 @@ def test_triton_split_boundaries_give_the_triton_bits_and_k_ordered_x_too(kernel
     assert torch.equal(out, ours)
 
 
+@pytest.mark.gpu
+def test_w4a16_linear_into_dispatches_decode_calls_here(kernel_device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a config, up to ``WS_DENSE_MAX_M`` rows with K a multiple of 256 go to this kernel
+    (its bits); more rows, or K that 256 does not divide, stay with the Triton kernel."""
+    calls = []
+    real = w4a16_ws_dense.w4a16_ws_linear_into
+    monkeypatch.setattr(w4a16_ws_dense, "w4a16_ws_linear_into", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    weight = _gaussian_weight((512, 1024), kernel_device)
+    for m in (1, w4a16.WS_DENSE_MAX_M, w4a16.WS_DENSE_MAX_M + 1):
+        x = _activations((m, 1024), torch.bfloat16, kernel_device)
+        before = len(calls)
+        dispatched = w4a16.w4a16_linear_kernel(x, weight)
+        assert len(calls) - before == (m <= w4a16.WS_DENSE_MAX_M)
+        if m <= w4a16.WS_DENSE_MAX_M:
+            assert torch.equal(dispatched, real(x, weight, torch.empty_like(dispatched)))
+    before = len(calls)
+    w4a16.w4a16_linear_kernel(_activations((4, 640), torch.bfloat16, kernel_device),
+                              _gaussian_weight((512, 640), kernel_device))
+    assert len(calls) == before
+
+
 def test_split_rules() -> None:
     # one wave of 264 programs: 64 N tiles of 8192 take 4 splits, 32 of 4096 take 8 (steps permitting)
     assert w4a16_ws_dense.default_split(64, 32, 264) == 4
@@ -99,11 +120,14 @@ def test_split_rules() -> None:
 
 def test_config_defaults_follow_the_shape() -> None:
     cpu = torch.device("cpu")
-    small = w4a16_ws_dense.resolve_config(16, 8192, 8192, cpu, None)
-    assert (small["BLOCK_M"], small["STAGES"], small["SPLIT_K"]) == (16, 3, 4)
+    small = w4a16_ws_dense.resolve_config(16, 8192, 8192, cpu, None)  # 128 N tiles of 64, 3 x 132 programs
+    assert (small["BLOCK_M"], small["BLOCK_N"], small["STAGES"], small["SPLIT_K"], small["X_WARPS"]) == (16, 64, 3, 2, 2)
+    assert w4a16_ws_dense.resolve_config(16, 8192, 8192, cpu, {"BLOCK_N": 128, "num_warps": 8})["SPLIT_K"] == 4
     wide = w4a16_ws_dense.resolve_config(64, 8192, 8192, cpu, None)
-    assert (wide["BLOCK_M"], wide["STAGES"]) == (64, 2)  # three 50 KB stages would leave one CTA an SM
-    assert w4a16_ws_dense.resolve_config(64, 8192, 8192, cpu, {"BLOCK_M": 64, "STAGES": 3})["STAGES"] == 3
+    assert (wide["BLOCK_M"], wide["BLOCK_N"], wide["STAGES"], wide["X_WARPS"]) == (64, 128, 2, 0)
+    assert wide["SPLIT_K"] == 2  # 64 N tiles, one tile an SM
+    assert w4a16_ws_dense.resolve_config(64, 8192, 8192, cpu, {"STAGES": 3})["STAGES"] == 3
+    assert w4a16_ws_dense.resolve_config(64, 8192, 8192, cpu, {"BLOCK_M": 16})["BLOCK_N"] == 64
 
 
 def test_argument_errors() -> None:
@@ -114,7 +138,7 @@ def test_argument_errors() -> None:
         w4a16_ws_dense.w4a16_ws_linear_into(torch.zeros(4, 384, dtype=torch.bfloat16), _raw_weight((256, 384), "cpu"),
                                             out)
     with pytest.raises(ValueError, match="num_warps = BLOCK_N / 16"):
-        w4a16_ws_dense.w4a16_ws_linear_into(x, weight, out, {"BLOCK_N": 64})
+        w4a16_ws_dense.w4a16_ws_linear_into(x, weight, out, {"BLOCK_N": 128})  # on the decode config's 4 warps
     with pytest.raises(ValueError, match="do not fit in shared memory"):
         w4a16_ws_dense.w4a16_ws_linear_into(x, weight, out, {"BLOCK_M": 64, "STAGES": 8})
     with pytest.raises(TypeError, match="take bfloat16 activations"):

@@ -546,6 +546,28 @@ down 41.4 against 54.9 (the engine orders x, and so takes this path, only from 1
 Benchmarks switch it off to time the Triton kernel."""
 
 
+_WS_DENSE_DISPATCH = True
+"""Whether :func:`w4a16_linear_into` hands decode calls (at most :data:`WS_DENSE_MAX_M` rows, no
+config) to the warp-specialized dense kernel (:mod:`~megatron_quads.nvfp4.kernels.w4a16_ws_dense`)
+where it runs (sm_90, K a multiple of 256). Benchmarks switch it off to time the Triton kernel."""
+
+WS_DENSE_MAX_M = 16
+"""The most rows the dense dispatch sends to the warp-specialized kernel: its 16-row token tile with
+x reordered by its x warps. Beyond, the Triton kernel stays (H200, 2026-11-30: at 4096^2 and M = 64
+the warp-specialized kernel took 19.2 us against 14.1)."""
+
+
+@functools.cache
+def _warp_specialized_dense() -> Any:
+    """The Gluon module :mod:`~megatron_quads.nvfp4.kernels.w4a16_ws_dense`, or None where this
+    Triton lacks what it needs (as :func:`_warp_specialized`)."""
+    try:
+        from megatron_quads.nvfp4.kernels import w4a16_ws_dense
+    except (ImportError, AttributeError):
+        return None
+    return w4a16_ws_dense
+
+
 @functools.cache
 def _warp_specialized() -> Any:
     """The Gluon module :mod:`~megatron_quads.nvfp4.kernels.w4a16_ws`, or None where this Triton lacks
@@ -689,7 +711,8 @@ def w4a16_linear_into(
     """Write ``x @ dq(W).T`` into ``out [..., N]`` (``x.dtype``) and return it.
 
     ``config`` (``BLOCK_N``, ``BLOCK_K``, ``SPLIT_K``, optional ``num_warps``/``num_stages``) skips the
-    autotuner; the default autotunes per (token bucket, N, K, dtype).
+    autotuner; the default autotunes per (token bucket, N, K, dtype), or on sm_90 sends decode calls
+    (up to :data:`WS_DENSE_MAX_M` rows, K a multiple of 256) to the warp-specialized dense kernel.
     """
     if len(weight.shape) != 2:
         raise ValueError(f"w4a16_linear_kernel needs an [N, K] weight, got shape {tuple(weight.shape)}")
@@ -701,6 +724,10 @@ def w4a16_linear_into(
         return out
     x2 = _rows_contiguous(x.reshape(-1, k))
     y2 = out.view(-1, n)
+    ws_dense = _warp_specialized_dense() if config is None and _WS_DENSE_DISPATCH else None
+    if ws_dense is not None and x2.shape[0] <= WS_DENSE_MAX_M and y2.stride(1) == 1 and ws_dense.supports(x2, weight):
+        ws_dense.w4a16_ws_linear_into(x2, weight, y2)
+        return out
     _launch_dense(x2, weight, y2, config)
     return out
 

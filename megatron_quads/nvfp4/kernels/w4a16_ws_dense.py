@@ -33,7 +33,11 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from megatron_quads.nvfp4.kernels import w4a16 as _triton_w4a16
@@ -150,9 +154,10 @@ def _x_partition(x_ptr, ring_x, ready, empty, M, stride_xm, num_tiles, n_tiles, 
                  BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr,
                  X_WARPS: gl.constexpr):
     """The x warps (``X_NATURAL``): each ring step's x ``[BM, 256]`` read from global memory in
-    natural order, 16 rows of one x tile at a time, and stored into the stage's x tiles in the K
-    order (the first 16 rows' loads issued before the stage is free, so their latency overlaps the
-    wait), then the stage's second ``ready`` arrival. Rows past M are stored as zeros."""
+    natural order, 16 rows of the four x tiles at a time, and stored into the stage's x tiles in the
+    K order (the first 16 rows' loads issued before the stage is free, so their latency overlaps the
+    wait), then the stage's second ``ready`` arrival. Rows past M are stored as zeros. ``BLOCK_K``
+    is 256: four ``[BM, 64]`` x tiles a step."""
     LOAD: gl.constexpr = x_load_layout(X_WARPS)
     SUB: gl.constexpr = BLOCK_K // _X_SUB_K
     rows0 = gl.arange(0, _X_ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, LOAD))))
@@ -166,11 +171,17 @@ def _x_partition(x_ptr, ring_x, ready, empty, M, stride_xm, num_tiles, n_tiles, 
                 rows = m_tile * BLOCK_M + c * _X_ROWS + rows0
                 ptrs = _x_tile_pointers(x_ptr + kt * BLOCK_K, rows, stride_xm, LOAD)
                 mask = (rows < M)[:, None, None, None]
-                for j in gl.static_range(SUB):
-                    values = gl.load(ptrs + (128 * (j // 2) + 16 * (j % 2)), mask=mask, other=0.0)
-                    if c == 0 and j == 0:
-                        mbarrier.wait(empty.index(stage), ((step // STAGES) & 1) ^ 1)
-                    ring_x.index(stage * SUB + j).slice(c * _X_ROWS, _X_ROWS).store(_k_order_tile(values))
+                # the step's four tiles' loads in flight together (one L2 round trip, not four)
+                v0 = gl.load(ptrs, mask=mask, other=0.0)
+                v1 = gl.load(ptrs + 16, mask=mask, other=0.0)
+                v2 = gl.load(ptrs + 128, mask=mask, other=0.0)
+                v3 = gl.load(ptrs + 144, mask=mask, other=0.0)
+                if c == 0:
+                    mbarrier.wait(empty.index(stage), ((step // STAGES) & 1) ^ 1)
+                ring_x.index(stage * SUB).slice(c * _X_ROWS, _X_ROWS).store(_k_order_tile(v0))
+                ring_x.index(stage * SUB + 1).slice(c * _X_ROWS, _X_ROWS).store(_k_order_tile(v1))
+                ring_x.index(stage * SUB + 2).slice(c * _X_ROWS, _X_ROWS).store(_k_order_tile(v2))
+                ring_x.index(stage * SUB + 3).slice(c * _X_ROWS, _X_ROWS).store(_k_order_tile(v3))
             fence_async_shared()  # the generic-proxy stores before the wgmma's async-proxy reads
             mbarrier.arrive(ready.index(stage), count=1)
             step += 1
@@ -270,11 +281,22 @@ def _dense_ws_kernel(
 
 DEFAULT_CONFIG = {"BLOCK_N": 128, "BLOCK_K": 256, "STAGES": 3, "num_warps": 8, "LOADER_REGS": 40, "CTAS_PER_SM": 2,
                   "maxnreg": 80, "X_WARPS": 2, "X_REGS": 80}
-"""``BLOCK_M`` (16, 32 or 64) defaults to the smallest that holds M (at most 64; ``STAGES`` then 2),
-``SPLIT_K`` to :func:`default_split`; ``num_warps`` must be ``BLOCK_N / 16`` (a warpgroup a 64 weight rows);
-``ROTATED`` decodes a cached rotated copy of the code words (:mod:`~megatron_quads.nvfp4.kernels.word_layout`);
-``X_WARPS`` warps (``X_REGS`` registers each) reorder natural-order x inside the kernel (0: a copy
-kernel, ``mma_k_order_rows``, reorders it before the launch)."""
+"""``BLOCK_M`` (16, 32 or 64) defaults to the smallest that holds M (at most 64), ``SPLIT_K`` to
+:func:`default_split`; :data:`DECODE_CONFIG` or :data:`WIDE_M_CONFIG` goes over this by ``BLOCK_M``.
+``num_warps`` must be ``BLOCK_N / 16`` (a warpgroup a 64 weight rows); ``ROTATED`` decodes a cached
+rotated copy of the code words (:mod:`~megatron_quads.nvfp4.kernels.word_layout`); ``X_WARPS`` warps
+(``X_REGS`` registers each) reorder natural-order x inside the kernel (0: a copy kernel,
+``mma_k_order_rows``, reorders it before the launch)."""
+
+DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "CTAS_PER_SM": 3}
+"""For ``BLOCK_M`` 16: one MMA warpgroup, three CTAs an SM. H200, 2026-11-30 16:49 run (x reordered by
+the x warps): 8192^2 at M = 16 18.96 us against 19.22 with two warpgroups, 4096^2 8.73 against 10.25."""
+
+WIDE_M_CONFIG = {"X_WARPS": 0}
+"""For ``BLOCK_M`` 32 and 64 (``STAGES`` 2 at 64: 50 KB a stage; by default as many tiles as SMs): x
+reordered by a copy kernel, as the x warps move 16 rows of the four tiles at a time (H200, 16:55 run,
+8192^2: M = 32 24.0 us against 24.5 with the x warps, M = 64 32.0 against 40.2; with half the splits,
+one tile an SM, 21.9 and 27.8)."""
 
 BLOCK_K = 2 * X_ORDER_BLOCK_K
 """The ring step: two 128-blocks of x's K order, and 16 scale bytes a row (TMA rows need 16 bytes)."""
@@ -329,13 +351,14 @@ def supports(x: torch.Tensor, weight: NVFP4Tensor) -> bool:
 def resolve_config(m: int, n: int, k: int, device: torch.device, config: dict[str, Any] | None) -> dict[str, Any]:
     """``config`` over :data:`DEFAULT_CONFIG` with ``BLOCK_M`` and ``SPLIT_K`` filled in and checked
     (``SPLIT_K`` as run: :func:`split_count`)."""
-    cfg: dict[str, Any] = {**DEFAULT_CONFIG, "BLOCK_M": default_block_m(m), **(config or {})}
-    if "STAGES" not in (config or {}) and cfg["BLOCK_M"] == 64:
-        cfg["STAGES"] = 2  # 50 KB a stage: two CTAs an SM hold two stages each
+    block_m = (config or {}).get("BLOCK_M") or default_block_m(m)
+    cfg: dict[str, Any] = {**DEFAULT_CONFIG, **(DECODE_CONFIG if block_m == 16 else WIDE_M_CONFIG),
+                           **({"STAGES": 2} if block_m == 64 else {}), **(config or {}), "BLOCK_M": block_m}
     k_steps = k // BLOCK_K if k % BLOCK_K == 0 else 1
     out_tiles = triton.cdiv(n, cfg["BLOCK_N"]) * triton.cdiv(max(m, 1), cfg["BLOCK_M"])
-    if cfg.get("SPLIT_K") is None:
-        cfg["SPLIT_K"] = default_split(out_tiles, k_steps, cfg["CTAS_PER_SM"] * _sm_count(device))
+    if cfg.get("SPLIT_K") is None:  # wider token tiles: one tile an SM (their K loop weighs more than the split)
+        waves = cfg["CTAS_PER_SM"] if block_m == 16 else 1
+        cfg["SPLIT_K"] = default_split(out_tiles, k_steps, waves * _sm_count(device))
     check_config(cfg, n, k)
     cfg["SPLIT_K"] = split_count(k_steps, cfg["SPLIT_K"])
     return cfg
