@@ -356,9 +356,8 @@ def _dense_sweep_rows(bandwidth: float, shapes: list[tuple[int, int, int]], labe
     return rows
 
 
-WS_DENSE_CONFIGS = [{}, {"X_WARPS": 0}, {"X_WARPS": 4}, {"ROTATED": 1}, {"SPLIT_K": 4},
-                    {"BLOCK_N": 128, "num_warps": 8, "CTAS_PER_SM": 2},
-                    {"BLOCK_N": 128, "num_warps": 8, "CTAS_PER_SM": 2, "X_WARPS": 2},
+WS_DENSE_CONFIGS = [{}, {"X_WARPS": 0}, {"ROTATED": 1}, {"SPLIT_K": 3}, {"SPLIT_K": 6}, {"SPLIT_K": 3, "ROTATED": 1},
+                    {"SPLIT_K": 6, "ROTATED": 1}, {"BLOCK_N": 128, "num_warps": 8, "CTAS_PER_SM": 2},
                     {"BLOCK_N": 128, "num_warps": 8, "CTAS_PER_SM": 2, "SPLIT_K": 2}]
 """Configs of the warp-specialized dense kernel's sweep, over its defaults (``w4a16_ws_dense``)."""
 
@@ -367,7 +366,7 @@ WS_DENSE_SHAPES = [(1, 8192, 8192), (16, 8192, 8192), (32, 8192, 8192), (64, 819
 """(M, K, N) of the ``w4a16_ws_dense`` section."""
 
 
-def bench_w4a16_ws_dense(bandwidth: float, quick: bool) -> list[dict]:
+def bench_w4a16_ws_dense(bandwidth: float, quick: bool, shapes: list[tuple[int, int, int]] | None = None) -> list[dict]:
     """The warp-specialized dense kernel (``w4a16_ws_dense``) per decode shape: the best of
     :data:`WS_DENSE_CONFIGS` on natural x (reordered by the kernel's x warps, or with ``X_WARPS`` 0
     by a copy kernel first, as a caller without K-ordered x pays it), that config on x already in
@@ -377,8 +376,9 @@ def bench_w4a16_ws_dense(bandwidth: float, quick: bool) -> list[dict]:
     from megatron_quads.nvfp4.kernels.w4a16_ws_dense import w4a16_ws_linear_into
 
     configs = {",".join(f"{key}={value}" for key, value in cfg.items()) or "default": cfg for cfg in WS_DENSE_CONFIGS}
-    rows = _dense_sweep_rows(bandwidth, WS_DENSE_SHAPES, "ws dense", w4a16_ws_linear_into, lambda k: configs)
-    for r, (m, k, n) in zip(rows, WS_DENSE_SHAPES, strict=True):
+    shapes = shapes or WS_DENSE_SHAPES
+    rows = _dense_sweep_rows(bandwidth, shapes, "ws dense", w4a16_ws_linear_into, lambda k: configs)
+    for r, (m, k, n) in zip(rows, shapes, strict=True):
         _, qw = _weight(n, k)
         x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
         ordered = mma_k_order_rows(x, X_ORDER_BLOCK_K)
@@ -846,7 +846,8 @@ def main() -> None:
                              "w4a16_ws_dense (the warp-specialized dense kernel)")
     parser.add_argument("--render", action="store_true", help="only rewrite kernels_gpu.md from kernels_gpu.json (no GPU)")
     parser.add_argument("--mma-shape", action="append", type=_shape_arg, default=None, metavar="M,K,N",
-                        help="dense shape of the w4a16_mma / w4a16_tma sections instead of their default list (repeatable)")
+                        help="dense shape of the w4a16_mma / w4a16_tma / w4a16_ws_dense sections instead of their default list "
+                             "(repeatable)")
     args = parser.parse_args()
     out = Path(__file__).parent / "results" / "kernels_gpu.json"
     if args.render:
@@ -863,7 +864,7 @@ def main() -> None:
                 "w4a16_mma": lambda: bench_w4a16_mma(bandwidth, args.quick, shapes=args.mma_shape),
                 "w4a16_mma_dense": lambda: bench_w4a16_mma(bandwidth, args.quick, grouped=False, shapes=args.mma_shape),
                 "w4a16_tma": lambda: bench_w4a16_tma(bandwidth, args.quick, shapes=args.mma_shape),
-                "w4a16_ws_dense": lambda: bench_w4a16_ws_dense(bandwidth, args.quick)}
+                "w4a16_ws_dense": lambda: bench_w4a16_ws_dense(bandwidth, args.quick, shapes=args.mma_shape)}
     results = {}
     for name in args.only:
         results[name] = sections[name]()
