@@ -695,17 +695,39 @@ def _launch_options(cfg: dict[str, Any]) -> dict[str, int]:
     return {"num_warps": cfg["num_warps"], **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {})}
 
 
-def compile_offline(cfg: dict[str, Any], n: int, k: int, y_mma_order: bool = False, k2: int = 0,
-                    row_scale: bool = False) -> str:
-    """Compile :func:`_grouped_ws_kernel` for sm_90 without a GPU (``cfg`` a full config, ``[E, n, k]``
-    weights, a ``k2``-column tail and a row scale if given) and return its SASS (cuobjdump of Triton's
-    bundled CUDA tools)."""
+def compile_for_sm90(kernel: Any, meta: dict[str, int], types: dict[str, Any], aligned: tuple[str, ...],
+                     options: dict[str, int]) -> dict[str, str]:
+    """Compile the Gluon ``kernel`` for sm_90 without a GPU: ``meta`` its constexprs, ``types`` the
+    signature of its non-int32 arguments (pointers, descriptors: the rest are i32), ``aligned`` the
+    int32 arguments the GPU launcher would specialize as divisible by 16 (pointers always are).
+    Returns its ``ptx`` and ``sass`` (cuobjdump of Triton's bundled CUDA tools)."""
     import os
     import subprocess
     import tempfile
 
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
+
+    signature = {name: "constexpr" if name in meta else types.get(name, "i32") for name in kernel.arg_names}
+    divisible = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+                 if signature[name].startswith("*") or (signature[name] == "i32" and name in aligned)}
+    source = GluonASTSource(fn=kernel, signature=signature, attrs=divisible,
+                            constexprs={(kernel.arg_names.index(name),): v for name, v in meta.items()})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as directory:
+        cubin = os.path.join(directory, "kernel.cubin")
+        with open(cubin, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", cubin], capture_output=True, text=True,
+                              check=True).stdout
+    return {"ptx": compiled.asm["ptx"], "sass": sass}
+
+
+def compile_offline(cfg: dict[str, Any], n: int, k: int, y_mma_order: bool = False, k2: int = 0,
+                    row_scale: bool = False) -> str:
+    """Compile :func:`_grouped_ws_kernel` for sm_90 without a GPU (``cfg`` a full config, ``[E, n, k]``
+    weights, a ``k2``-column tail and a row scale if given) and return its SASS."""
     from triton.runtime.jit import mangle_type
 
     check_config(cfg, n, k)
@@ -713,23 +735,9 @@ def compile_offline(cfg: dict[str, Any], n: int, k: int, y_mma_order: bool = Fal
                                           torch.empty(16, k + k2, dtype=torch.bfloat16, device="meta"),
                                           torch.empty(2 * n, k // 16, dtype=torch.uint8, device="meta")
                                           if _scale_ring(cfg) else None, cfg)
-    kernel = _grouped_ws_kernel
-    meta = _meta(cfg, y_mma_order, n, 16 * n, k2 > 0, row_scale)
     types = {"w_desc": mangle_type(w_desc), "x_desc": mangle_type(x_desc), "s_desc": mangle_type(s_desc),
              "t_desc": mangle_type(w_desc), "ts_desc": mangle_type(s_desc), "scales_ptr": "*u8", "ws2_ptr": "*fp32",
              "offsets_ptr": "*i32", "sched_ptr": "*i32", "y_ptr": "*bf16", "row_scale_ptr": "*fp32"}
-    signature = {name: "constexpr" if name in meta else types.get(name, "i32") for name in kernel.arg_names}
     # what the launcher specializes on the GPU: pointers, K and the strides divisible by 16
-    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
-               if signature[name] == "i32" and name in ("K", "K2", "stride_se", "stride_sn", "stride_ym")
-               or signature[name].startswith("*")}
-    source = GluonASTSource(fn=kernel, signature=signature, attrs=aligned,
-                            constexprs={(kernel.arg_names.index(name),): v for name, v in meta.items()})
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=_launch_options(cfg))
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.TemporaryDirectory() as directory:
-        cubin = os.path.join(directory, "kernel.cubin")
-        with open(cubin, "wb") as f:
-            f.write(compiled.asm["cubin"])
-        return subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", cubin], capture_output=True, text=True,
-                              check=True).stdout
+    return compile_for_sm90(_grouped_ws_kernel, _meta(cfg, y_mma_order, n, 16 * n, k2 > 0, row_scale), types,
+                            ("K", "K2", "stride_se", "stride_sn", "stride_ym"), _launch_options(cfg))["sass"]

@@ -56,6 +56,7 @@ from megatron_quads.nvfp4.kernels.w4a16_ws import (
     _k_loop,
     _launch_options,
     _store_rows,
+    compile_for_sm90,
     runs_on,
     scales_ring_layout,
     wgmma_layout,
@@ -259,6 +260,8 @@ def _dense_ws_kernel(
     for j in gl.static_range(STAGES):
         mbarrier.init(ready.index(j), count=2 if X_NATURAL else 1)
         mbarrier.init(empty.index(j), count=1)
+    # two calls rather than one with a partition list built by condition: the jit frontend cannot
+    # bind a (function, arguments) tuple to a name
     if X_NATURAL:
         gl.warp_specialize([
             (_mma_partition, (ring_w, ring_x, ring_s, ready, empty, ws2_ptr, y_ptr, partials_ptr, counters_ptr, M, N,
@@ -435,37 +438,16 @@ def w4a16_ws_linear_into(x: torch.Tensor, weight: NVFP4Tensor, out: torch.Tensor
 
 def compile_offline(cfg: dict[str, Any], n: int, k: int, m: int = 16, x_mma_order: bool = False) -> dict[str, str]:
     """Compile :func:`_dense_ws_kernel` for sm_90 without a GPU (``cfg`` as :func:`resolve_config`
-    returns it) and return its ``ptx`` and ``sass`` (cuobjdump of Triton's bundled CUDA tools)."""
-    import os
-    import subprocess
-    import tempfile
-
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
+    returns it) and return its ``ptx`` and ``sass``."""
     from triton.runtime.jit import mangle_type
 
     check_config(cfg, n, k)
+    x_natural = not x_mma_order and cfg["X_WARPS"] > 0
     w_desc, s_desc, x_desc = _descriptors(torch.empty(n, k // 8, dtype=torch.int32, device="meta"),
                                           torch.empty(n, k // 16, dtype=torch.uint8, device="meta"),
-                                          torch.empty(m, k, dtype=torch.bfloat16, device="meta"), cfg)
-    kernel = _dense_ws_kernel
-    x_natural = not x_mma_order and cfg["X_WARPS"] > 0
-    if x_natural:
-        x_desc = w_desc
-    meta = _meta(cfg, n, m * n, x_natural)
+                                          None if x_natural else torch.empty(m, k, dtype=torch.bfloat16, device="meta"),
+                                          cfg)
     types = {"w_desc": mangle_type(w_desc), "x_desc": mangle_type(x_desc), "s_desc": mangle_type(s_desc),
              "x_ptr": "*bf16", "ws2_ptr": "*fp32", "y_ptr": "*bf16", "partials_ptr": "*fp32", "counters_ptr": "*i32"}
-    signature = {name: "constexpr" if name in meta else types.get(name, "i32") for name in kernel.arg_names}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
-               if signature[name].startswith("*") or name in ("stride_xm", "stride_ym")}
-    source = GluonASTSource(fn=kernel, signature=signature, attrs=aligned,
-                            constexprs={(kernel.arg_names.index(name),): v for name, v in meta.items()})
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=_launch_options(cfg))
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.TemporaryDirectory() as directory:
-        cubin = os.path.join(directory, "kernel.cubin")
-        with open(cubin, "wb") as f:
-            f.write(compiled.asm["cubin"])
-        sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", cubin], capture_output=True, text=True,
-                              check=True).stdout
-    return {"ptx": compiled.asm["ptx"], "sass": sass}
+    return compile_for_sm90(_dense_ws_kernel, _meta(cfg, n, m * n, x_natural), types, ("stride_xm", "stride_ym"),
+                            _launch_options(cfg))
