@@ -13,16 +13,20 @@ GEMM for real:
   ``CTAS_PER_SM`` persistent programs an SM; split ``s`` covers the ring steps ``[s q, (s + 1) q)``
   of ``BLOCK_K`` (256) columns, ``q = cdiv(K / BLOCK_K, SPLIT_K)`` (the split count is lowered until
   no split is empty);
-* the loader (:func:`_load_partition`) puts each step's words ``[BN, BK/8]``, scale bytes
-  ``[BN, BK/16]`` and x ``[BM, 64]`` tiles into the ring; the MMA warps run the grouped kernel's
-  K loop (:func:`~megatron_quads.nvfp4.kernels.w4a16_ws._k_loop`) over the split;
+* the loader (:func:`_load_partition`) puts each step's words ``[BN, BK/8]`` and scale bytes
+  ``[BN, BK/16]`` into the ring by TMA; x's ``[BM, 64]`` tiles come by TMA too when the caller
+  passes x in the kernel's K order, else the x warps (:func:`_x_partition`) read natural x and store
+  it in that order; the MMA warps run the grouped kernel's K loop
+  (:func:`~megatron_quads.nvfp4.kernels.w4a16_ws._k_loop`) over the split;
 * without split-K the epilogue stores ``acc * weight_scale_2``; with it each split stores its fp32
   partial, and the last split of an output tile to arrive (a gpu-scope counter, left at zero) sums
   the partials in split order, so the result does not depend on timing: the Triton dense kernel's
   scheme, and its bits where the split boundaries coincide.
 
-x must be in the K order of ``mma_k_order_rows(x, 128)``; :func:`w4a16_ws_linear_into` reorders it
-unless told it already is (``x_mma_order``). Needs ``K % 256 == 0`` and bf16 x and output.
+The wgmma needs x in the K order of ``mma_k_order_rows(x, 128)``: :func:`w4a16_ws_linear_into`
+takes it so (``x_mma_order``) or reorders it (the x warps, or a copy kernel for 32- and 64-row
+tiles). Needs ``K % 256 == 0`` and bf16 x and output. Dispatched by ``w4a16_linear_into`` on sm_90
+up to 16 rows (docs/kernels.md has the measurements).
 """
 
 from __future__ import annotations
@@ -128,7 +132,7 @@ def x_load_layout(x_warps: int) -> gl.BlockedLayout:
 
 @gluon.jit
 def _x_tile_pointers(x_ptr, rows, stride_xm, LOAD: gl.constexpr):
-    """Pointers (and the row mask) of ring x tile 0's natural-order columns for token ``rows``: in a
+    """Pointers to ring x tile 0's natural-order columns ``[16, 4, 2, 8]`` for token ``rows``: in a
     256-wide step, tile ``j`` holds the natural columns ``128 (j // 2) + 16 (j % 2) + 32 t + 8 i + v``
     (``t < 4``, ``i < 2``, ``v < 8``: the K order of ``mma_k_order_rows(x, 128)``); add the step's
     and the tile's column offset."""
