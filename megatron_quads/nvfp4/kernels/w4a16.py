@@ -21,6 +21,7 @@ expert's rows in chunks of ``BLOCK_M``; experts without rows exit after two load
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 from typing import Any
 
@@ -554,29 +555,29 @@ where it runs (sm_90, K a multiple of 256). Benchmarks switch it off to time the
 WS_DENSE_MAX_M = 16
 """The most rows the dense dispatch sends to the warp-specialized kernel: its 16-row token tile with
 x reordered by its x warps. Beyond, the Triton kernel stays (H200, 2026-11-30: at 4096^2 and M = 64
-the warp-specialized kernel took 19.2 us against 14.1)."""
+the warp-specialized kernel took 19.2 us against 14.1 in the 16:49 run, 15.7 against 14.8 at 16:55)."""
 
 
 @functools.cache
-def _warp_specialized_dense() -> Any:
-    """The Gluon module :mod:`~megatron_quads.nvfp4.kernels.w4a16_ws_dense`, or None where this
-    Triton lacks what it needs (as :func:`_warp_specialized`)."""
+def _gluon_module(name: str) -> Any:
+    """The Gluon kernel module ``megatron_quads.nvfp4.kernels.<name>`` (``w4a16_ws``, ``w4a16_ws_dense``),
+    or None where this Triton lacks what it needs (Gluon's warp specialization, Hopper wgmma and
+    TMA: Triton 3.6 has them)."""
     try:
-        from megatron_quads.nvfp4.kernels import w4a16_ws_dense
+        return importlib.import_module(f"megatron_quads.nvfp4.kernels.{name}")
     except (ImportError, AttributeError):
         return None
-    return w4a16_ws_dense
 
 
-@functools.cache
-def _warp_specialized() -> Any:
-    """The Gluon module :mod:`~megatron_quads.nvfp4.kernels.w4a16_ws`, or None where this Triton lacks
-    what it needs (Gluon's warp specialization, Hopper wgmma and TMA: Triton 3.6 has them)."""
-    try:
-        from megatron_quads.nvfp4.kernels import w4a16_ws
-    except (ImportError, AttributeError):
+def warp_specialized_grouped(device: torch.device, k: int, k2: int = 0) -> Any:
+    """The ``w4a16_ws`` module where the grouped dispatch hands it an x-in-K-order call without a
+    config (sm_90, :data:`_WS_DISPATCH` on, K a multiple of 128, a tail of ``k2`` columns it takes:
+    ``w4a16_ws.takes_tail``), else None. The W4A4 + RAC prologue asks it too, to write its values in
+    that kernel's K order."""
+    ws = _gluon_module("w4a16_ws") if _WS_DISPATCH else None
+    if ws is None or k % X_ORDER_BLOCK_K or not ws.runs_on(device) or (k2 and not ws.takes_tail(k, k2)):
         return None
-    return w4a16_ws
+    return ws
 
 
 def _half_tile(args: dict[str, Any]) -> bool:
@@ -724,7 +725,7 @@ def w4a16_linear_into(
         return out
     x2 = _rows_contiguous(x.reshape(-1, k))
     y2 = out.view(-1, n)
-    ws_dense = _warp_specialized_dense() if config is None and _WS_DENSE_DISPATCH else None
+    ws_dense = _gluon_module("w4a16_ws_dense") if config is None and _WS_DENSE_DISPATCH else None
     if ws_dense is not None and x2.shape[0] <= WS_DENSE_MAX_M and y2.stride(1) == 1 and ws_dense.supports(x2, weight):
         ws_dense.w4a16_ws_linear_into(x2, weight, y2)
         return out
@@ -845,10 +846,9 @@ def grouped_w4a16_into(
         raise ValueError(f"y_mma_order needs N % {X_ORDER_BLOCK_K} == 0 (whole K-order blocks), got N={n}")
     if out.numel() == 0:
         return out
-    if x_mma_order and config is None and _WS_DISPATCH:
-        ws = _warp_specialized()
-        if ws is not None and ws.supports(x, k) and (tail is None or ws.takes_tail(k, k2)):
-            return ws.grouped_w4a16_ws_into(x, weight, expert_offsets.to(x.device), out, y_mma_order=y_mma_order,
+    ws = warp_specialized_grouped(x.device, k, k2) if x_mma_order and config is None else None
+    if ws is not None and x.dtype == torch.bfloat16:
+        return ws.grouped_w4a16_ws_into(x, weight, expert_offsets.to(x.device), out, y_mma_order=y_mma_order,
                                             tail=tail, row_scale=row_scale)
     x = _rows_contiguous(x)
     codes, scales = _operands(weight)

@@ -566,12 +566,6 @@ def runs_on(device: torch.device) -> bool:
     return device.type == "cuda" and not _INTERPRET and _hopper(device)
 
 
-def supports(x: torch.Tensor, k: int) -> bool:
-    """Whether :func:`grouped_w4a16_ws_into` can run here: bf16 x on a device it :func:`runs_on`,
-    K a multiple of 128 (x's K order)."""
-    return x.dtype == torch.bfloat16 and k % X_ORDER_BLOCK_K == 0 and runs_on(x.device)
-
-
 def check_config(cfg: dict[str, Any], n: int, k: int) -> None:
     """Raise unless ``cfg`` tiles an ``[N, K]`` expert weight the way :func:`_grouped_ws_kernel` needs."""
     block_m, block_n, block_k, warps = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]

@@ -57,6 +57,7 @@ from megatron_quads.nvfp4.kernels.w4a16 import (
 from megatron_quads.nvfp4.kernels.w4a16_tma import words_ring_layout
 from megatron_quads.nvfp4.kernels.w4a16_ws import (
     X_SUB_K,
+    Y_I32_LIMIT,
     _k_loop,
     _launch_options,
     _store_rows,
@@ -307,9 +308,6 @@ one tile an SM, 21.9 and 27.8)."""
 
 BLOCK_K = 2 * X_ORDER_BLOCK_K
 """The ring step: two 128-blocks of x's K order, and 16 scale bytes a row (TMA rows need 16 bytes)."""
-
-Y_I32_LIMIT = 2**31
-
 
 def default_block_m(m: int) -> int:
     """Tokens per tile: the smallest of 16, 32, 64 holding ``m`` (64 above that: several token tiles)."""

@@ -704,18 +704,6 @@ def rac_linear_kernel(
     return y
 
 
-def _warp_specialized_takes(device: torch.device, k: int, s: int) -> bool:
-    """Whether the grouped W4A16 path's GEMM goes to the warp-specialized kernel (``w4a16_ws``, sm_90,
-    the dispatch on): then the prologue writes the block values in its K order. Needs K a multiple
-    of 128 and a RAC tail of whole 256-wide steps (``w4a16_ws.takes_tail``); otherwise the Triton
-    kernel takes natural-order values."""
-    from megatron_quads.nvfp4.kernels import w4a16
-
-    ws = w4a16._warp_specialized() if w4a16._WS_DISPATCH else None
-    return (ws is not None and k % X_ORDER_BLOCK_K == 0 and ws.runs_on(device)
-            and (s == 0 or ws.takes_tail(k, s)))
-
-
 def grouped_rac_kernel(
     x: torch.Tensor,
     weight: NVFP4Tensor,
@@ -749,9 +737,13 @@ def grouped_rac_kernel(
     offsets = expert_offsets.to(device=x.device, dtype=torch.int32).contiguous()
     if config is None and triton.cdiv(x.shape[0], num_experts) <= W4A16_PATH_ROWS["grouped"]:
         # the grouped W4A16 kernel over the prologue's bf16 block values
-        from megatron_quads.nvfp4.kernels.w4a16 import grouped_w4a16_into
+        from megatron_quads.nvfp4.kernels.w4a16 import (
+            grouped_w4a16_into,
+            warp_specialized_grouped,
+        )
 
-        k_order = _warp_specialized_takes(x.device, weight.shape[-1], ch.shape[1])
+        # the block values in the warp-specialized kernel's K order where it takes the call
+        k_order = warp_specialized_grouped(x.device, weight.shape[-1], ch.shape[1]) is not None
         values, decode = activation_block_values_kernel(x, ch, mode, static_amax, offsets, k_order=k_order)
         grouped_w4a16_into(values, weight, offsets, y, tail=residual_weight if ch.shape[1] else None, row_scale=decode,
                            x_mma_order=k_order)
