@@ -31,6 +31,7 @@ import json
 import statistics
 import warnings
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from unittest import mock
 
@@ -233,9 +234,32 @@ def _weight(n: int, k: int, experts: int | None = None):
     return w, quantize(w, global_amax=amax.float())
 
 
+L2_COLD_BYTES = 150 << 20
+"""Rotated copies of a weight add up to at least this (three times the H200's 50 MB L2) in the
+L2-cold timings: a decode step reads each layer's weights once, while replaying one call many times
+serves an FP4 weight of up to ~50 MB (8192^2: 37.7 MB) from L2."""
+
+
+def l2_cold_copies(nbytes: int) -> int:
+    """How many copies of an ``nbytes`` operand pass :data:`L2_COLD_BYTES` together."""
+    return max(2, -(-L2_COLD_BYTES // nbytes))
+
+
+def rotating(calls: list[Callable[[], object]]) -> Callable[[], object]:
+    """The ``calls`` one after the other, round robin (a CUDA graph of 20 calls captures 20 of them)."""
+    state = {"i": 0}
+
+    def call() -> object:
+        state["i"] = (state["i"] + 1) % len(calls)
+        return calls[state["i"]]()
+
+    return call
+
+
 def bench_w4a16(bandwidth: float, quick: bool) -> list[dict]:
     """Dense decode GEMMs: the dispatched W4A16 kernel (the warp-specialized one on sm_90 up to
-    ``WS_DENSE_MAX_M`` rows) vs cuBLAS BF16 and FP8, and the Triton kernel (``triton_us``)."""
+    ``WS_DENSE_MAX_M`` rows) vs cuBLAS BF16 and FP8, and the Triton kernel (``triton_us``); the
+    dispatched kernel and FP8 also L2-cold (``*_l2_cold_us``: weight copies rotated)."""
     import megatron_quads.nvfp4.kernels.w4a16 as kw
     from megatron_quads.nvfp4.kernels.w4a16 import w4a16_linear_kernel
 
@@ -245,6 +269,8 @@ def bench_w4a16(bandwidth: float, quick: bool) -> list[dict]:
         w, qw = _weight(n, k)
         w8 = w.to(torch.float8_e4m3fn)
         one = torch.ones((), device=DEV)
+        cold_qw = [qw] + [_weight(n, k)[1] for _ in range(l2_cold_copies(n * k // 2 + n * k // 16) - 1)]
+        cold_w8 = [w8] + [_weight(n, k)[0].to(torch.float8_e4m3fn) for _ in range(l2_cold_copies(n * k) - 1)]
         for m in (1, 16, 64) if quick else (1, 4, 16, 32, 64):
             x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
             x8 = torch.randn(max(m, 16), k, device=DEV).to(torch.float8_e4m3fn)
@@ -255,9 +281,15 @@ def bench_w4a16(bandwidth: float, quick: bool) -> list[dict]:
                 t_triton = time_graph(lambda: w4a16_linear_kernel(x, qw))
             tb = time_graph(lambda: x @ w.t())
             t8 = time_graph(lambda: torch._scaled_mm(x8, w8.t(), one, one, out_dtype=torch.bfloat16))
+            t4_cold = time_graph(rotating([partial(w4a16_linear_kernel, x, q) for q in cold_qw]))
+            t8_cold = time_graph(rotating([partial(torch._scaled_mm, x8, w.t(), one, one, out_dtype=torch.bfloat16)
+                                           for w in cold_w8]))
             rows.append(row(f"w4a16 M={m} K={k} N={n}", t4, fp4_bytes, flops, bandwidth, bf16_us=round(tb, 2),
                             fp8_us=round(t8, 2), speedup_vs_fp8=round(t8 / t4, 2), speedup_vs_bf16=round(tb / t4, 2),
-                            triton_us=round(t_triton, 2)))
+                            triton_us=round(t_triton, 2), l2_cold_us=round(t4_cold, 2),
+                            fp8_l2_cold_us=round(t8_cold, 2), speedup_vs_fp8_l2_cold=round(t8_cold / t4_cold, 2),
+                            frac_of_floor_l2_cold=round(fp4_bytes / bandwidth / (t4_cold * 1e-6), 3)))
+        del cold_qw, cold_w8
     return rows
 
 

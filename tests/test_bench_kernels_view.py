@@ -41,3 +41,17 @@ def test_mma_shape_option_parses_three_positive_integers() -> None:
     for bad in ("64,8192", "64,0,8", "a,b,c", "1,2,3,4"):
         with pytest.raises(argparse.ArgumentTypeError, match="expected M,K,N"):
             _shape_arg(bad)
+
+
+def test_l2_cold_copies_pass_three_l2s_and_rotating_visits_every_copy_in_turn() -> None:
+    from bench_kernels import L2_COLD_BYTES, l2_cold_copies, rotating
+
+    fp4_8192 = 8192 * 8192 // 2 + 8192 * 8192 // 16  # 37.7 MB: fits the H200's 50 MB L2 alone
+    copies = l2_cold_copies(fp4_8192)
+    assert copies * fp4_8192 >= L2_COLD_BYTES > (copies - 1) * fp4_8192
+    assert l2_cold_copies(4 * L2_COLD_BYTES) == 2  # never one copy: a replay would reread it
+    seen = []
+    call = rotating([lambda i=i: seen.append(i) for i in range(3)])
+    for _ in range(7):
+        call()
+    assert seen == [1, 2, 0, 1, 2, 0, 1]

@@ -71,6 +71,9 @@ from megatron_quads.nvfp4.kernels.word_layout import rotated_code_words
 from megatron_quads.nvfp4.tensor import NVFP4Tensor
 
 _X_SUB_K = gl.constexpr(X_SUB_K)
+_LOAD_X = gl.constexpr(True)
+"""False only in a timing probe (``benchmarks/diag_ws_dense_floor.py``): the loader then skips the x
+tiles, and the results are garbage."""
 
 
 @gluon.jit
@@ -95,7 +98,7 @@ def _load_partition(w_desc, x_desc, s_desc, ring_w, ring_x, ring_s, ready, empty
     """The loader warp: each of the program's tiles' ring steps (words, scale bytes and, unless
     ``X_NATURAL``, x tiles) by TMA."""
     SUB: gl.constexpr = BLOCK_K // _X_SUB_K
-    X_BYTES: gl.constexpr = 0 if X_NATURAL else SUB * x_desc.block_type.nbytes
+    X_BYTES: gl.constexpr = 0 if (X_NATURAL or not _LOAD_X) else SUB * x_desc.block_type.nbytes
     BYTES: gl.constexpr = w_desc.block_type.nbytes + s_desc.block_type.nbytes + X_BYTES
     step = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
@@ -111,7 +114,7 @@ def _load_partition(w_desc, x_desc, s_desc, ring_w, ring_x, ring_s, ready, empty
             mbarrier.expect(bar, BYTES)  # rows past N or M are zero-filled and counted
             tma.async_copy_global_to_shared(w_desc, [row0, kt * (BLOCK_K // 8)], bar, ring_w.index(stage))
             tma.async_copy_global_to_shared(s_desc, [row0, kt * (BLOCK_K // 16)], bar, ring_s.index(stage))
-            if not X_NATURAL:
+            if not X_NATURAL and _LOAD_X:
                 for j in gl.static_range(SUB):
                     tma.async_copy_global_to_shared(x_desc, [m0, kt * BLOCK_K + j * _X_SUB_K], bar,
                                                     ring_x.index(stage * SUB + j))
