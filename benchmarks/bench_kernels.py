@@ -798,17 +798,21 @@ def _stacked_rac_residual(qw, channels: torch.Tensor, s: int):
 
 
 def bench_rac_ws(bandwidth: float, quick: bool) -> list[dict]:
-    """Grouped W4A4 + RAC at Qwen3-30B-A3B gate/up (the engine's ``quads`` / ``w4a4`` MoE GEMM): the
-    default path (the prologue's block values in the K order, the GEMM on the warp-specialized
-    kernel) against the same call with that dispatch off (natural order, the Triton grouped kernel),
-    checked to agree within the fp32 bound before either is timed."""
+    """Grouped W4A4 + RAC at Qwen3-30B-A3B gate/up and down (the engine's ``quads`` / ``w4a4`` MoE
+    GEMMs): the default path (the prologue's block values in the K order, the GEMM on the
+    warp-specialized kernel, a tail that is not whole 256-column steps widened to them:
+    ``tail_width``) against the same call with that dispatch off (natural order, the Triton grouped
+    kernel), checked to agree within the fp32 bound before either is timed."""
     import megatron_quads.nvfp4.kernels.w4a16 as kw
-    from megatron_quads.nvfp4.kernels.w4a4 import grouped_rac_kernel
+    from megatron_quads.nvfp4.kernels.w4a4 import (
+        TAIL_PAD_MAX_GROWTH,
+        grouped_rac_kernel,
+    )
 
-    experts, topk, k, n = 128, 8, 2048, 1536
-    _, qw = _weight(n, k, experts)
+    experts, topk = 128, 8
     rows = []
-    for tokens in (64, 512):
+    for (proj, k, n), tokens in itertools.product((("gate_up", 2048, 1536), ("down", 768, 2048)), (64, 512)):
+        _, qw = _weight(n, k, experts)
         counts = _routing(tokens, experts, topk)
         offsets = expert_offsets_from_counts(counts)
         x = torch.randn(tokens * topk, k, device=DEV, dtype=torch.bfloat16)
@@ -829,9 +833,11 @@ def bench_rac_ws(bandwidth: float, quick: bool) -> list[dict]:
             t_ws = time_graph(call) if agrees else float("nan")
             active = int((counts > 0).sum())
             nbytes = active * ((n * (k + s)) // 2 + n * (k + s) // 16) + x.shape[0] * (k * 2 + n * 2)
-            rows.append(row(f"grouped w4a4+rac gate_up tokens={tokens} ratio={ratio} (S {s})", t_ws, nbytes,
+            width = kw.warp_specialized_tail_width(x.device, k, s)
+            rows.append(row(f"grouped w4a4+rac {proj} tokens={tokens} ratio={ratio} (S {s})", t_ws, nbytes,
                             2 * x.shape[0] * n * (k + s), bandwidth, triton_natural_us=round(t_triton, 2),
-                            speedup_vs_triton=round(t_triton / t_ws, 2), agrees_with_triton=agrees))
+                            speedup_vs_triton=round(t_triton / t_ws, 2), agrees_with_triton=agrees,
+                            tail_width=width if s and k + width <= TAIL_PAD_MAX_GROWTH * (k + s) else s))
     return rows
 
 

@@ -396,7 +396,7 @@ def _stacked_residual(weight: NVFP4Tensor, channels: torch.Tensor) -> NVFP4Tenso
 
 @pytest.mark.parametrize("w4a16_rows", (1 << 62, 0), ids=("w4a16 path", "rac gemm path"))
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("ratio", (0.0, 0.25, 0.5))  # on the H200 0.0 and 0.5 (S 256) run w4a16_ws, 0.25 Triton
+@pytest.mark.parametrize("ratio", (0.0, 0.25, 0.5))  # on the H200 all run w4a16_ws (0.25: S 128 widened to 256)
 def test_grouped_rac_matches_the_per_expert_reference(
     kernel_device: str, mode: ActivationScale, ratio: float, w4a16_rows: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -447,6 +447,49 @@ def test_grouped_rac_matches_the_per_expert_reference(
         # and the grouped reference itself, within the same bound's order (different summation order)
         reference = grouped_rac_linear(x, weight, offsets, channels, residual, mode, static)
         assert torch.allclose(y.float(), reference.float(), rtol=2**-7, atol=1e-3 * float(reference.float().abs().max()))
+
+
+@pytest.mark.parametrize("s", (96, 192, 384))
+def test_grouped_rac_down_projection_tails_run_widened_on_the_ws_kernel(
+    kernel_device: str, s: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Qwen3-30B-A3B's down projection (K 768): RAC tails of 96, 192 and 384 channels are widened to
+    whole 256-column ring steps (repeated channels, zero ``W_S`` columns) and run on the warp-specialized
+    kernel; every expert's rows match the fp64 product of the reference operands."""
+    from megatron_quads.nvfp4.kernels import w4a16 as w4a16_kernels
+
+    experts, k, n = 8, 768, 256
+    if w4a16_kernels.warp_specialized_tail_width(torch.device(kernel_device), k, s) == 0:
+        pytest.skip("the warp-specialized grouped kernel runs on sm_90 GPUs only")
+    ws = w4a16_kernels._gluon_module("w4a16_ws")
+    tails = []
+    run = ws.grouped_w4a16_ws_into
+
+    def spy(*args, **kwargs):
+        tails.append(kwargs.get("tail"))
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(ws, "grouped_w4a16_ws_into", spy)
+    for j, tokens in enumerate((64, 600)):
+        seed = 700 + s + j
+        counts = _routing(experts, tokens, seed)
+        offsets = expert_offsets_from_counts(counts)
+        x = _activations(tokens, k, torch.bfloat16, seed)
+        weight = _weight(n, k, seed + 1, experts)
+        channels = torch.stack([_channels(k, s / k, seed + 2 + e) for e in range(experts)])
+        residual = _stacked_residual(weight, channels)
+        y = torch.full((tokens, n), float("nan"), dtype=x.dtype, device=kernel_device)
+        grouped_rac_kernel(x.to(kernel_device), weight.to(kernel_device), offsets.to(kernel_device),
+                           channels.to(kernel_device), residual.to(kernel_device), out=y)
+        assert tails and tails[-1] is not None and tails[-1].shape[-1] == 256 * -(-s // 256), "not widened onto ws"
+        y = y.cpu()
+        for e in range(experts):
+            lo, hi = int(offsets[e]), int(offsets[e + 1])
+            if hi == lo:
+                continue
+            a, a_decode, w = rac_operands(x[lo:hi], expert_weight(weight, e), channels[e], expert_weight(residual, e))
+            ref, bound = _gemm_reference(a, a_decode.expand(hi - lo), w, expert_weight(weight, e).weight_scale_2)
+            _assert_close(y[lo:hi], ref, bound)
 
 
 def test_grouped_with_all_tokens_in_one_expert_and_no_tokens(kernel_device: str) -> None:

@@ -580,6 +580,14 @@ def warp_specialized_grouped(device: torch.device, k: int, k2: int = 0) -> Any:
     return ws
 
 
+def warp_specialized_tail_width(device: torch.device, k: int, k2: int) -> int:
+    """The narrowest tail width of at least ``k2`` columns that the warp-specialized grouped kernel
+    takes (``k2`` rounded up to its ring step) where the grouped dispatch hands it calls, else 0."""
+    ws = warp_specialized_grouped(device, k)
+    step = ws.tail_step(k) if ws is not None and k2 else 0
+    return triton.cdiv(k2, step) * step if step else 0
+
+
 def _half_tile(args: dict[str, Any]) -> bool:
     # a dot needs at least 16 columns
     return _HALF_TILE and args["BLOCK_M"] >= 32

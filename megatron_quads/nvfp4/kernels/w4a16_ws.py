@@ -582,11 +582,17 @@ def check_config(cfg: dict[str, Any], n: int, k: int) -> None:
                          "STAGES, BLOCK_N or BLOCK_M")
 
 
-def takes_tail(k: int, k2: int) -> bool:
-    """Whether the default config for ``k`` can run a tail of ``k2`` columns (W4A4 + RAC): the tail's
-    steps need the scale ring (``BLOCK_K`` 256) and whole steps."""
+def tail_step(k: int) -> int:
+    """The ring step a tail (W4A4 + RAC) must fill whole with the default config for ``k``: its
+    ``BLOCK_K`` where the scale bytes come through the ring (256), else 0 (no tail)."""
     cfg = default_config(k)
-    return _scale_ring(cfg) and k2 % cfg["BLOCK_K"] == 0
+    return cfg["BLOCK_K"] if _scale_ring(cfg) else 0
+
+
+def takes_tail(k: int, k2: int) -> bool:
+    """Whether the default config for ``k`` can run a tail of ``k2`` columns: whole :func:`tail_step` steps."""
+    step = tail_step(k)
+    return step > 0 and k2 % step == 0
 
 
 def grouped_w4a16_ws_into(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets: torch.Tensor, out: torch.Tensor,

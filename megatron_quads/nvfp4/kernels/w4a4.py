@@ -22,7 +22,7 @@ residual ``x - (v * s) * ws2`` must round the product before the subtraction, as
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -31,6 +31,7 @@ import triton.language as tl
 from megatron_quads.nvfp4 import BLOCK_SIZE, NVFP4Tensor
 from megatron_quads.nvfp4.format import SUPPORTED_DTYPES
 from megatron_quads.nvfp4.kernels.common import e2m1_to_f32, unpack_e2m1
+from megatron_quads.nvfp4.kernels.derived import derived_tensor
 from megatron_quads.nvfp4.kernels.w4a16 import (
     _X_ORDER_BLOCK,
     X_ORDER_BLOCK_K,
@@ -704,6 +705,35 @@ def rac_linear_kernel(
     return y
 
 
+TAIL_PAD_MAX_GROWTH = 1.25
+"""Most growth of the reduction (``K + S``) that widening the RAC tail to the warp-specialized
+kernel's ring step may cost: the grouped W4A4 + RAC call then runs on that kernel (1.2-1.6x the
+Triton path at Qwen3-30B-A3B gate/up, docs/kernels.md) rather than the Triton one. At the down
+projection (K 768) it covers S = 96, 192 and 384 (growth 1.19, 1.07, 1.11), not S = 16."""
+
+
+def padded_tail(channels: torch.Tensor, residual_weight: NVFP4Tensor,
+                width: int) -> tuple[torch.Tensor, NVFP4Tensor]:
+    """RAC channels ``[E, S]`` and ``W_S [E, N, S]`` widened to ``width`` columns without changing
+    the product: the added channels repeat the last one (finite block values), and ``W_S``'s added
+    columns are zero codes with zero block scales (cached per ``W_S`` while it lives, rebuilt after a
+    weight sync), so each adds exact zeros to the reduction."""
+    s = channels.shape[1]
+    pad = width - s
+    if pad < 0 or pad % BLOCK_SIZE or s == 0:
+        raise ValueError(f"can widen a non-empty tail of {s} channels to a larger multiple of {BLOCK_SIZE}, not {width}")
+    if pad == 0:
+        return channels, residual_weight
+    wide_channels = torch.cat([channels, channels[:, -1:].expand(-1, pad)], dim=1).contiguous()
+    kind = f"zero-padded by {pad} columns"
+    codes = derived_tensor(residual_weight.codes, kind,
+                           lambda: torch.nn.functional.pad(residual_weight.codes, (0, pad // 2)))
+    scales = derived_tensor(residual_weight.scales, kind, lambda: torch.nn.functional.pad(
+        _scales_u8(residual_weight), (0, pad // BLOCK_SIZE)).view(residual_weight.scales.dtype))
+    return wide_channels, replace(residual_weight, codes=codes, scales=scales,
+                                  shape=torch.Size((*residual_weight.shape[:-1], width)))
+
+
 def grouped_rac_kernel(
     x: torch.Tensor,
     weight: NVFP4Tensor,
@@ -740,13 +770,19 @@ def grouped_rac_kernel(
         from megatron_quads.nvfp4.kernels.w4a16 import (
             grouped_w4a16_into,
             warp_specialized_grouped,
+            warp_specialized_tail_width,
         )
 
-        # the block values in the warp-specialized kernel's K order where it takes the call
-        k_order = warp_specialized_grouped(x.device, weight.shape[-1], ch.shape[1]) is not None
+        # the block values in the warp-specialized kernel's K order where it takes the call (after
+        # widening the tail to its ring step where that costs little)
+        k, s = weight.shape[-1], ch.shape[1]
+        tail = residual_weight if s else None
+        width = warp_specialized_tail_width(x.device, k, s)
+        if s and width and k + width <= TAIL_PAD_MAX_GROWTH * (k + s):
+            ch, tail = padded_tail(ch, residual_weight, width)
+        k_order = warp_specialized_grouped(x.device, k, ch.shape[1]) is not None
         values, decode = activation_block_values_kernel(x, ch, mode, static_amax, offsets, k_order=k_order)
-        grouped_w4a16_into(values, weight, offsets, y, tail=residual_weight if ch.shape[1] else None, row_scale=decode,
-                           x_mma_order=k_order)
+        grouped_w4a16_into(values, weight, offsets, y, tail=tail, row_scale=decode, x_mma_order=k_order)
         return y
     act = quantize_activations_kernel(x, ch, mode, static_amax, offsets)
     _launch_gemm(act, weight, residual_weight if ch.shape[1] else None, y, offsets, config)

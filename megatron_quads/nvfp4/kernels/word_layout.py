@@ -21,9 +21,10 @@ same bf16x2 values, in the same output order, as the natural layout's PTX.
 from __future__ import annotations
 
 import functools
-import weakref
 
 import torch
+
+from megatron_quads.nvfp4.kernels.derived import derived_tensor
 
 _ROLE_TARGETS = (6, 7, 8, 15)
 """bf16 bit of the low half that each nibble bit (``m, e0, e1, s``) lands on (the high half: + 16)."""
@@ -74,26 +75,13 @@ def rotated_words(words: torch.Tensor) -> torch.Tensor:
     return (out - ((out >> 31) << 32)).to(torch.int32)  # back to the signed 32-bit view
 
 
-_CACHE: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
-
-
 def rotated_code_words(codes: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
     """:func:`rotated_words` of ``words`` (the int32 view of ``codes``), computed once per ``codes``
-    tensor and kept while it lives: recomputed when ``codes`` was written in place (its version
-    counter moved, e.g. a weight sync) or its storage changed. ``codes`` keys the cache (the kernels'
+    tensor and kept while it lives (:func:`~megatron_quads.nvfp4.kernels.derived.derived_tensor`:
+    rebuilt after an in-place write such as a weight sync). ``codes`` keys the cache (the kernels'
     word views are new tensors each call); the caller makes ``words`` (``w4a16._code_words``, which
     this Triton-free module does not import)."""
-    key = id(codes)
-    cached = _CACHE.get(key)
-    if cached is not None and cached[0]() is codes and cached[1] == codes._version and cached[2] == codes.data_ptr():
-        return cached[3]
-    if words.is_cuda and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("rotated code words must be built before CUDA graph capture: run the layer once eagerly "
-                           "first")
-    rotated = rotated_words(words)
-    _CACHE[key] = (weakref.ref(codes, lambda _, key=key: _CACHE.pop(key, None)), codes._version, codes.data_ptr(),
-                   rotated)
-    return rotated
+    return derived_tensor(codes, "rotated code words", lambda: rotated_words(words))
 
 
 def _rotl(value: int, amount: int) -> int:
