@@ -707,9 +707,11 @@ def rac_linear_kernel(
 
 TAIL_PAD_MAX_GROWTH = 1.25
 """Most growth of the reduction (``K + S``) that widening the RAC tail to the warp-specialized
-kernel's ring step may cost: the grouped W4A4 + RAC call then runs on that kernel (1.2-1.6x the
-Triton path at Qwen3-30B-A3B gate/up, docs/kernels.md) rather than the Triton one. At the down
-projection (K 768) it covers S = 96, 192 and 384 (growth 1.19, 1.07, 1.11), not S = 16."""
+kernel's ring step may cost (a chosen bound): the grouped W4A4 + RAC call then runs on that kernel
+rather than the Triton one. At the down projection (K 768) it covers S = 96, 192 and 384 (growth
+1.19, 1.07, 1.11), not S = 16; measured there at S 96 / 192 (H200, 2026-11-30T18:30, docs/kernels.md):
+1.17-1.40x the Triton path. The widened ``W_S`` is a second copy kept beside the first (Qwen3-30B-A3B
+down at S 96: 37.7 MB a layer against 14.2)."""
 
 
 def padded_tail(channels: torch.Tensor, residual_weight: NVFP4Tensor,
