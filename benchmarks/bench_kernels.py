@@ -269,8 +269,12 @@ def bench_w4a16(bandwidth: float, quick: bool) -> list[dict]:
         w, qw = _weight(n, k)
         w8 = w.to(torch.float8_e4m3fn)
         one = torch.ones((), device=DEV)
-        cold_qw = [qw] + [_weight(n, k)[1] for _ in range(l2_cold_copies(n * k // 2 + n * k // 16) - 1)]
-        cold_w8 = [w8] + [_weight(n, k)[0].to(torch.float8_e4m3fn) for _ in range(l2_cold_copies(n * k) - 1)]
+        cold_qw, cold_w8 = [qw], [w8]  # as many copies as the FP4 bytes need (more than FP8's), each quantized both ways
+        for _ in range(l2_cold_copies(n * k // 2 + n * k // 16) - 1):
+            w_copy, qw_copy = _weight(n, k)
+            cold_qw.append(qw_copy)
+            cold_w8.append(w_copy.to(torch.float8_e4m3fn))
+            del w_copy
         for m in (1, 16, 64) if quick else (1, 4, 16, 32, 64):
             x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
             x8 = torch.randn(max(m, 16), k, device=DEV).to(torch.float8_e4m3fn)

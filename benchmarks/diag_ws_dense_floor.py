@@ -12,8 +12,10 @@ say which part of ``w4a16_ws_linear_into`` holds it. Times only (the probes' out
    4 sub-steps), as many as the 8192^2 GEMM issues, over 256 to 1056 CTAs;
 3. an empty kernel, and the best streaming read of the FP4 weight bytes (codes and scale bytes) with
    the same bytes every call (L2-warm, as ``bench_kernels.py`` times) and with copies rotated so
-   that their total passes the H200's 50 MB L2 (L2-cold);
-4. the dispatched W4A16 kernel and cuBLAS FP8 L2-warm and L2-cold.
+   that their total passes the H200's 50 MB L2 (L2-cold).
+
+The dispatched kernel and cuBLAS FP8 L2-warm and L2-cold are ``bench_kernels.py``'s w4a16 section
+(the first record here, 2026-11-30T18:17, also timed them: ``l2_probes_us``).
 """
 
 from __future__ import annotations
@@ -128,12 +130,9 @@ def wgmma_chains() -> dict[str, float]:
 
 
 def l2_probes() -> dict[str, float | str]:
-    """Probes 3 and 4: the empty kernel, the streaming read, the W4A16 kernel and FP8, L2-warm and cold."""
-    from megatron_quads.nvfp4.kernels.w4a16 import w4a16_linear_into
-
+    """Probe 3: the empty kernel and the streaming read, L2-warm and cold."""
     sink = torch.empty(1 << 20, dtype=torch.int32, device="cuda")
     results: dict[str, float | str] = {"empty kernel": round(time_graph(lambda: _empty_kernel[(1,)](sink)), 2)}
-    one = torch.ones((), device="cuda")
     for m, k, n in SHAPES:
         nbytes = n * k // 2 + n * k // 16
         words = [torch.randint(-2**31, 2**31 - 1, (nbytes // 4,), dtype=torch.int32, device="cuda")
@@ -151,21 +150,7 @@ def l2_probes() -> dict[str, float | str]:
             best = min(times, key=times.get)
             results[f"{shape} read of the {nbytes} FP4 bytes, {name}"] = round(times[best], 2)
             results[f"{shape} read {name} block x iters"] = best
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        x8 = x.to(torch.float8_e4m3fn)
-        out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-        w4a16, fp8 = [], []
-        for _ in range(len(words)):  # as many copies as the FP4 bytes need (more than FP8's)
-            w, qw = _weight(n, k)
-            w8 = w.to(torch.float8_e4m3fn)
-            w4a16.append(partial(w4a16_linear_into, x, qw, out))
-            fp8.append(partial(torch._scaled_mm, x8, w8.t(), one, one, out_dtype=torch.bfloat16))
-            del w
-        results[f"{shape} w4a16 dispatched, L2-warm"] = round(time_graph(w4a16[0]), 2)
-        results[f"{shape} w4a16 dispatched, L2-cold"] = round(time_graph(rotating(w4a16)), 2)
-        results[f"{shape} fp8, L2-warm"] = round(time_graph(fp8[0]), 2)
-        results[f"{shape} fp8, L2-cold"] = round(time_graph(rotating(fp8)), 2)
-        del words, w4a16, fp8
+        del words
     return results
 
 

@@ -66,10 +66,9 @@ def test_widening_rejects_narrower_or_unaligned_widths() -> None:
     assert padded_tail(channels, residual, 16) == (channels, residual)
 
 
+@pytest.mark.skipif(w4a16._gluon_module("w4a16_ws") is None, reason="this Triton has no Gluon warp specialization")
 def test_tail_width_rounds_up_to_the_ring_step_where_the_ws_kernel_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     ws = w4a16._gluon_module("w4a16_ws")
-    if ws is None:
-        pytest.skip("this Triton has no Gluon warp specialization")
     cpu = torch.device("cpu")
     assert w4a16.warp_specialized_tail_width(cpu, 768, 96) == 0  # not an sm_90 GPU
     monkeypatch.setattr(ws, "runs_on", lambda device: True)
