@@ -7,7 +7,11 @@ say which part of ``w4a16_ws_linear_into`` holds it. Times only (the probes' out
 
 1. ablations, each in a fresh process (the patched globals are compile-time constants of the
    kernel): the dequantization PTX replaced by register moves (``no_dequant``), the loader skipping
-   the x tiles (``no_x``), and both; natural x (the x warps reorder it) and x already in K order;
+   the x tiles (``no_x``), both, and all of that with the wgmma and their waits removed as well
+   (``no_mma``: what is left is the TMA ring of code words and scale bytes, its mbarrier handshakes
+   and the split-K epilogue); natural x (the x warps reorder it) and x already in K order, L2-warm
+   and L2-cold (weight copies rotated), with the dispatched config and with a deep ring
+   (:data:`DEEP_RING`: the ring-only probe's fastest of a one-off sweep);
 2. register-A wgmma chains alone (``m64 x BM x k16``, eight a 128-column sub-step, waited every 1 or
    4 sub-steps), as many as the 8192^2 GEMM issues, over 256 to 1056 CTAs;
 3. an empty kernel, and the best streaming read of the FP4 weight bytes (codes and scale bytes) with
@@ -47,7 +51,11 @@ from megatron_quads.nvfp4.kernels.w4a16_ws import wgmma_layout, x_tile_layout
 OUT = Path(__file__).parent / "results" / "diag_ws_dense_floor.json"
 SHAPES = [(16, 8192, 8192), (16, 4096, 4096)]
 """(M, K, N) of the ablations and the L2 probes."""
-ABLATIONS = ["none", "no_dequant", "no_x", "no_dequant,no_x"]
+ABLATIONS = ["none", "no_dequant", "no_x", "no_dequant,no_x", "no_dequant,no_x,no_mma"]
+DEEP_RING = {"STAGES": 8, "CTAS_PER_SM": 1, "SPLIT_K": 1}
+"""One program an SM with 8 ring stages and no split (a tile a program): the fastest ring-only
+config of a one-off H200 sweep of stages (3-12), CTAs an SM (1-3), splits (1-4), BLOCK_N 64/128 and
+tile-major weights (2026-11-30 ~20:15: 11.80 us L2-cold at 8192^2, against 14.6 for the default)."""
 MOVES_PTX = "{\nmov.b32 {$0, $1}, $8;\nmov.b32 {$2, $3}, $8;\nmov.b32 {$4, $5}, $9;\nmov.b32 {$6, $7}, $9;\n}"
 """The ``no_dequant`` stand-in for the word decode: the operand registers filled by moves."""
 
@@ -80,6 +88,18 @@ def _empty_kernel(out_ptr):
     pass
 
 
+@gluon.jit
+def _no_mma(a, b, acc, is_async: gl.constexpr):
+    """The ``no_mma`` stand-in for ``warpgroup_mma``: the accumulator as it was."""
+    return acc
+
+
+@gluon.jit
+def _no_mma_wait(num_outstanding: gl.constexpr, deps):
+    """The ``no_mma`` stand-in for ``warpgroup_mma_wait``."""
+    return deps[0]
+
+
 @triton.jit
 def _read_kernel(src_ptr, out_ptr, n_words, BLOCK: tl.constexpr, ITERS: tl.constexpr):
     """Each program xors ``ITERS`` blocks of int32 words and stores one word: a streaming read."""
@@ -91,27 +111,48 @@ def _read_kernel(src_ptr, out_ptr, n_words, BLOCK: tl.constexpr, ITERS: tl.const
     tl.store(out_ptr + tl.program_id(0), tl.xor_sum(acc, 0))
 
 
-def run_ablation(names: str) -> dict[str, float]:
-    """Time ``w4a16_ws_linear_into`` with the probes in ``names`` applied (this process only)."""
+def apply_ablation(names: str) -> None:
+    """Patch the kernels' compile-time globals for the probes in ``names`` (comma-separated, from
+    :data:`ABLATIONS`), for the rest of this process."""
     import megatron_quads.nvfp4.kernels.w4a16_ws as ws
     import megatron_quads.nvfp4.kernels.w4a16_ws_dense as ws_dense
 
+    unknown = set(names.split(",")) - {"none", "no_dequant", "no_x", "no_mma"}
+    if unknown:
+        raise ValueError(f"unknown probe(s) {sorted(unknown)}: use none, no_dequant, no_x, no_mma")
     if "no_dequant" in names:
         ws._DEQUANT_WORD_PTX = gl.constexpr(MOVES_PTX)
     if "no_x" in names:
         ws_dense._LOAD_X = gl.constexpr(False)
+    if "no_mma" in names:
+        ws.warpgroup_mma = _no_mma
+        ws.warpgroup_mma_wait = _no_mma_wait
+
+
+def run_ablation(names: str) -> dict[str, float]:
+    """Time ``w4a16_ws_linear_into`` with the probes in ``names`` applied (this process only)."""
+    import megatron_quads.nvfp4.kernels.w4a16_ws_dense as ws_dense
     from megatron_quads.nvfp4.kernels.w4a16 import X_ORDER_BLOCK_K, mma_k_order_rows
+
+    apply_ablation(names)
 
     results = {}
     torch.manual_seed(0)
     for m, k, n in SHAPES:
-        _, qw = _weight(n, k)
+        copies = [_weight(n, k)[1] for _ in range(l2_cold_copies(n * k // 2 + n * k // 16))]
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         ordered = mma_k_order_rows(x, X_ORDER_BLOCK_K)
         out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-        results[f"{m}x{k}x{n} natural x"] = time_graph(partial(ws_dense.w4a16_ws_linear_into, x, qw, out))
-        results[f"{m}x{k}x{n} x in K order"] = time_graph(
-            partial(ws_dense.w4a16_ws_linear_into, ordered, qw, out, x_mma_order=True))
+        for config_name, config in (("", None), (", deep ring", DEEP_RING)):
+            for x_name, x_in, x_kwargs in (("natural x", x, {}), ("x in K order", ordered, {"x_mma_order": True})):
+                calls = [partial(ws_dense.w4a16_ws_linear_into, x_in, q, out, config=config, **x_kwargs)
+                         for q in copies]
+                for call in calls:
+                    call()  # each copy's first call outside the timed graphs
+                key = f"{m}x{k}x{n} {x_name}{config_name}"
+                results[key] = time_graph(calls[0])
+                results[key + ", L2-cold"] = time_graph(rotating(calls))
+        del copies
     return {key: round(t, 2) for key, t in results.items()}
 
 
