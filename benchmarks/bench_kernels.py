@@ -111,7 +111,7 @@ def row(case: str, us: float, nbytes: float, flops: float, bandwidth: float, **e
 
 def bench_quantize(bandwidth: float, size: int) -> list[dict]:
     """Quantize / fake-quant throughput of a size x size bf16 tensor."""
-    from megatron_quads.nvfp4.kernels.quantize import fake_quant_kernel, quantize_kernel
+    from megatron_quads.nvfp4.quantize_kernel import fake_quant_kernel, quantize_kernel
 
     x = torch.randn(size, size, device=DEV, dtype=torch.bfloat16)
     amax = x.abs().amax().float()
@@ -125,7 +125,7 @@ def bench_quantize(bandwidth: float, size: int) -> list[dict]:
         row("fake quant 1x16", time_graph(lambda: fake_quant_kernel(x, amax), calls=5), n * 4, 0, bandwidth),
     ]
     from megatron_quads.nvfp4.fused import fake_quant_values
-    from megatron_quads.nvfp4.kernels import reference_path
+    from megatron_quads.nvfp4.backend import reference_path
 
     with reference_path():
         rows.append(row("fake quant 1x16, torch reference", time_graph(lambda: fake_quant_values(x, amax), calls=2), n * 4, 0, bandwidth))
@@ -137,7 +137,7 @@ def bench_quantize(bandwidth: float, size: int) -> list[dict]:
 
 def bench_quantize_tiles(bandwidth: float, size: int) -> list[dict]:
     """Quantize (1x16 and 16x16) / fake quant of a size x size bf16 tensor with each tile and loop config (the defaults' evidence)."""
-    import megatron_quads.nvfp4.kernels.quantize as kq
+    import megatron_quads.nvfp4.quantize_kernel as kq
 
     x = torch.randn(size, size, device=DEV, dtype=torch.bfloat16)
     amax = x.abs().amax().float()
@@ -161,7 +161,7 @@ def bench_quantize_tiles(bandwidth: float, size: int) -> list[dict]:
 def _tile_scale_rows(x: torch.Tensor, amax: torch.Tensor, q_bytes: int, bandwidth: float) -> list[dict]:
     """16x16 quantize with each tile's scale computed once (``quantize._tile_scales_enabled``, the default
     where a tile's rows share their amax) beside once per row, on the default tile and two others."""
-    import megatron_quads.nvfp4.kernels.quantize as kq
+    import megatron_quads.nvfp4.quantize_kernel as kq
 
     rows = []
     for config in [None, (16, 16, 4), (16, 16, 2)]:
@@ -180,7 +180,7 @@ def _tile_scale_rows(x: torch.Tensor, amax: torch.Tensor, q_bytes: int, bandwidt
 def _direct_store_rows(x: torch.Tensor, amax: torch.Tensor, q_bytes: int, bandwidth: float) -> list[dict]:
     """16-row tiles (1x16 and 16x16) with the PTX codes and direct stores (``quantize._fast_max_rows``),
     each beside Triton's arithmetic and stores in the same run."""
-    import megatron_quads.nvfp4.kernels.quantize as kq
+    import megatron_quads.nvfp4.quantize_kernel as kq
 
     rows = []
     for block_2d, config in [(False, (16, 8, 4)), (False, (16, 16, 4)), (True, (16, 8, 4)), (True, (16, 16, 4)),
@@ -197,7 +197,7 @@ def _direct_store_rows(x: torch.Tensor, amax: torch.Tensor, q_bytes: int, bandwi
 
 def _loop_rows(x: torch.Tensor, amax: torch.Tensor, q_bytes: int, bandwidth: float) -> list[dict]:
     """Quantize with each persistent-loop config (``quantize._loop_config``), 1x16 and 16x16 default tiles."""
-    import megatron_quads.nvfp4.kernels.quantize as kq
+    import megatron_quads.nvfp4.quantize_kernel as kq
 
     rows = []
     for loop in [(16, 0), (32, 0), (16, 1), (32, 1), (64, 1), (1 << 20, 0)]:
@@ -212,7 +212,7 @@ def _loop_rows(x: torch.Tensor, amax: torch.Tensor, q_bytes: int, bandwidth: flo
 def _k_major_rows(x: torch.Tensor, amax: torch.Tensor, q_bytes: int, bandwidth: float) -> list[dict]:
     """Quantize with the K-major program order (``quantize._k_major``) on the tiles where the default
     order runs down many rows of a narrow column slice, each beside the default order in the same run."""
-    import megatron_quads.nvfp4.kernels.quantize as kq
+    import megatron_quads.nvfp4.quantize_kernel as kq
 
     rows = []
     for block_2d, config in [(False, (1, 128, 4)), (False, (4, 16, 4)), (False, (16, 16, 4)), (True, (16, 16, 4)),
@@ -260,8 +260,8 @@ def bench_w4a16(bandwidth: float, quick: bool) -> list[dict]:
     """Dense decode GEMMs: the dispatched W4A16 kernel (the warp-specialized one on sm_90 up to
     ``WS_DENSE_MAX_M`` rows) vs cuBLAS BF16 and FP8, and the Triton kernel (``triton_us``); the
     dispatched kernel and FP8 also L2-cold (``*_l2_cold_us``: weight copies rotated)."""
-    import megatron_quads.nvfp4.kernels.w4a16 as kw
-    from megatron_quads.nvfp4.kernels.w4a16 import w4a16_linear_kernel
+    import megatron_quads.kernels.w4a16 as kw
+    from megatron_quads.kernels.w4a16 import w4a16_linear_kernel
 
     rows = []
     shapes = [(4096, 4096), (8192, 8192)] if quick else [(2048, 2048), (4096, 4096), (8192, 8192), (2048, 8192), (8192, 2048)]
@@ -368,8 +368,8 @@ def _dense_sweep_rows(bandwidth: float, shapes: list[tuple[int, int, int]], labe
     """Per shape: the best of ``configs(K)`` for ``run_into(x, weight, out, config)`` (each checked
     against the Triton kernel first; all under ``sweep``) beside the Triton W4A16 kernel and cuBLAS
     FP8 / BF16 in the same run."""
-    import megatron_quads.nvfp4.kernels.w4a16 as kw
-    from megatron_quads.nvfp4.kernels.w4a16 import w4a16_linear_kernel
+    import megatron_quads.kernels.w4a16 as kw
+    from megatron_quads.kernels.w4a16 import w4a16_linear_kernel
 
     rows = []
     for m, k, n in shapes:
@@ -408,8 +408,8 @@ def bench_w4a16_ws_dense(bandwidth: float, quick: bool, shapes: list[tuple[int, 
     by a copy kernel first, as a caller without K-ordered x pays it), that config on x already in
     the K order (TMA), and the copy kernel's reordering alone, beside the Triton kernel, cuBLAS FP8
     and BF16 (``_dense_sweep_rows``)."""
-    from megatron_quads.nvfp4.kernels.w4a16 import X_ORDER_BLOCK_K, mma_k_order_rows
-    from megatron_quads.nvfp4.kernels.w4a16_ws_dense import w4a16_ws_linear_into
+    from megatron_quads.kernels.w4a16 import X_ORDER_BLOCK_K, mma_k_order_rows
+    from megatron_quads.kernels.w4a16_ws_dense import w4a16_ws_linear_into
 
     configs = {",".join(f"{key}={value}" for key, value in cfg.items()) or "default": cfg for cfg in WS_DENSE_CONFIGS}
     shapes = shapes or WS_DENSE_SHAPES
@@ -433,7 +433,7 @@ def bench_w4a16_mma(bandwidth: float, quick: bool, grouped: bool = True,
     kernel and cuBLAS FP8 / BF16 (:func:`_dense_sweep_rows`; ``quick`` leaves the weight-ring
     configs out); the grouped kernel's rows unless ``grouped=False``; ``shapes`` ((M, K, N) each)
     replaces the dense shapes."""
-    from megatron_quads.nvfp4.kernels.w4a16_mma import w4a16_mma_linear_into
+    from megatron_quads.kernels.w4a16_mma import w4a16_mma_linear_into
 
     rows = _dense_sweep_rows(bandwidth, shapes or DENSE_DECODE_SHAPES[:3 if quick else None], "mma",
                              w4a16_mma_linear_into, lambda k: _mma_sweep(k, staged=not quick))
@@ -449,7 +449,7 @@ through the ring (1) for the small CTAs, the shared x slice (0) where several wa
 
 def bench_w4a16_tma(bandwidth: float, quick: bool, shapes: list[tuple[int, int, int]] | None = None) -> list[dict]:
     """The experimental TMA-ring Gluon decode kernel (``w4a16_tma``), as :func:`bench_w4a16_mma`'s dense rows."""
-    from megatron_quads.nvfp4.kernels.w4a16_tma import w4a16_tma_linear_into
+    from megatron_quads.kernels.w4a16_tma import w4a16_tma_linear_into
 
     def configs(k: int) -> dict[str, dict]:
         return {f"{bn}x{bk} w{warps} st{stages}" + (" xr" if x_ring else " xs") + f" s{split}"
@@ -466,8 +466,8 @@ def bench_w4a16_tma(bandwidth: float, quick: bool, shapes: list[tuple[int, int, 
 def _grouped_mma_rows(bandwidth: float, quick: bool) -> list[dict]:
     """The Gluon grouped kernel at Qwen3-30B-A3B gate/up shapes against the Triton grouped kernel
     and BF16 ``torch._grouped_mm``, best of a config sweep (token tile 8 / 16 / 32 included)."""
-    from megatron_quads.nvfp4.kernels.w4a16 import grouped_w4a16_kernel
-    from megatron_quads.nvfp4.kernels.w4a16_mma import grouped_w4a16_mma_into
+    from megatron_quads.kernels.w4a16 import grouped_w4a16_kernel
+    from megatron_quads.kernels.w4a16_mma import grouped_w4a16_mma_into
 
     experts, topk, n, k = 128, 8, 1536, 2048
     w, qw = _weight(n, k, experts)
@@ -503,7 +503,7 @@ def _routing(tokens: int, experts: int, topk: int) -> torch.Tensor:
 def _token_tile_sweep(call) -> dict[str, float]:
     """``call`` timed with each token tile of the grouped kernel (``_grouped_block_m`` pinned; the
     autotuner then picks the weight tile per token tile): the evidence for its default."""
-    import megatron_quads.nvfp4.kernels.w4a16 as kw
+    import megatron_quads.kernels.w4a16 as kw
 
     times = {}
     for block_m in (16, 32, 64):
@@ -514,7 +514,7 @@ def _token_tile_sweep(call) -> dict[str, float]:
 
 def bench_grouped(bandwidth: float, quick: bool) -> list[dict]:
     """Grouped MoE W4A16 at Qwen3-30B-A3B expert shapes vs BF16 torch._grouped_mm (and each token tile)."""
-    from megatron_quads.nvfp4.kernels.w4a16 import (
+    from megatron_quads.kernels.w4a16 import (
         X_ORDER_BLOCK_K,
         grouped_w4a16_kernel,
         mma_k_order_rows,
@@ -562,7 +562,7 @@ def _full_tile_times(x: torch.Tensor, ordered_x: torch.Tensor, qw, offsets: torc
     """The autotuned grouped kernel (on ``x``, and on ``ordered_x``: x in its K order) with the
     half-width token tile for small experts switched off (``w4a16._HALF_TILE``; the same configs,
     picked with it on): its evidence."""
-    import megatron_quads.nvfp4.kernels.w4a16 as kw
+    import megatron_quads.kernels.w4a16 as kw
 
     calls = {"full_tile_us": lambda: kw.grouped_w4a16_kernel(x, qw, offsets),
              "x_mma_order_full_tile_us": lambda: kw.grouped_w4a16_kernel(ordered_x, qw, offsets, x_mma_order=True)}
@@ -577,7 +577,7 @@ def bench_moe_layer(bandwidth: float, quick: bool) -> list[dict]:
     """The engine's grouped MoE layer (``GroupedExperts``, W4A16 / ``aqat``) at Qwen3-30B-A3B expert
     shapes, routing and gather included, with the kernels' K orders (x before the gather, gate/up
     writing the down input in it) against all natural (``X_ORDER_MIN_ROWS_PER_EXPERT`` raised)."""
-    import megatron_quads.nvfp4.kernels.w4a16 as kw
+    import megatron_quads.kernels.w4a16 as kw
     import megatron_quads.rollout.grouped as grouped_module
     from megatron_quads.rollout.grouped_experts import GroupedExperts, GroupedProjection
     from megatron_quads.rollout.precision import Precision
@@ -626,8 +626,8 @@ def _x_mma_order_sweep(x: torch.Tensor, ordered_x: torch.Tensor, qw, offsets: to
     before the MoE gather, which is where :class:`~megatron_quads.rollout.grouped_experts.GroupedExperts`
     does it); and the tuned call writing its output in that order too (``y_mma_order``, what gate/up
     does for the down projection)."""
-    import megatron_quads.nvfp4.kernels.w4a16 as kw
-    from megatron_quads.nvfp4.kernels.w4a16 import (
+    import megatron_quads.kernels.w4a16 as kw
+    from megatron_quads.kernels.w4a16 import (
         grouped_w4a16_into,
         grouped_w4a16_kernel,
         mma_k_order_rows,
@@ -674,7 +674,7 @@ WS_CONFIGS = [
     {"BLOCK_N": 256, "num_warps": 16, "BLOCK_K": 128, "STAGES": 3, "CTAS_PER_SM": 1, "maxnreg": 0, "SCALE_RING": 0},
 ]
 """Configs of the warp-specialized grouped kernel (``w4a16_ws``) timed by ``--only grouped_ws``, over
-its defaults (:func:`~megatron_quads.nvfp4.kernels.w4a16_ws.default_config`)."""
+its defaults (:func:`~megatron_quads.kernels.w4a16_ws.default_config`)."""
 
 
 def bench_grouped_ws(bandwidth: float, quick: bool) -> list[dict]:
@@ -683,13 +683,13 @@ def bench_grouped_ws(bandwidth: float, quick: bool) -> list[dict]:
     kernel on the same x (its autotuner) and BF16 ``torch._grouped_mm``."""
     from triton.errors import TritonError
 
-    import megatron_quads.nvfp4.kernels.w4a16 as kw
-    from megatron_quads.nvfp4.kernels.w4a16 import (
+    import megatron_quads.kernels.w4a16 as kw
+    from megatron_quads.kernels.w4a16 import (
         X_ORDER_BLOCK_K,
         grouped_w4a16_kernel,
         mma_k_order_rows,
     )
-    from megatron_quads.nvfp4.kernels.w4a16_ws import grouped_w4a16_ws_into
+    from megatron_quads.kernels.w4a16_ws import grouped_w4a16_ws_into
 
     named_configs = {",".join(f"{key}={value}" for key, value in cfg.items()) or "default": cfg for cfg in WS_CONFIGS}
     rows = []
@@ -734,7 +734,7 @@ def bench_grouped_ws(bandwidth: float, quick: bool) -> list[dict]:
 def _both_rac_paths(call, kind: str) -> tuple[float, float]:
     """``call`` timed on the W4A16 path (prologue bf16 block values + W4A16 kernel) and on the RAC GEMM
     (``W4A16_PATH_ROWS[kind]`` forced either way): the evidence for the default thresholds."""
-    import megatron_quads.nvfp4.kernels.w4a4 as kw
+    import megatron_quads.kernels.w4a4 as kw
 
     with mock.patch.dict(kw.W4A16_PATH_ROWS, {kind: 1 << 62}):
         via_w4a16 = time_graph(call, calls=10)
@@ -746,7 +746,7 @@ def _both_rac_paths(call, kind: str) -> tuple[float, float]:
 def bench_rac(bandwidth: float, quick: bool) -> list[dict]:
     """W4A4 + RAC against plain emulated W4A4, dense and grouped, per residual ratio; each case on both
     GEMM paths (``us`` is the one the default ``W4A16_PATH_ROWS`` picks)."""
-    from megatron_quads.nvfp4.kernels.w4a4 import (
+    from megatron_quads.kernels.w4a4 import (
         W4A16_PATH_ROWS,
         grouped_rac_kernel,
         rac_linear_kernel,
@@ -807,8 +807,8 @@ def bench_rac_ws(bandwidth: float, quick: bool) -> list[dict]:
     warp-specialized kernel, a tail that is not whole 256-column steps widened to them:
     ``tail_width``) against the same call with that dispatch off (natural order, the Triton grouped
     kernel), checked to agree within the fp32 bound before either is timed."""
-    import megatron_quads.nvfp4.kernels.w4a16 as kw
-    from megatron_quads.nvfp4.kernels.w4a4 import (
+    import megatron_quads.kernels.w4a16 as kw
+    from megatron_quads.kernels.w4a4 import (
         TAIL_PAD_MAX_GROWTH,
         grouped_rac_kernel,
     )

@@ -3,7 +3,7 @@
     python benchmarks/diag_grouped_w4a16.py            # appends a record to results/diag_grouped_w4a16.json
     COMPILE_ONLY=1 python benchmarks/diag_grouped_w4a16.py   # compiles each variant for sm_90 only (no GPU)
 
-Each variant is a source-transformed copy of ``megatron_quads/nvfp4/kernels/w4a16.py`` (the kernel
+Each variant is a source-transformed copy of ``megatron_quads/kernels/w4a16.py`` (the kernel
 itself is untouched), run through that copy's ``grouped_w4a16_into`` with one fixed config on x in
 the kernel's K order, at Qwen3-30B-A3B expert shapes and 512 tokens (top-8 of 128 experts):
 
@@ -27,7 +27,7 @@ from kernel_variants import load_source_module, replace_anchor
 from results_io import append_record
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE = (ROOT / "megatron_quads/nvfp4/kernels/w4a16.py").read_text()
+SOURCE = (ROOT / "megatron_quads/kernels/w4a16.py").read_text()
 OUT = Path(__file__).parent / "results" / "diag_grouped_w4a16.json"
 VARIANTS = ("real", "nodq", "nox")
 
@@ -66,7 +66,7 @@ def _time_case(modules: dict, proj: str, n: int, k: int, tokens: int = 512) -> d
     """One projection: every variant, half tile on and off, on the same operands."""
     from bench_kernels import _routing, _weight, time_graph
 
-    from megatron_quads.nvfp4.kernels import w4a16 as library
+    from megatron_quads.kernels import w4a16 as library
     from megatron_quads.rollout.grouped import expert_offsets_from_counts
 
     experts, top_k = 128, 8

@@ -3,7 +3,7 @@
     python benchmarks/diag_w4a16_mma.py            # appends a record to results/diag_w4a16_mma.json
     COMPILE_ONLY=1 python benchmarks/diag_w4a16_mma.py   # compiles each variant for sm_90 only (no GPU)
 
-Each variant is a source-transformed copy of ``megatron_quads/nvfp4/kernels/w4a16_mma.py`` (the
+Each variant is a source-transformed copy of ``megatron_quads/kernels/w4a16_mma.py`` (the
 kernel itself is untouched), timed by CUDA-graph replay beside the real kernel:
 
 - ``real R=r``: the real kernel with x repeated ``r`` times, program ``i`` reading copy ``i mod r``
@@ -29,7 +29,7 @@ from kernel_variants import load_source_module, replace_anchor
 from results_io import append_record
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE = (ROOT / "megatron_quads/nvfp4/kernels/w4a16_mma.py").read_text()
+SOURCE = (ROOT / "megatron_quads/kernels/w4a16_mma.py").read_text()
 OUT = Path(__file__).parent / "results" / "diag_w4a16_mma.json"
 
 _SIGNATURE = "STAGES: gl.constexpr, X_STEPS: gl.constexpr,\n):"
@@ -96,7 +96,7 @@ def _time_case(modules: dict, shape: tuple[int, int, int], config: tuple[int, in
     """One shape and tile config: each ``(variant, replicas)`` launched and timed on the same operands."""
     from bench_kernels import _weight, time_graph
 
-    from megatron_quads.nvfp4.kernels import w4a16 as triton_w4a16
+    from megatron_quads.kernels import w4a16 as triton_w4a16
 
     (m, k, n), (bn, bk, split, warps, x_smem, maxnreg) = shape, config
     _, qw = _weight(n, k)

@@ -44,8 +44,8 @@ def as_experts(x: torch.Tensor, w: torch.Tensor, splits: int):
 
 def main() -> None:
     """Time every split and config; append one record."""
-    from megatron_quads.nvfp4.kernels.w4a16 import mma_k_order_rows, w4a16_linear_kernel
-    from megatron_quads.nvfp4.kernels.w4a16_ws import grouped_w4a16_ws_into
+    from megatron_quads.kernels.w4a16 import mma_k_order_rows, w4a16_linear_kernel
+    from megatron_quads.kernels.w4a16_ws import grouped_w4a16_ws_into
     from megatron_quads.nvfp4.quantize import quantize
 
     torch.manual_seed(0)

@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from megatron_quads.nvfp4.kernels.w4a16_ws import wgmma_layout, x_tile_layout
+from megatron_quads.kernels.w4a16_ws import wgmma_layout, x_tile_layout
 
 OUT = Path(__file__).parent / "results" / "diag_ws_dense_floor.json"
 SHAPES = [(16, 8192, 8192), (16, 4096, 4096)]
@@ -114,8 +114,8 @@ def _read_kernel(src_ptr, out_ptr, n_words, BLOCK: tl.constexpr, ITERS: tl.const
 def apply_ablation(names: str) -> None:
     """Patch the kernels' compile-time globals for the probes in ``names`` (comma-separated, from
     :data:`ABLATIONS`), for the rest of this process."""
-    import megatron_quads.nvfp4.kernels.w4a16_ws as ws
-    import megatron_quads.nvfp4.kernels.w4a16_ws_dense as ws_dense
+    import megatron_quads.kernels.w4a16_ws as ws
+    import megatron_quads.kernels.w4a16_ws_dense as ws_dense
 
     known = {name for combination in ABLATIONS for name in combination.split(",")}
     unknown = set(names.split(",")) - known
@@ -132,8 +132,8 @@ def apply_ablation(names: str) -> None:
 
 def run_ablation(names: str) -> dict[str, float]:
     """Time ``w4a16_ws_linear_into`` with the probes in ``names`` applied (this process only)."""
-    import megatron_quads.nvfp4.kernels.w4a16_ws_dense as ws_dense
-    from megatron_quads.nvfp4.kernels.w4a16 import X_ORDER_BLOCK_K, mma_k_order_rows
+    import megatron_quads.kernels.w4a16_ws_dense as ws_dense
+    from megatron_quads.kernels.w4a16 import X_ORDER_BLOCK_K, mma_k_order_rows
 
     apply_ablation(names)
 

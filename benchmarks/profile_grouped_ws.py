@@ -7,7 +7,7 @@
 
 ``PROJ=down`` takes the down projection (N 2048, K 768) instead of gate/up (N 1536, K 2048); the
 session-13 profile ran ``ncu --clock-control none --set full -k regex:_grouped_ws_kernel -c 1 -s 2``
-on both. ``CFG`` is a JSON config over :func:`~megatron_quads.nvfp4.kernels.w4a16_ws.default_config`; the
+on both. ``CFG`` is a JSON config over :func:`~megatron_quads.kernels.w4a16_ws.default_config`; the
 session-11 profile in docs/kernels.md took the one above (2 CTAs an SM, ``maxnreg`` 80 as the default)
 and ``{"BLOCK_N": 64, "num_warps": 4, "BLOCK_K": 128, "STAGES": 3, "CTAS_PER_SM": 3}``. Four launches;
 ``-s 2`` skips the first two (compilation, warm-up).
@@ -21,8 +21,8 @@ import os
 import torch
 from bench_kernels import _routing, _weight
 
-from megatron_quads.nvfp4.kernels.w4a16 import mma_k_order_rows
-from megatron_quads.nvfp4.kernels.w4a16_ws import grouped_w4a16_ws_into
+from megatron_quads.kernels.w4a16 import mma_k_order_rows
+from megatron_quads.kernels.w4a16_ws import grouped_w4a16_ws_into
 from megatron_quads.rollout.grouped import expert_offsets_from_counts
 
 

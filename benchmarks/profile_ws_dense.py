@@ -15,8 +15,8 @@ import os
 import torch
 from bench_kernels import _weight
 
-from megatron_quads.nvfp4.kernels.w4a16 import X_ORDER_BLOCK_K, mma_k_order_rows
-from megatron_quads.nvfp4.kernels.w4a16_ws_dense import w4a16_ws_linear_into
+from megatron_quads.kernels.w4a16 import X_ORDER_BLOCK_K, mma_k_order_rows
+from megatron_quads.kernels.w4a16_ws_dense import w4a16_ws_linear_into
 
 
 def main() -> None:

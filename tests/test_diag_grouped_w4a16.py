@@ -1,6 +1,6 @@
 """The grouped W4A16 diagnostic (benchmarks/diag_grouped_w4a16.py) builds and compiles its variants.
 
-Each variant is a source transformation of megatron_quads/nvfp4/kernels/w4a16.py anchored on exact
+Each variant is a source transformation of megatron_quads/kernels/w4a16.py anchored on exact
 lines; this compiles every variant for sm_90 offline (no GPU needed) and checks that each one
 changed what it says it changes.
 """

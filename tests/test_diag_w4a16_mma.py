@@ -1,6 +1,6 @@
 """The Gluon kernel diagnostic (benchmarks/diag_w4a16_mma.py) builds and compiles its variants.
 
-Each variant is a source transformation of megatron_quads/nvfp4/kernels/w4a16_mma.py anchored on
+Each variant is a source transformation of megatron_quads/kernels/w4a16_mma.py anchored on
 exact lines; a refactor of the kernel can move an anchor somewhere it still matches but no longer
 compiles (it happened once: the K-split lines moved into a helper). This compiles every variant for
 sm_90 offline, which needs no GPU.

@@ -24,7 +24,7 @@ import collections, json, re, sys, torch
 sys.path.insert(0, {benchmarks!r})
 import diag_ws_dense_floor as diag
 diag.apply_ablation({names!r})
-from megatron_quads.nvfp4.kernels import w4a16_ws_dense
+from megatron_quads.kernels import w4a16_ws_dense
 cfg = w4a16_ws_dense.resolve_config(16, 1024, 4096, torch.device("cpu"), {config!r})
 sass = w4a16_ws_dense.compile_offline(cfg, 1024, 4096, x_mma_order=True)["sass"]
 ops = collections.Counter(re.findall(r"^\\s+/\\*[0-9a-f]+\\*/\\s+(?:@!?U?P\\w+\\s+)?([A-Z0-9]+)", sass, re.MULTILINE))

@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from megatron_quads.nvfp4.kernels.moe_routing import (
+from megatron_quads.kernels.moe_routing import (
     combine_routed_rows_kernel,
     route_by_expert_kernel,
 )

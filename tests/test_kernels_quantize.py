@@ -16,9 +16,9 @@ pytest.importorskip("triton")
 
 from test_nvfp4_golden import CASES, TENSORS
 
-import megatron_quads.nvfp4.kernels.quantize as kq
+import megatron_quads.nvfp4.quantize_kernel as kq
 from megatron_quads.nvfp4.fused import fake_quant_values
-from megatron_quads.nvfp4.kernels.quantize import (
+from megatron_quads.nvfp4.quantize_kernel import (
     amax_kernel,
     fake_quant_kernel,
     quantize_kernel,

@@ -26,7 +26,7 @@ import torch
 pytest.importorskip("triton")
 
 from megatron_quads.nvfp4 import NVFP4Tensor, quantize
-from megatron_quads.nvfp4.kernels import w4a16
+from megatron_quads.kernels import w4a16
 from megatron_quads.rollout.grouped import (
     expert_offsets_from_counts,
     grouped_w4a16_linear,

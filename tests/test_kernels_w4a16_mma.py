@@ -31,7 +31,7 @@ from test_kernels_w4a16 import (
     poisoned_partials,  # noqa: F401 (a fixture: NaN in the split-K workspace both kernels share)
 )
 
-from megatron_quads.nvfp4.kernels import w4a16, w4a16_mma
+from megatron_quads.kernels import w4a16, w4a16_mma
 from megatron_quads.rollout.grouped import expert_offsets_from_counts
 
 CONFIGS = [

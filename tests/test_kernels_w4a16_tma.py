@@ -23,7 +23,7 @@ from test_kernels_w4a16_mma import (
     run_into,
 )
 
-from megatron_quads.nvfp4.kernels import w4a16_tma
+from megatron_quads.kernels import w4a16_tma
 
 CONFIGS = [
     w4a16_tma.DEFAULT_CONFIG,  # 1 warp, 64 rows, 4 stages of words and x, split 8

@@ -31,7 +31,7 @@ from test_kernels_w4a16_mma import (
 )
 
 from megatron_quads.nvfp4 import NVFP4Tensor
-from megatron_quads.nvfp4.kernels import w4a16, w4a16_ws
+from megatron_quads.kernels import w4a16, w4a16_ws
 from megatron_quads.rollout.grouped import expert_offsets_from_counts
 
 CONFIGS: list[dict[str, Any]] = [

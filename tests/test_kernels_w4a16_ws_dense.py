@@ -27,7 +27,7 @@ from test_kernels_w4a16 import (
 )
 from test_kernels_w4a16_mma import check_exact, check_within_fp32_bound, run_into
 
-from megatron_quads.nvfp4.kernels import w4a16, w4a16_ws_dense
+from megatron_quads.kernels import w4a16, w4a16_ws_dense
 
 CONFIGS: list[dict[str, Any]] = [
     {},  # defaults: token tile and split from the shape, x reordered by the kernel's x warps

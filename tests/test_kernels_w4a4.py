@@ -1,4 +1,4 @@
-"""Triton W4A4 + RAC kernels (megatron_quads.nvfp4.kernels.w4a4) against the PyTorch reference.
+"""Triton W4A4 + RAC kernels (megatron_quads.kernels.w4a4) against the PyTorch reference.
 
 The prologue must be byte-identical to ``nvfp4.quantize`` (x part) and to the reference residual
 quantization of :func:`megatron_quads.rollout.rac.rac_operands` (S part); the GEMMs must match an
@@ -17,7 +17,7 @@ import triton.language as tl
 
 from megatron_quads.nvfp4 import NVFP4Tensor, quantize
 from megatron_quads.nvfp4.format import round_to_e2m1_codes
-from megatron_quads.nvfp4.kernels.w4a4 import (
+from megatron_quads.kernels.w4a4 import (
     GemmConfig,
     _e2m1_code,
     _e4m3_to_f32,
@@ -27,7 +27,7 @@ from megatron_quads.nvfp4.kernels.w4a4 import (
     quantize_activations_kernel,
     rac_linear_kernel,
 )
-from megatron_quads.nvfp4.kernels.w4a16 import X_ORDER_BLOCK_K, mma_k_order_rows
+from megatron_quads.kernels.w4a16 import X_ORDER_BLOCK_K, mma_k_order_rows
 from megatron_quads.rollout.grouped import (
     expert_offsets_from_counts,
     expert_weight,
@@ -48,7 +48,7 @@ def _one_w4a16_config(monkeypatch: pytest.MonkeyPatch) -> None:
     """The RAC path runs on the autotuned W4A16 kernels; here they keep one tile config each (an
     autotuner with one config compiles it and does not time it), so every new shape costs one
     compile instead of a sweep. test_kernels_w4a16.py covers the tile configs themselves."""
-    from megatron_quads.nvfp4.kernels import w4a16
+    from megatron_quads.kernels import w4a16
 
     split_4 = [c for c in w4a16._dense_tuned.configs if c.kwargs["SPLIT_K"] == 4]  # the tail's split-K share too
     monkeypatch.setattr(w4a16._dense_tuned, "configs", split_4[:1] or w4a16._dense_tuned.configs[:1])
@@ -302,7 +302,7 @@ def _shapes(device: str) -> list[tuple[int, int, int]]:
 def test_rac_linear_matches_the_fp64_reference(
     kernel_device: str, ratio: float, w4a16_rows: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import megatron_quads.nvfp4.kernels.w4a4 as w4a4_kernels
+    import megatron_quads.kernels.w4a4 as w4a4_kernels
 
     monkeypatch.setitem(w4a4_kernels.W4A16_PATH_ROWS, "dense", w4a16_rows)
     for i, (m, k, n) in enumerate(_shapes(kernel_device)):
@@ -400,7 +400,7 @@ def _stacked_residual(weight: NVFP4Tensor, channels: torch.Tensor) -> NVFP4Tenso
 def test_grouped_rac_matches_the_per_expert_reference(
     kernel_device: str, mode: ActivationScale, ratio: float, w4a16_rows: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import megatron_quads.nvfp4.kernels.w4a4 as w4a4_kernels
+    import megatron_quads.kernels.w4a4 as w4a4_kernels
 
     monkeypatch.setitem(w4a4_kernels.W4A16_PATH_ROWS, "grouped", w4a16_rows)
     experts, k, n = (5, 64, 40) if kernel_device == "cpu" else (16, 512, 264)
@@ -451,7 +451,7 @@ def test_grouped_rac_matches_the_per_expert_reference(
 
 def _ws_grouped_runs_here() -> bool:
     """Whether the grouped dispatch hands calls to the warp-specialized kernel here (an sm_90 GPU)."""
-    from megatron_quads.nvfp4.kernels import w4a16 as w4a16_kernels
+    from megatron_quads.kernels import w4a16 as w4a16_kernels
 
     return torch.cuda.is_available() and w4a16_kernels.warp_specialized_grouped(torch.device("cuda"), 768) is not None
 
@@ -464,7 +464,7 @@ def test_grouped_rac_down_projection_tails_run_widened_on_the_ws_kernel(
     """Qwen3-30B-A3B's down projection (K 768): RAC tails of 96, 192 and 384 channels are widened to
     whole 256-column ring steps (repeated channels, zero ``W_S`` columns) and run on the warp-specialized
     kernel; every expert's rows match the fp64 product of the reference operands."""
-    from megatron_quads.nvfp4.kernels import w4a16 as w4a16_kernels
+    from megatron_quads.kernels import w4a16 as w4a16_kernels
 
     experts, k, n = 8, 768, 256
     ws = w4a16_kernels._gluon_module("w4a16_ws")

@@ -14,8 +14,8 @@ import torch
 pytest.importorskip("triton")
 
 from megatron_quads.nvfp4 import NVFP4Tensor, quantize
-from megatron_quads.nvfp4.kernels import w4a16
-from megatron_quads.nvfp4.kernels.w4a4 import padded_tail
+from megatron_quads.kernels import w4a16
+from megatron_quads.kernels.w4a4 import padded_tail
 from megatron_quads.rollout.grouped import expert_offsets_from_counts, expert_weight
 from megatron_quads.rollout.rac import reblock_columns
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_quads.nvfp4.kernels import word_layout
+from megatron_quads.kernels import word_layout
 
 
 def _words(count: int, seed: int) -> torch.Tensor:

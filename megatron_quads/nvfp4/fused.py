@@ -20,7 +20,7 @@ from megatron_quads.nvfp4.format import (
     e2m1_lut,
     magnitude_index,
 )
-from megatron_quads.nvfp4.kernels import use_kernels
+from megatron_quads.nvfp4.backend import use_kernels
 from megatron_quads.nvfp4.quantize import decode_scale_from_amax
 
 
@@ -56,7 +56,7 @@ def fake_quant_values(x: torch.Tensor, global_amax: torch.Tensor) -> torch.Tenso
     ``x.shape[:-1]``). Inputs are not validated: pass finite values whose last dim is a multiple of 16.
     """
     if use_kernels(x):  # one Triton kernel, same bits (tests/test_kernels_quantize.py)
-        from megatron_quads.nvfp4.kernels.quantize import fake_quant_kernel
+        from megatron_quads.nvfp4.quantize_kernel import fake_quant_kernel
 
         return fake_quant_kernel(x, global_amax)
     return _fake_quant_math(x, global_amax)

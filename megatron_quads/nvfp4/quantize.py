@@ -21,7 +21,7 @@ from megatron_quads.nvfp4.format import (
     round_to_e2m1_codes,
     unpack_codes,
 )
-from megatron_quads.nvfp4.kernels import use_kernels
+from megatron_quads.nvfp4.backend import use_kernels
 from megatron_quads.nvfp4.tensor import NVFP4Tensor
 
 AmaxLike = float | torch.Tensor | None
@@ -125,7 +125,7 @@ def quantize(
     token, broadcastable against ``x.shape[:-1]``.
     """
     if use_kernels(x) and block_size == BLOCK_SIZE:  # the Triton kernel: same bytes (tests/test_kernels_quantize.py)
-        from megatron_quads.nvfp4.kernels.quantize import quantize_kernel
+        from megatron_quads.nvfp4.quantize_kernel import quantize_kernel
 
         return quantize_kernel(x, global_amax, block_2d)
     validate_input(x, block_size, block_2d)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from megatron_quads.nvfp4 import NVFP4Tensor
-from megatron_quads.nvfp4.kernels import use_kernels
+from megatron_quads.nvfp4.stacked import check_grouped_shapes, expert_weight
+from megatron_quads.nvfp4.backend import use_kernels
 from megatron_quads.rollout.rac import rac_linear
 from megatron_quads.rollout.w4a4 import ActivationScale, w4a16_linear
 
@@ -21,31 +22,6 @@ def expert_offsets_from_counts(counts: torch.Tensor) -> torch.Tensor:
     """int32 ``[E + 1]`` row offsets of each expert's tokens from per-expert token counts ``[E]``."""
     zero = torch.zeros(1, dtype=torch.int64, device=counts.device)
     return torch.cat([zero, torch.cumsum(counts.to(torch.int64), 0)]).to(torch.int32)
-
-
-def expert_weight(weight: NVFP4Tensor, expert: int) -> NVFP4Tensor:
-    """Expert ``expert``'s ``[N, K]`` weight out of a stacked ``[E, N, K]`` NVFP4 tensor."""
-    ws2 = weight.weight_scale_2.reshape(-1)
-    decode = ws2[expert] if ws2.numel() > 1 else ws2[0]
-    return NVFP4Tensor(
-        codes=weight.codes[expert],
-        scales=weight.scales[expert],
-        weight_scale_2=decode,
-        shape=torch.Size(weight.shape[1:]),
-        dtype=weight.dtype,
-    )
-
-
-def check_grouped_shapes(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets: torch.Tensor) -> None:
-    """Raise a clear error unless the shapes of ``x``, the stacked ``weight`` and ``expert_offsets``
-    fit together (no host synchronisation: the kernels call this too)."""
-    if len(weight.shape) != 3:
-        raise ValueError(f"grouped linears need a stacked [E, N, K] weight, got shape {tuple(weight.shape)}")
-    num_experts, _, in_features = weight.shape
-    if x.ndim != 2 or x.shape[1] != in_features:
-        raise ValueError(f"x must be [tokens, {in_features}], got shape {tuple(x.shape)}")
-    if expert_offsets.shape != (num_experts + 1,):
-        raise ValueError(f"expert_offsets must have shape [{num_experts + 1}] (E + 1), got {tuple(expert_offsets.shape)}")
 
 
 def validate_grouped(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets: torch.Tensor) -> None:
@@ -74,7 +50,7 @@ def kernel_x_order(x: torch.Tensor, rows_per_expert: float, in_features: int | N
     of them and saves the kernel reordering every x tile in registers."""
     if not (use_kernels(x) and x.dtype == torch.bfloat16) or rows_per_expert < X_ORDER_MIN_ROWS_PER_EXPERT:
         return None
-    from megatron_quads.nvfp4.kernels.w4a16 import X_ORDER_BLOCK_K
+    from megatron_quads.kernels.w4a16 import X_ORDER_BLOCK_K
 
     k = x.shape[-1] if in_features is None else in_features
     return X_ORDER_BLOCK_K if k % X_ORDER_BLOCK_K == 0 else None
@@ -89,7 +65,7 @@ def grouped_w4a16_linear(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets: t
     ``y_mma_order``: the output's rows are written in it (for an elementwise op feeding the next
     grouped GEMM in that order)."""
     if use_kernels(x) and x.dtype == torch.bfloat16:
-        from megatron_quads.nvfp4.kernels.w4a16 import grouped_w4a16_kernel
+        from megatron_quads.kernels.w4a16 import grouped_w4a16_kernel
 
         return grouped_w4a16_kernel(x, weight, expert_offsets, x_mma_order=x_mma_order, y_mma_order=y_mma_order)
     if x_mma_order or y_mma_order:
@@ -111,7 +87,7 @@ def route_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.T
     one Triton launch, no host sync (``torch.bincount`` reads the largest id on the host, which
     would stop CUDA-graph capture)."""
     if use_kernels(expert_ids) and expert_ids.dtype == torch.int64:
-        from megatron_quads.nvfp4.kernels.moe_routing import route_by_expert_kernel
+        from megatron_quads.kernels.moe_routing import route_by_expert_kernel
 
         return route_by_expert_kernel(expert_ids, num_experts)
     order = torch.argsort(expert_ids, stable=True)
@@ -136,7 +112,7 @@ def combine_routed_rows(y: torch.Tensor, order: torch.Tensor, top_k_weights: tor
     fixed order), so the result is deterministic and the CPU's."""
     tokens, top_k = top_k_weights.shape
     if use_kernels(y, top_k_weights) and {y.dtype, top_k_weights.dtype, out_dtype} <= set(_COMBINE_KERNEL_DTYPES):
-        from megatron_quads.nvfp4.kernels.moe_routing import combine_routed_rows_kernel
+        from megatron_quads.kernels.moe_routing import combine_routed_rows_kernel
 
         slot_rows = torch.empty_like(order)
         slot_rows[order] = torch.arange(order.numel(), device=order.device)
@@ -162,7 +138,7 @@ def grouped_rac_linear(
     if (channels is None) != (residual_weight is None):
         raise ValueError("grouped RAC needs both channels [E, S] and residual_weight [E, N, S], or neither")
     if use_kernels(x):
-        from megatron_quads.nvfp4.kernels.w4a4 import grouped_rac_kernel
+        from megatron_quads.kernels.w4a4 import grouped_rac_kernel
 
         return grouped_rac_kernel(x, weight, expert_offsets, channels, residual_weight, mode, static_amax)
     validate_grouped(x, weight, expert_offsets)

@@ -24,29 +24,15 @@ from dataclasses import dataclass
 import torch
 
 from megatron_quads.nvfp4 import NVFP4Tensor
+from megatron_quads.nvfp4.stacked import expert_weight, stack_experts
 from megatron_quads.rollout.grouped import (
     combine_routed_rows,
-    expert_weight,
     grouped_rac_linear,
     grouped_w4a16_linear,
     kernel_x_order,
     route_by_expert,
 )
 from megatron_quads.rollout.precision import LinearState, Precision
-
-
-def stack_experts(parts: Sequence[NVFP4Tensor]) -> NVFP4Tensor:
-    """Per-expert ``[N, K]`` NVFP4 weights stacked to ``[E, N, K]`` with ``weight_scale_2`` ``[E]``."""
-    shapes = {tuple(p.shape) for p in parts}
-    if len(shapes) != 1:
-        raise ValueError(f"experts of one projection must share a shape to be grouped, got {sorted(shapes)}")
-    return NVFP4Tensor(
-        codes=torch.stack([p.codes for p in parts]),
-        scales=torch.stack([p.scales for p in parts]),
-        weight_scale_2=torch.stack([p.weight_scale_2.reshape(()) for p in parts]),
-        shape=torch.Size((len(parts), *parts[0].shape)),
-        dtype=parts[0].dtype,
-    )
 
 
 @dataclass
@@ -139,7 +125,7 @@ class GroupedExperts:
         block_k = self.gate_up.input_order(hidden_states, rows_per_expert)
         source = hidden_states
         if block_k is not None:  # the tokens' rows in the kernel's K order once, before the gather copies them top-k times
-            from megatron_quads.nvfp4.kernels.w4a16 import mma_k_order_rows
+            from megatron_quads.kernels.w4a16 import mma_k_order_rows
 
             source = mma_k_order_rows(hidden_states, block_k)
         down_order = self._down_input_in_kernel_order(hidden_states, rows_per_expert)

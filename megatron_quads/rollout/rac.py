@@ -25,7 +25,7 @@ from enum import Enum
 import torch
 
 from megatron_quads.nvfp4 import BLOCK_SIZE, NVFP4Tensor, quantize
-from megatron_quads.nvfp4.kernels import use_kernels
+from megatron_quads.nvfp4.backend import use_kernels
 from megatron_quads.rollout.w4a4 import (
     ActivationScale,
     activation_amax,
@@ -127,7 +127,7 @@ def rac_linear(
 
     On CUDA this runs the Triton kernels (fused activation prologue + one GEMM over K + |S|)."""
     if use_kernels(x) and accumulate_dtype == torch.float32:
-        from megatron_quads.nvfp4.kernels.w4a4 import rac_linear_kernel
+        from megatron_quads.kernels.w4a4 import rac_linear_kernel
 
         return rac_linear_kernel(x, weight, channels, residual_weight, mode, static_amax)
 

@@ -9,7 +9,6 @@ engine, the vLLM plugin's emulation path and the analysis tools share one defini
 from __future__ import annotations
 
 from collections.abc import Callable
-from enum import Enum
 
 import torch
 
@@ -20,29 +19,8 @@ from megatron_quads.nvfp4 import (
     quantize,
     unpack_codes,
 )
-from megatron_quads.nvfp4.kernels import use_kernels
-
-
-class ActivationScale(str, Enum):
-    """How the per-tensor (global) scale of an activation is chosen."""
-
-    PER_TOKEN = "per_token"
-    """Dynamic: one global amax per token (row). The default: robust to outlier tokens."""
-    PER_TENSOR = "per_tensor"
-    """Dynamic: one global amax for the whole activation tensor."""
-    STATIC = "static"
-    """Calibrated: a fixed amax (ModelOpt's ``input_scale * 2688``)."""
-
-
-def activation_amax(x: torch.Tensor, mode: ActivationScale, static_amax: float | torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 global amax of activations ``x [..., K]``: per token ``[...]`` or a scalar."""
-    if mode == ActivationScale.PER_TOKEN:
-        return x.detach().abs().amax(dim=-1).to(torch.float32)
-    if mode == ActivationScale.PER_TENSOR:
-        return x.detach().abs().amax().to(torch.float32)
-    if static_amax is None:
-        raise ValueError("ActivationScale.STATIC needs a calibrated static_amax (input_scale * 2688)")
-    return torch.as_tensor(static_amax, dtype=torch.float32, device=x.device)
+from megatron_quads.nvfp4.activation import ActivationScale, activation_amax
+from megatron_quads.nvfp4.backend import use_kernels
 
 
 def block_values(t: NVFP4Tensor) -> torch.Tensor:
@@ -100,7 +78,7 @@ def w4a4_linear(
     On CUDA this runs the Triton kernel (fp32 accumulation; ``accumulate_dtype`` applies to the
     PyTorch path only)."""
     if use_kernels(x) and accumulate_dtype == torch.float32:
-        from megatron_quads.nvfp4.kernels.w4a4 import rac_linear_kernel
+        from megatron_quads.kernels.w4a4 import rac_linear_kernel
 
         return rac_linear_kernel(x, weight, None, None, mode, static_amax)
 
@@ -117,7 +95,7 @@ def w4a16_linear(x: torch.Tensor, weight: NVFP4Tensor) -> torch.Tensor:
     On CUDA with bf16 activations this runs the Triton kernel (the same products, summed in
     another order)."""
     if use_kernels(x) and x.dtype == torch.bfloat16:
-        from megatron_quads.nvfp4.kernels.w4a16 import w4a16_linear_kernel
+        from megatron_quads.kernels.w4a16 import w4a16_linear_kernel
 
         return w4a16_linear_kernel(x, weight)
     w = weight.dequantize(torch.float32)

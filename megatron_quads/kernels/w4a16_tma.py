@@ -2,7 +2,7 @@
 
 Branch ``tma-ring`` only: compiled offline for sm_90 (Triton 3.6), never run on a GPU yet. It is
 the design docs/kernels.md arrives at after the session-8 measurements of
-:mod:`megatron_quads.nvfp4.kernels.w4a16_mma`: there each warp loads its next K step's weights into
+:mod:`megatron_quads.kernels.w4a16_mma`: there each warp loads its next K step's weights into
 registers, so the prefetch depth is bounded by registers (one step) and each warp's chain of
 load -> dequantize -> MMA is what the time goes to (~2 warps a scheduler, issue ~47%, DRAM ~37%
 of peak, and neither more warps nor dropping the dequantization reached the target).
@@ -10,7 +10,7 @@ of peak, and neither more warps nor dropping the dequantization reached the targ
 Here the code words of the next ``STAGES`` K steps are in flight as TMA copies into a shared-memory
 ring (no registers, no load instructions but one per stage), each stage with its own mbarrier that
 the copy completes; the warps wait on that barrier, read the stage into the same registers as the
-register path (:func:`~megatron_quads.nvfp4.kernels.w4a16_mma.words_layout`, 16-byte
+register path (:func:`~megatron_quads.kernels.w4a16_mma.words_layout`, 16-byte
 ``LDS``), and the stage is refilled with step ``kt + STAGES`` as soon as every warp has read it.
 The scale bytes (1/8 of the bytes) stay one step ahead in registers; x comes through the ring
 beside the words (``X_RING``, one more TMA copy a stage) or is copied into shared memory once a
@@ -34,12 +34,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from megatron_quads.nvfp4.kernels import w4a16 as _triton_w4a16
-from megatron_quads.nvfp4.kernels.w4a16 import (
+from megatron_quads.kernels import w4a16 as _triton_w4a16
+from megatron_quads.kernels.w4a16 import (
     _operands,
     _split_counters,
 )
-from megatron_quads.nvfp4.kernels.w4a16_mma import (
+from megatron_quads.kernels.w4a16_mma import (
     X_SLICE_MAX_BYTES,
     _bits,
     _dequant_a,
@@ -89,7 +89,7 @@ def words_ring_layout() -> gl.NVMMASharedLayout:
 def x_ring_layout() -> gl.NVMMASharedLayout:
     """The x ring's shared layout (and its TMA descriptor's): a stage is ``[BM, BK / 64, 64]`` bf16,
     128-byte lines (line ``m BK / 64 + h``) with the 16-byte chunks XOR-ed by the line mod 8 (TMA's
-    128-byte swizzle): the layout of :func:`~megatron_quads.nvfp4.kernels.w4a16_mma.x_slice_layout`,
+    128-byte swizzle): the layout of :func:`~megatron_quads.kernels.w4a16_mma.x_slice_layout`,
     so :func:`x_ring_read_layout`'s quarter warps read 8 distinct chunk positions."""
     return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
 
@@ -97,7 +97,7 @@ def x_ring_layout() -> gl.NVMMASharedLayout:
 @gluon.constexpr_function
 def x_ring_read_layout(block_k: int, block_m: int, num_warps: int) -> gl.DistributedLinearLayout:
     """bf16 ``[BM, BK / 64, 64]`` of one x ring stage in the registers of
-    :func:`~megatron_quads.nvfp4.kernels.w4a16_mma.x_run_layout`: thread-in-quad ``t``'s value
+    :func:`~megatron_quads.kernels.w4a16_mma.x_run_layout`: thread-in-quad ``t``'s value
     ``j = 8 c + v`` of token ``m`` is the step's column ``8 p + v`` (``p = I t + c``): ``[m, p // 8,
     8 (p % 8) + v]``."""
     i_words = block_k // 32
@@ -248,7 +248,7 @@ def w4a16_tma_linear_into(x: torch.Tensor, weight: NVFP4Tensor, out: torch.Tenso
     """``out [M, N] = x [M, K] @ dq(W).T`` (bf16) with :func:`_decode_kernel_tma`.
 
     ``config`` (default :data:`DEFAULT_CONFIG`) holds ``BLOCK_M`` (8, 16 or 32; default
-    :func:`~megatron_quads.nvfp4.kernels.w4a16_mma.default_block_m`), ``BLOCK_N`` (a multiple of
+    :func:`~megatron_quads.kernels.w4a16_mma.default_block_m`), ``BLOCK_N`` (a multiple of
     ``16 * num_warps``, at most 256), ``BLOCK_K`` (a multiple of 64 dividing K), ``SPLIT_K``,
     ``num_warps``, ``STAGES`` (ring depth, 2..8), ``X_RING`` (1: x through the ring beside the
     words, one TMA copy a stage; 0: the program's x slice copied into shared memory once, shared

@@ -4,7 +4,7 @@ The kernels read 8 codes as one 32-bit word (nibble ``q`` at bits ``4q..4q+3``: 
 the low bit) and turn nibbles ``q`` and ``q + 4`` into one bf16x2 register whose halves hold
 ``e1 e0 m`` on bits 8..6 and the sign on bit 15 (the bf16 code ``* 2^-126``, then one multiply by the
 scale pair). In the natural layout that takes an and, an integer multiply and an and per pair, plus
-a shift per word (:data:`~megatron_quads.nvfp4.kernels.w4a16._DEQUANT_WORD_PTX`: 13 integer
+a shift per word (:data:`~megatron_quads.kernels.w4a16._DEQUANT_WORD_PTX`: 13 integer
 instructions a word). Those eight target bits ``T = {6, 7, 8, 15, 22, 23, 24, 31}`` can instead be
 stored where one rotate puts them:
 
@@ -24,7 +24,7 @@ import functools
 
 import torch
 
-from megatron_quads.nvfp4.kernels.derived import derived_tensor
+from megatron_quads.kernels.derived import derived_tensor
 
 _ROLE_TARGETS = (6, 7, 8, 15)
 """bf16 bit of the low half that each nibble bit (``m, e0, e1, s``) lands on (the high half: + 16)."""
@@ -77,7 +77,7 @@ def rotated_words(words: torch.Tensor) -> torch.Tensor:
 
 def rotated_code_words(codes: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
     """:func:`rotated_words` of ``words`` (the int32 view of ``codes``), computed once per ``codes``
-    tensor and kept while it lives (:func:`~megatron_quads.nvfp4.kernels.derived.derived_tensor`:
+    tensor and kept while it lives (:func:`~megatron_quads.kernels.derived.derived_tensor`:
     rebuilt after an in-place write such as a weight sync). ``codes`` keys the cache (the kernels'
     word views are new tensors each call); the caller makes ``words`` (``w4a16._code_words``, which
     this Triton-free module does not import)."""

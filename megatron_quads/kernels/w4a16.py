@@ -539,8 +539,8 @@ it off): 512 tokens gate/up 157.5 -> 151.1 us, 143.1 -> 129.0 us with x in the k
 
 _WS_DISPATCH = True
 """Whether :func:`grouped_w4a16_into` hands x-in-K-order calls without a config (a W4A4 + RAC tail
-where :func:`~megatron_quads.nvfp4.kernels.w4a16_ws.takes_tail` says so) to the warp-specialized
-Gluon kernel (:mod:`~megatron_quads.nvfp4.kernels.w4a16_ws`) where it runs (sm_90): H200,
+where :func:`~megatron_quads.kernels.w4a16_ws.takes_tail` says so) to the warp-specialized
+Gluon kernel (:mod:`~megatron_quads.kernels.w4a16_ws`) where it runs (sm_90): H200,
 ``bench_kernels.py --quick --only grouped_ws`` (2026-11-30 15:15 run, its defaults), gate/up at 512
 tokens 103.4 against 123.5 us, down 58.0 against 69.2 us; at 64 tokens gate/up 73.6 against 87.2,
 down 41.4 against 54.9 (the engine orders x, and so takes this path, only from 16 rows an expert).
@@ -549,7 +549,7 @@ Benchmarks switch it off to time the Triton kernel."""
 
 _WS_DENSE_DISPATCH = True
 """Whether :func:`w4a16_linear_into` hands decode calls (at most :data:`WS_DENSE_MAX_M` rows, no
-config) to the warp-specialized dense kernel (:mod:`~megatron_quads.nvfp4.kernels.w4a16_ws_dense`)
+config) to the warp-specialized dense kernel (:mod:`~megatron_quads.kernels.w4a16_ws_dense`)
 where it runs (sm_90, K a multiple of 256). Benchmarks switch it off to time the Triton kernel."""
 
 WS_DENSE_MAX_M = 16
@@ -560,11 +560,11 @@ the warp-specialized kernel took 19.2 us against 14.1 in the 16:49 run, 15.7 aga
 
 @functools.cache
 def _gluon_module(name: str) -> Any:
-    """The Gluon kernel module ``megatron_quads.nvfp4.kernels.<name>`` (``w4a16_ws``, ``w4a16_ws_dense``),
+    """The Gluon kernel module ``megatron_quads.kernels.<name>`` (``w4a16_ws``, ``w4a16_ws_dense``),
     or None where this Triton lacks what it needs (Gluon's warp specialization, Hopper wgmma and
     TMA: Triton 3.6 has them)."""
     try:
-        return importlib.import_module(f"megatron_quads.nvfp4.kernels.{name}")
+        return importlib.import_module(f"megatron_quads.kernels.{name}")
     except (ImportError, AttributeError):
         return None
 
@@ -786,7 +786,7 @@ def check_grouped_bf16_call(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets
     """The argument checks the Gluon grouped kernels share (bf16 in, ``out_dtypes`` out): x ``[T, K]``
     against the stacked ``[E, N, K]`` weight, int32 offsets, one or ``E`` decode scales, out ``[T, N]``;
     returns ``(E, N, K)``."""
-    from megatron_quads.rollout.grouped import check_grouped_shapes
+    from megatron_quads.nvfp4.stacked import check_grouped_shapes
 
     check_grouped_shapes(x, weight, expert_offsets)
     num_experts, n, k = weight.shape
@@ -829,7 +829,7 @@ def grouped_w4a16_into(
     x then holds ``K + K2`` values a row (with ``x_mma_order`` both parts in the K order, ``K2`` a
     multiple of the block).
     """
-    from megatron_quads.rollout.grouped import check_grouped_shapes
+    from megatron_quads.nvfp4.stacked import check_grouped_shapes
 
     check_grouped_shapes(x if tail is None else x[..., : weight.shape[-1]], weight, expert_offsets)
     num_experts, n, k = weight.shape

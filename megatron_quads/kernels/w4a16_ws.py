@@ -1,6 +1,6 @@
 """Grouped (MoE) W4A16 in Gluon with warp specialization: a loader warp streams, the MMA warps compute.
 
-The Triton grouped kernel (:func:`~megatron_quads.nvfp4.kernels.w4a16.grouped_w4a16_into`) issues its
+The Triton grouped kernel (:func:`~megatron_quads.kernels.w4a16.grouped_w4a16_into`) issues its
 loads, the dequantization and the wgmma from the same warps; at 512 tokens its profile shows 40% of
 the issue slots busy with ~2 warps a scheduler, and a copy of it without the dequantization still
 takes 111 us of the 125 (docs/kernels.md): the warps wait on their own pipeline. Here the work is split
@@ -12,12 +12,12 @@ the way Hopper GEMMs are (``gl.warp_specialize``):
   half-width tile for the last ``BM / 2`` rows or fewer, as the Triton kernel does);
 * one loader warp (:func:`_load_partition`) walks them and puts each K step's code words
   ``[BN, BK/8]`` (int32), with ``SCALE_RING`` their scale bytes ``[BN, BK/16]``, and x (bf16,
-  already in the MMA K order of :func:`~megatron_quads.nvfp4.kernels.w4a16.mma_k_order_rows`;
+  already in the MMA K order of :func:`~megatron_quads.kernels.w4a16.mma_k_order_rows`;
   ``BK / 64`` tiles of ``[BM, 64]`` by half-height boxes) into a ring of ``STAGES`` shared-memory
   stages by TMA, each stage completing a ``ready`` mbarrier;
 * the MMA warps (the default partition, ``BN / 64`` warpgroups, :func:`_mma_partition`) wait on it,
   read a 128-wide sub-step's words into the registers of the wgmma A operand (the K permutation of
-  :func:`~megatron_quads.nvfp4.kernels.w4a16_mma._dequant_a`: no data moves between threads),
+  :func:`~megatron_quads.kernels.w4a16_mma._dequant_a`: no data moves between threads),
   dequantize them and issue register-A wgmma against the x tiles in shared memory; the next
   sub-step's words are read while they run, and a stage goes back to the loader (its ``empty``
   mbarrier) once the wgmma that read it have retired. Without ``SCALE_RING`` (``BLOCK_K`` 128) the
@@ -25,12 +25,12 @@ the way Hopper GEMMs are (``gl.warp_specialize``):
   ring took 6% off the gate/up time at 512 tokens (docs/kernels.md).
 
 ``ROTATED`` decodes code words rewritten into the layout of
-:mod:`~megatron_quads.nvfp4.kernels.word_layout` (9 integer instructions a word instead of 13),
+:mod:`~megatron_quads.kernels.word_layout` (9 integer instructions a word instead of 13),
 built once per weight and kept beside it: a second copy of the code words, so it is not a default.
 
 Same operands, products and K order of the fp32 accumulation as the Triton kernel (bit for bit its
 output in every benchmark and GPU test so far). Dispatched by
-:func:`~megatron_quads.nvfp4.kernels.w4a16.grouped_w4a16_into` for x in K order on sm_90 (1.19-1.20x
+:func:`~megatron_quads.kernels.w4a16.grouped_w4a16_into` for x in K order on sm_90 (1.19-1.20x
 the Triton kernel's speed at 512 tokens, 2.54x / 2.56x BF16 ``grouped_mm`` for gate/up / down,
 docs/kernels.md); ``bench_kernels.py --only grouped_ws`` times its configs. Needs ``K % BLOCK_K == 0``
 and x in the K order of 128-blocks.
@@ -53,7 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from megatron_quads.nvfp4.kernels.w4a16 import (
+from megatron_quads.kernels.w4a16 import (
     _DEQUANT_WORD_PTX,
     _INTERPRET,
     _OUT_DTYPES,
@@ -66,15 +66,15 @@ from megatron_quads.nvfp4.kernels.w4a16 import (
     _split_counters,
     check_grouped_bf16_call,
 )
-from megatron_quads.nvfp4.kernels.w4a16_mma import (
+from megatron_quads.kernels.w4a16_mma import (
     _dequant_a,
     _row_bases,
     _scale_pointers,
     scale_bytes_layout,
     words_layout,
 )
-from megatron_quads.nvfp4.kernels.w4a16_tma import words_ring_layout, words_tile_layout
-from megatron_quads.nvfp4.kernels.word_layout import (
+from megatron_quads.kernels.w4a16_tma import words_ring_layout, words_tile_layout
+from megatron_quads.kernels.word_layout import (
     ROTATED_DEQUANT_WORD_PTX,
     rotated_code_words,
 )
@@ -111,7 +111,7 @@ def scales_ring_layout() -> gl.NVMMASharedLayout:
 @gluon.constexpr_function
 def scales_tile_layout(block_n: int, num_warps: int) -> gl.DistributedLinearLayout:
     """uint8 scale bytes ``[BN, 8]`` of one 128-wide sub-step as
-    :func:`~megatron_quads.nvfp4.kernels.w4a16_mma.scale_bytes_layout` holds them (thread ``t`` of a
+    :func:`~megatron_quads.kernels.w4a16_mma.scale_bytes_layout` holds them (thread ``t`` of a
     quad: bytes ``2 t, 2 t + 1`` of its rows), before the reshape to ``[BN, 4, 2]``."""
     lanes, regs, warps = _row_bases(block_n, num_warps, 2)
     return gl.DistributedLinearLayout(reg_bases=[[0, 1]] + regs, lane_bases=[[0, 2], [0, 4]] + lanes,
@@ -120,8 +120,8 @@ def scales_tile_layout(block_n: int, num_warps: int) -> gl.DistributedLinearLayo
 
 @gluon.jit
 def _k_order_position(cols, BLOCK_K: gl.constexpr):
-    """Where :func:`~megatron_quads.nvfp4.kernels.w4a16.mma_k_order_rows` puts column ``cols``
-    (the Gluon twin of :func:`~megatron_quads.nvfp4.kernels.w4a16.mma_k_order_position`)."""
+    """Where :func:`~megatron_quads.kernels.w4a16.mma_k_order_rows` puts column ``cols``
+    (the Gluon twin of :func:`~megatron_quads.kernels.w4a16.mma_k_order_position`)."""
     I: gl.constexpr = BLOCK_K // 32
     e = cols % BLOCK_K
     i = (e >> 3) % I

@@ -1,6 +1,6 @@
 """Experimental decode W4A16 kernel in Gluon: mma.sync on register operands.
 
-Not dispatched (the Triton kernels of :mod:`megatron_quads.nvfp4.kernels.w4a16` are): measured on
+Not dispatched (the Triton kernels of :mod:`megatron_quads.kernels.w4a16` are): measured on
 the H200 (``benchmarks/bench_kernels.py --only w4a16_mma``, docs/kernels.md) it is within 5% of them
 at M <= 16 (faster with ``X_SMEM``) and slower beyond, far from the targets either way, so it stays
 as the measured alternative for the next design.
@@ -10,7 +10,7 @@ step copies x in, reorders it and synchronizes twice; with two CTAs per SM the p
 latency-bound at ~45% of the byte floor (docs/kernels.md). Here both MMA operands live in registers:
 
 * the weight words are loaded so that each thread holds exactly the words its mma.sync A fragments
-  need (the same K permutation as :func:`~megatron_quads.nvfp4.kernels.w4a16.dequant_mma_tile`:
+  need (the same K permutation as :func:`~megatron_quads.kernels.w4a16.dequant_mma_tile`:
   thread ``t`` takes the ``I = BK/32`` consecutive words ``I t .. I t + I - 1`` of a row), and the
   dequantized bf16 values become the A operand by a register renaming only (``convert_layout(...,
   assert_trivial=True)`` proves at compile time that no data moves between threads);
@@ -39,8 +39,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from megatron_quads.nvfp4.kernels import w4a16 as _triton_w4a16
-from megatron_quads.nvfp4.kernels.w4a16 import (
+from megatron_quads.kernels import w4a16 as _triton_w4a16
+from megatron_quads.kernels.w4a16 import (
     _DEQUANT_WORD_PTX,
     _SCALE_HALF_PTX,
     _SCALE_PAIRS_PTX,
@@ -146,7 +146,7 @@ def _dequant_a(words, scale_bytes, A_LAYOUT: gl.constexpr, WORDS: gl.constexpr,
     """Words ``[BN, 4, I]`` and scale bytes ``[BN, 4, I/2]`` to the A operand ``[BN, BK]`` (bf16
     ``e2m1 * e4m3 * 2^-8``) in MMA K order: word ``I t + i``'s nibbles ``q`` and ``q + 4``
     (``q = 2 q1 + q0``) become logical columns ``32 i + 16 q1 + 8 q0 + 2 t + (0, 1)``. ``WORD_PTX``
-    decodes one word (:data:`~megatron_quads.nvfp4.kernels.word_layout.ROTATED_DEQUANT_WORD_PTX` for
+    decodes one word (:data:`~megatron_quads.kernels.word_layout.ROTATED_DEQUANT_WORD_PTX` for
     words in the rotated layout)."""
     BN: gl.constexpr = words.shape[0]
     I: gl.constexpr = words.shape[2]

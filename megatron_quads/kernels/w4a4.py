@@ -11,7 +11,7 @@ Two kernels per linear, matching :mod:`megatron_quads.rollout.rac` / :mod:`megat
   augmented K (the weight's K columns, then W_S's |S| columns) and applies
   ``alpha = a_decode[row] * w_decode`` in the epilogue;
 * or, for the sizes in :data:`W4A16_PATH_ROWS`, the prologue (:func:`activation_block_values_kernel`)
-  writes each row's bf16 block values (``e2m1 * e4m3``, exact) instead, and the W4A16 kernels (:func:`~megatron_quads.nvfp4.kernels.w4a16.w4a16_augmented_into`,
+  writes each row's bf16 block values (``e2m1 * e4m3``, exact) instead, and the W4A16 kernels (:func:`~megatron_quads.kernels.w4a16.w4a16_augmented_into`,
   ``grouped_w4a16_into``) reduce them against ``[W, W_S]`` in one pass with ``alpha`` per row.
 
 Hopper has no FP4 tensor cores, so this emulation is the W4A4 path there. All exactness-critical
@@ -30,14 +30,14 @@ import triton.language as tl
 
 from megatron_quads.nvfp4 import BLOCK_SIZE, NVFP4Tensor
 from megatron_quads.nvfp4.format import SUPPORTED_DTYPES
-from megatron_quads.nvfp4.kernels.common import e2m1_to_f32, unpack_e2m1
-from megatron_quads.nvfp4.kernels.derived import derived_tensor
-from megatron_quads.nvfp4.kernels.w4a16 import (
+from megatron_quads.nvfp4.triton_codec import e2m1_to_f32, unpack_e2m1
+from megatron_quads.kernels.derived import derived_tensor
+from megatron_quads.kernels.w4a16 import (
     _X_ORDER_BLOCK,
     X_ORDER_BLOCK_K,
     mma_k_order_position,
 )
-from megatron_quads.rollout.w4a4 import ActivationScale
+from megatron_quads.nvfp4.activation import ActivationScale
 
 # constexpr: the only kind of global a compiled (non-interpreted) Triton function may read
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
@@ -122,7 +122,7 @@ def _quantize_pairs(even, odd, encode_div6, decode):
 def _store_values(values_row, even, packed, scale_f32, mask, K_ORDER: tl.constexpr):
     """The block values ``e2m1 * e4m3`` of ``packed`` codes (bf16, exact: at most 6 significant bits)
     at the even columns ``even [NB, 8]`` and the odd ones after them (``K_ORDER``: where
-    :func:`~megatron_quads.nvfp4.kernels.w4a16.mma_k_order_rows` puts those columns in their
+    :func:`~megatron_quads.kernels.w4a16.mma_k_order_rows` puts those columns in their
     128-column block, the order the W4A16 kernels' ``x_mma_order`` takes)."""
     scale = scale_f32[:, None]
     odd = even + 1
@@ -695,7 +695,7 @@ def rac_linear_kernel(
     if config is None and rows <= W4A16_PATH_ROWS["dense"]:
         # the prologue writes the bf16 block values of [q(x), q(r_S)] and the W4A16 split-K
         # kernel reduces them against [W, W_S] in one pass, alpha per row in its epilogue
-        from megatron_quads.nvfp4.kernels.w4a16 import w4a16_augmented_into
+        from megatron_quads.kernels.w4a16 import w4a16_augmented_into
 
         values, decode = activation_block_values_kernel(x2d, ch[0], mode, static_amax)
         w4a16_augmented_into(values, weight, residual_weight if ch.shape[1] else None, decode, y.view(-1, n))
@@ -755,7 +755,7 @@ def grouped_rac_kernel(
     the routed tokens exit at once. Returns ``[T, N]`` in ``x.dtype``; ``config`` as in
     :func:`rac_linear_kernel` (the default picks tiles from the mean rows per expert).
     """
-    from megatron_quads.rollout.grouped import check_grouped_shapes
+    from megatron_quads.nvfp4.stacked import check_grouped_shapes
 
     check_grouped_shapes(x, weight, expert_offsets)
     num_experts, n, _ = weight.shape
@@ -769,7 +769,7 @@ def grouped_rac_kernel(
     offsets = expert_offsets.to(device=x.device, dtype=torch.int32).contiguous()
     if config is None and triton.cdiv(x.shape[0], num_experts) <= W4A16_PATH_ROWS["grouped"]:
         # the grouped W4A16 kernel over the prologue's bf16 block values
-        from megatron_quads.nvfp4.kernels.w4a16 import (
+        from megatron_quads.kernels.w4a16 import (
             grouped_w4a16_into,
             warp_specialized_grouped,
             warp_specialized_tail_width,

@@ -1,9 +1,9 @@
 """Dense decode W4A16 on the warp-specialized kernel's pipeline: split-K over persistent programs.
 
-The dense Triton kernel (:func:`~megatron_quads.nvfp4.kernels.w4a16.w4a16_linear_into`) loads,
+The dense Triton kernel (:func:`~megatron_quads.kernels.w4a16.w4a16_linear_into`) loads,
 dequantizes and multiplies in the same warps and reorders x in registers every K step; at 8192^2 and
 M = 16 it sits at FP8 parity (docs/kernels.md). The grouped warp-specialized kernel
-(:mod:`~megatron_quads.nvfp4.kernels.w4a16_ws`) does the same products with a loader warp streaming
+(:mod:`~megatron_quads.kernels.w4a16_ws`) does the same products with a loader warp streaming
 code words, scale bytes and x (already in the MMA K order) by TMA into a shared-memory ring and
 register-A wgmma in the MMA warps; timed as a split-K dense GEMM (``benchmarks/diag_ws_dense.py``,
 splits posed as experts, partials not summed) it took 16.0 against 19.9 us. This module is that
@@ -17,7 +17,7 @@ GEMM for real:
   ``[BN, BK/16]`` into the ring by TMA; x's ``[BM, 64]`` tiles come by TMA too when the caller
   passes x in the kernel's K order, else the x warps (:func:`_x_partition`) read natural x and store
   it in that order; the MMA warps run the grouped kernel's K loop
-  (:func:`~megatron_quads.nvfp4.kernels.w4a16_ws._k_loop`) over the split;
+  (:func:`~megatron_quads.kernels.w4a16_ws._k_loop`) over the split;
 * without split-K the epilogue stores ``acc * weight_scale_2``; with it each split stores its fp32
   partial, and the last split of an output tile to arrive (a gpu-scope counter, left at zero) sums
   the partials in split order, so the result does not depend on timing: the Triton dense kernel's
@@ -44,8 +44,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from megatron_quads.nvfp4.kernels import w4a16 as _triton_w4a16
-from megatron_quads.nvfp4.kernels.w4a16 import (
+from megatron_quads.kernels import w4a16 as _triton_w4a16
+from megatron_quads.kernels.w4a16 import (
     X_ORDER_BLOCK_K,
     _check_out,
     _check_weight_parts,
@@ -54,8 +54,8 @@ from megatron_quads.nvfp4.kernels.w4a16 import (
     _split_counters,
     mma_k_order_rows,
 )
-from megatron_quads.nvfp4.kernels.w4a16_tma import words_ring_layout
-from megatron_quads.nvfp4.kernels.w4a16_ws import (
+from megatron_quads.kernels.w4a16_tma import words_ring_layout
+from megatron_quads.kernels.w4a16_ws import (
     X_SUB_K,
     Y_I32_LIMIT,
     _k_loop,
@@ -67,7 +67,7 @@ from megatron_quads.nvfp4.kernels.w4a16_ws import (
     wgmma_layout,
     x_tile_layout,
 )
-from megatron_quads.nvfp4.kernels.word_layout import rotated_code_words
+from megatron_quads.kernels.word_layout import rotated_code_words
 from megatron_quads.nvfp4.tensor import NVFP4Tensor
 
 _X_SUB_K = gl.constexpr(X_SUB_K)
@@ -295,7 +295,7 @@ DEFAULT_CONFIG = {"BLOCK_N": 128, "BLOCK_K": 256, "STAGES": 3, "num_warps": 8, "
 """``BLOCK_M`` (16, 32 or 64) defaults to the smallest that holds M (at most 64), ``SPLIT_K`` to
 :func:`default_split`; :data:`DECODE_CONFIG` or :data:`WIDE_M_CONFIG` goes over this by ``BLOCK_M``.
 ``num_warps`` must be ``BLOCK_N / 16`` (a warpgroup a 64 weight rows); ``ROTATED`` decodes a cached
-rotated copy of the code words (:mod:`~megatron_quads.nvfp4.kernels.word_layout`); ``X_WARPS`` warps
+rotated copy of the code words (:mod:`~megatron_quads.kernels.word_layout`); ``X_WARPS`` warps
 (``X_REGS`` registers each) reorder natural-order x inside the kernel (0: a copy kernel,
 ``mma_k_order_rows``, reorders it before the launch)."""
 
