@@ -1,5 +1,6 @@
 # Two commands a fresh machine can run (no GPU, Python 3.11, PyPI):
-#   make test   create .venv, install the package with its test extras, run the CPU test suite
+#   make test   create .venv, install the package with its test extras, run the CPU test suite and
+#               the Triton kernel tests under Triton's interpreter
 #   make run    run the main job: GRPO on the embedded default (tiny MoE, CPU, QUADS numerics)
 PYTHON ?= python3
 VENV ?= .venv
@@ -20,6 +21,8 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+	# the Triton kernels, bit for bit against the reference, on CPU under Triton's interpreter
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m gpu tests/test_kernels_*.py
 
 run: $(STAMP)
 	$(VENV)/bin/megatron-quads train examples/embedded_default.yaml

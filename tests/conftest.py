@@ -8,8 +8,9 @@ import pytest
 import torch
 
 TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-"""Kernel tests also run on CPU under Triton's interpreter (``TRITON_INTERPRET=1 pytest -m gpu
-tests/test_kernels_*.py``): slow, and a development aid only; the GPU machine is where they count."""
+"""The Triton kernel tests also run on CPU under Triton's interpreter (``TRITON_INTERPRET=1 pytest -m gpu
+tests/test_kernels_*.py``, which ``make test`` runs): the kernels' arithmetic, bit for bit against the
+reference, on small shapes. Timing, Gluon kernels and CUDA-only paths still need ``pytest -m gpu`` on a GPU."""
 
 
 def _fix_interpreter_scalar_index() -> None:
