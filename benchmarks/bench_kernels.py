@@ -17,7 +17,7 @@ Cases (each row: time, bytes moved, FLOPs, and the fraction of the limit reached
 5. (extra, ``--only moe_layer``) the engine's grouped MoE layer, routing to combine, graph-replayed.
 6. (extra, ``--only rac_ws``) grouped W4A4 + RAC gate/up with its GEMM on the warp-specialized kernel
    (the default on sm_90 where the tail fits) against the Triton kernel on natural-order values.
-Results: benchmarks/results/kernels_gpu.json (appended) and kernels_gpu.md.
+Results: benchmarks/results/kernels_gpu.json (the newest record of each section) and kernels_gpu.md.
 """
 
 # ruff: noqa: B023 -- every lambda is timed (and its graph replayed) before the loop moves on
@@ -27,7 +27,6 @@ import argparse
 import contextlib
 import datetime
 import itertools
-import json
 import statistics
 import warnings
 from collections.abc import Callable
@@ -36,7 +35,7 @@ from pathlib import Path
 from unittest import mock
 
 import torch
-from results_io import append_record, write_text_atomic
+from results_io import load_records, save_record, write_text_atomic
 
 from megatron_quads.nvfp4 import quantize
 from megatron_quads.rollout.grouped import expert_offsets_from_counts, expert_weight
@@ -845,24 +844,25 @@ def bench_rac_ws(bandwidth: float, quick: bool) -> list[dict]:
     return rows
 
 
-def markdown_view(history: list[dict]) -> str:
-    """Each section's newest table from the JSON ``history`` of runs, under the date, command, copy
-    bandwidth and note (if any) of the run that measured it (runs with ``--only`` refresh some sections)."""
-    newest = {}
-    for record in history:
-        for name, rows in record["results"].items():
-            if rows:
-                newest[name] = (record, rows)
+SECTION_ORDER = ["quantize", "quantize_tiles", "w4a16", "w4a16_ws_dense", "w4a16_mma", "grouped", "grouped_ws", "moe_layer", "rac", "rac_ws"]
+"""The order of the sections in the Markdown view (others follow by name)."""
+
+
+def markdown_view(records: dict[str, dict]) -> str:
+    """Each section's table (its record in ``kernels_gpu.json``) under the date, device, command and
+    copy bandwidth of the run that measured it (runs with ``--only`` refresh some sections)."""
     lines = ["# NVFP4 kernels on the GPU: the newest run of each section", "",
-             ("From `kernels_gpu.json` (every run). `floor_us`: bytes / the copy bandwidth measured in the same "
-             "run; `frac_of_floor`: floor_us / us. GEMMs timed by CUDA-graph replay."), ""]
-    order = ["quantize", "quantize_tiles", "w4a16", "w4a16_ws_dense", "w4a16_mma", "grouped", "grouped_ws", "moe_layer", "rac", "rac_ws"]
-    for name in sorted(newest, key=lambda n: (order.index(n) if n in order else len(order), n)):
-        record, rows = newest[name]
+             ("From `kernels_gpu.json`. `floor_us`: bytes / the copy bandwidth measured in the same "
+              "run; `frac_of_floor`: floor_us / us. GEMMs timed by CUDA-graph replay."), ""]
+    order = {name: i for i, name in enumerate(SECTION_ORDER)}
+    for name in sorted(records, key=lambda n: (order.get(n, len(order)), n)):
+        record = records[name]
+        rows = record["rows"]
+        if not rows:
+            continue
         keys = [key for key, value in rows[0].items() if not isinstance(value, dict)]  # sweeps stay in the JSON
         lines += [f"## {name}", "", (f"{record['device']}, {record['date']}: `{record['command']}`; device-to-device copy "
-                  f"{record['copy_GBps']} GB/s; timed eagerly (graph capture failed): {record['eager_timed'] or 'none'}."
-                  + (f" Note: {record['note']}" if record.get("note") else "")), "",
+                  f"{record['copy_GBps']} GB/s; timed eagerly (graph capture failed): {record['eager_timed'] or 'none'}."), "",
                   "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
         lines += ["| " + " | ".join(str(r.get(k_, "")) for k_ in keys) + " |" for r in rows]
         lines.append("")
@@ -893,7 +893,7 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(__file__).parent / "results" / "kernels_gpu.json"
     if args.render:
-        write_text_atomic(out.with_suffix(".md"), markdown_view(json.loads(out.read_text())))
+        write_text_atomic(out.with_suffix(".md"), markdown_view(load_records(out)))
         return
     torch.manual_seed(0)
     bandwidth = copy_bandwidth()
@@ -907,22 +907,21 @@ def main() -> None:
                 "w4a16_mma_dense": lambda: bench_w4a16_mma(bandwidth, args.quick, grouped=False, shapes=args.mma_shape),
                 "w4a16_tma": lambda: bench_w4a16_tma(bandwidth, args.quick, shapes=args.mma_shape),
                 "w4a16_ws_dense": lambda: bench_w4a16_ws_dense(bandwidth, args.quick, shapes=args.mma_shape)}
-    results = {}
+    command = ("python benchmarks/bench_kernels.py" + (" --quick" if args.quick else "")
+               + (f" --only {' '.join(args.only)}" if args.only != parser.get_default("only") else "")
+               + "".join(f" --mma-shape {','.join(map(str, shape))}" for shape in args.mma_shape or []))
+    device, records = torch.cuda.get_device_name(), load_records(out)
     for name in args.only:
-        results[name] = sections[name]()
-        for r in results[name]:
+        EAGER_TIMED.clear()
+        rows = sections[name]()
+        for r in rows:
             print(r, flush=True)
-    record = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(), "command": "python benchmarks/bench_kernels.py"
-        + (" --quick" if args.quick else "") + (f" --only {' '.join(args.only)}" if args.only != parser.get_default("only") else "")
-        + "".join(f" --mma-shape {','.join(map(str, shape))}" for shape in args.mma_shape or []),
-        "copy_GBps": round(bandwidth / 1e9, 1), "results": results, "eager_timed": sorted(EAGER_TIMED),
-    }
-    history = json.loads(out.read_text()) if out.exists() else []
-    markdown = markdown_view([*history, record])
-    append_record(out, record, out.with_suffix(".md"), markdown)
-    print(markdown)
+        record = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "device": device,
+                  "command": command, "copy_GBps": round(bandwidth / 1e9, 1), "eager_timed": sorted(EAGER_TIMED),
+                  "rows": rows}
+        records = save_record(out, name, record, out.with_suffix(".md"), markdown_view)  # each section as it ends
+    print(markdown_view(records))
+
 
 if __name__ == "__main__":
     main()
