@@ -35,7 +35,7 @@ def test_each_section_shows_its_record_in_a_fixed_order() -> None:
     assert "| case | us |" in quantize and "sweep" not in quantize  # sweeps stay in the JSON
 
 
-def test_mma_shape_option_parses_three_positive_integers() -> None:
+def test_dense_shape_option_parses_three_positive_integers() -> None:
     assert _shape_arg("64,8192,4096") == (64, 8192, 4096)
     for bad in ("64,8192", "64,0,8", "a,b,c", "1,2,3,4"):
         with pytest.raises(argparse.ArgumentTypeError, match="expected M,K,N"):

@@ -63,3 +63,25 @@ def test_every_results_file_holds_one_complete_record_per_key() -> None:
     assert files
     for path in files:
         assert load_records(path), path  # an object of complete records, not a history
+
+
+@pytest.mark.parametrize(("bench", "needs", "results_file", "views"), [
+    ("bench_kernels", (), "kernels_gpu", {"kernels_gpu.md": lambda m, r: m.markdown_view(r)}),
+    ("bench_nvfp4_cpu", (), "nvfp4_cpu", {"nvfp4_cpu.md": lambda m, r: m.markdown(r)}),
+    ("bench_rac_cpu", (), "rac_cpu", {"rac_cpu.md": lambda m, r: m.markdown(r)}),
+    ("bench_aqat_step", (), "aqat_step", {f"aqat_step_{p}.md": lambda m, r, p=p: m.markdown(r[p]) for p in ("cpu", "gpu")}),
+    ("bench_engine", ("transformers",), "engine", {f"engine_{p}.md": lambda m, r, p=p: m.markdown(r[p]) for p in ("cpu", "gpu")}),
+    ("bench_controller", ("ray",), "controller_cpu", {"controller_cpu.md": lambda m, r: m.markdown(r)}),
+    ("bench_controller_gpu", ("ray", "transformers"), "controller_gpu", {"controller_gpu.md": lambda m, r: m.markdown(r)}),
+])
+def test_each_markdown_view_is_its_benchmarks_rendering_of_the_json(bench: str, needs: tuple[str, ...],
+                                                                     results_file: str, views: dict) -> None:
+    import importlib
+
+    for module in needs:
+        pytest.importorskip(module)
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    module = importlib.import_module(bench)
+    records = load_records(results / f"{results_file}.json")
+    for md, render in views.items():
+        assert render(module, records) == (results / md).read_text(), f"{md}: rerun python benchmarks/{bench}.py --render"
