@@ -380,10 +380,10 @@ the grouped kernel's autotune candidates (``kernels.w4a16._grouped_configs``).""
 def _token_tile_times(x: torch.Tensor, qw, offsets: torch.Tensor) -> dict[str, float]:
     """The Triton grouped kernel with each token tile (``BLOCK_M``), the best of
     :data:`GROUPED_WEIGHT_TILES` for each: the evidence for the default token tile."""
-    from megatron_quads.kernels.w4a16 import grouped_w4a16_into
-
     from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources
+
+    from megatron_quads.kernels.w4a16 import grouped_w4a16_into
 
     out = torch.empty(x.shape[0], qw.shape[1], device=x.device, dtype=x.dtype)
     times = {}
