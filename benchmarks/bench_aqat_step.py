@@ -6,8 +6,9 @@
 For each number of micro-batches it builds a BF16 and an AQAT :class:`PolicyWorker`, steps them
 alternately (warm-up first), times ``train_step`` (forward + backward + optimizer step over all
 micro-batches), and separately one rebuild of every fake-quantized expert weight (the
-once-per-step cost AQAT adds). Results are appended to
-``benchmarks/results/aqat_step.json`` and the newest record is written as Markdown beside it.
+once-per-step cost AQAT adds). The record of the profile replaces the older one in
+``benchmarks/results/aqat_step.json`` and is written as Markdown beside it (``aqat_step_<profile>.md``;
+``--render`` rewrites every profile's table alone).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-from results_io import append_record
+from results_io import load_records, save_record, write_text_atomic
 
 PROFILES = {
     "cpu": dict(
@@ -128,7 +129,8 @@ def run_setting(profile: dict, micro_batches: int) -> list[dict]:
     return results
 
 
-def _markdown(record: dict) -> str:
+def markdown(record: dict) -> str:
+    """The Markdown table of one profile's record."""
     lines = [
         f"# AQAT step time ({record['date']}, {record['device']}, profile {record['profile']})",
         "",
@@ -148,12 +150,22 @@ def _markdown(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def markdown_path(out: Path, profile: str) -> Path:
+    """Where the table of ``profile`` goes, beside the JSON file ``out``."""
+    return out.with_name(f"{out.stem}_{profile}.md")
+
+
 def main() -> None:
-    """Run every setting of the chosen profile and append the record to the results file."""
+    """Run every setting of the chosen profile and store the record in the results file."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", choices=sorted(PROFILES), default="gpu" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/aqat_step.json"))
+    parser.add_argument("--render", action="store_true", help="only rewrite each profile's Markdown table from the JSON file")
     args = parser.parse_args()
+    if args.render:
+        for profile, record in load_records(args.out).items():
+            write_text_atomic(markdown_path(args.out, profile), markdown(record))
+        return
 
     from megatron_quads.trainer.cpu_compat import find_free_port
     from megatron_quads.trainer.distributed import init_trainer_distributed
@@ -171,8 +183,9 @@ def main() -> None:
         "model": profile["model"],
         "results": results,
     }
-    append_record(args.out, record, args.out.with_name(f"aqat_step_{args.profile}.md"), _markdown(record))
-    print(_markdown(record))
+    save_record(args.out, args.profile, record, markdown_path(args.out, args.profile),
+                lambda records: markdown(records[args.profile]))
+    print(markdown(record))
 
 
 if __name__ == "__main__":

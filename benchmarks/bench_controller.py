@@ -1,6 +1,6 @@
 """Step-time breakdown of the embedded default, and weight-sync throughput of bf16 vs NVFP4 payloads (CPU).
 
-    python benchmarks/bench_controller.py
+    python benchmarks/bench_controller.py [--out benchmarks/results/controller_cpu.json]
 
 1. Runs the embedded default (quads mode) for 12 steps and reports the median seconds of each phase
    (sync, generate, reward, trainer log-probs, train) over steps 2..11.
@@ -8,11 +8,13 @@
    (a) as BF16 tensors and (b) quantized once into NVFP4-plus-residual; each payload goes through Ray's
    object store to a rollout-side actor that rebuilds it. Reports bytes, quantize time, transfer
    time and GB/s of parameters (bf16-equivalent bytes per second).
-Results: benchmarks/results/controller_cpu.json (appended) and controller_cpu.md.
+Results: benchmarks/results/controller_cpu.json (the newest record) and controller_cpu.md
+(``--render`` rewrites the table alone).
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import statistics
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import ray
 import torch
-from results_io import append_record
+from results_io import load_records, save_record, write_text_atomic
 
 from megatron_quads.controller.config import load_config
 from megatron_quads.controller.run import run
@@ -34,6 +36,7 @@ from megatron_quads.controller.weight_sync import (
 from megatron_quads.rollout.weights import quantize_hf_weights
 
 LAYERS, EXPERTS, HIDDEN, FFN = 4, 16, 1024, 768
+KEY = "cpu"
 
 
 def synthetic_weights() -> dict[str, torch.Tensor]:
@@ -69,8 +72,31 @@ def sync_case(name: str, weights, receiver) -> dict:
             "transfer_s": round(seconds, 3)}
 
 
+def markdown(records: dict[str, dict]) -> str:
+    """The Markdown tables of the file's record."""
+    record = records[KEY]
+    phases, sync = record["step_phases_median_s"], record["sync"]
+    lines = [f"# Controller on CPU ({record['date']}, {record['device']})", "", f"Command: `{record['command']}`", "",
+             "Embedded default, quads mode, median seconds per phase over steps 2-11:", "",
+             "| phase | seconds |", "|---|---:|"]
+    lines += [f"| {k.removeprefix('time/')} | {v} |" for k, v in phases.items()]
+    lines += ["", f"Weight sync of a synthetic {record['sync_model_bf16_GB']} GB (bf16) Qwen3-MoE-format model "
+              "through Ray's object store to another actor (quantize on the sender, rebuild on the receiver):", "",
+              "| payload | MB | quantize s | transfer + rebuild s | GB/s of bf16 params |", "|---|---:|---:|---:|---:|"]
+    lines += [f"| {r['payload']} | {r['payload_MB']} | {r.get('quantize_s', 0.0)} | {r['transfer_s']} | {r['GBps_of_bf16_params']} |"
+              for r in sync]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     """Both measurements; one record."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/controller_cpu.json"))
+    parser.add_argument("--render", action="store_true", help="only rewrite the Markdown tables from the JSON file")
+    args = parser.parse_args()
+    if args.render:
+        write_text_atomic(args.out.with_suffix(".md"), markdown(load_records(args.out)))
+        return
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(Path("examples/embedded_default.yaml"), [
@@ -94,17 +120,8 @@ def main() -> None:
         "device": f"CPU, {torch.get_num_threads()} threads", "command": "python benchmarks/bench_controller.py",
         "step_phases_median_s": phases, "sync_model_bf16_GB": round(params_gb, 3), "sync": sync,
     }
-    lines = [f"# Controller on CPU ({record['date']}, {record['device']})", "", f"Command: `{record['command']}`", "",
-             "Embedded default, quads mode, median seconds per phase over steps 2-11:", "",
-             "| phase | seconds |", "|---|---:|"]
-    lines += [f"| {k.removeprefix('time/')} | {v} |" for k, v in phases.items()]
-    lines += ["", f"Weight sync of a synthetic {record['sync_model_bf16_GB']} GB (bf16) Qwen3-MoE-format model "
-              "through Ray's object store to another actor (quantize on the sender, rebuild on the receiver):", "",
-              "| payload | MB | quantize s | transfer + rebuild s | GB/s of bf16 params |", "|---|---:|---:|---:|---:|"]
-    lines += [f"| {r['payload']} | {r['payload_MB']} | {r.get('quantize_s', 0.0)} | {r['transfer_s']} | {r['GBps_of_bf16_params']} |" for r in sync]
-    out = Path("benchmarks/results/controller_cpu.json")
-    append_record(out, record, out.with_suffix(".md"), "\n".join(lines) + "\n")
-    print("\n".join(lines))
+    records = save_record(args.out, KEY, record, args.out.with_suffix(".md"), markdown)
+    print(markdown(records))
 
 
 if __name__ == "__main__":

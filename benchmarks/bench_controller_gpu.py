@@ -9,7 +9,8 @@ during training) and reports, over the steps after the first (warm-up):
 - the weight sync split into the trainer's export (gathers + NVFP4 quantization + packing), the
   engine's receive (IPC map + copy), load and RAC calibration, and its throughput in GB/s of bf16
   parameters and of payload bytes.
-Results: benchmarks/results/controller_gpu.json (appended) and controller_gpu.md.
+Results: benchmarks/results/controller_gpu.json (the newest record) and controller_gpu.md
+(``--render`` rewrites the table alone, no GPU needed).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import ray
 import torch
-from results_io import append_record
+from results_io import load_records, save_record, write_text_atomic
 
 from megatron_quads.controller.config import load_config
 from megatron_quads.controller.run import run
@@ -31,6 +32,8 @@ from megatron_quads.controller.workers import policy_model_config
 from megatron_quads.trainer.hf_export import qwen3_moe_config
 
 CONFIG = Path(__file__).parents[1] / "examples" / "gpu_colocated_synthetic.yaml"
+OUT = Path(__file__).parent / "results" / "controller_gpu.json"
+KEY = "gpu"
 
 
 def parameter_count(cfg) -> int:
@@ -42,12 +45,33 @@ def parameter_count(cfg) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def markdown(records: dict[str, dict]) -> str:
+    """The Markdown table of the file's record."""
+    record = records[KEY]
+    lines = [f"# Controller on {record['device']} ({record['date']})", "", f"Command: `{record['command']}`", "",
+             (f"{record['parameters'] / 1e6:.0f}M-parameter synthetic GPT-MoE ({record['config']}), {record['precision']} "
+              f"mode, colocated trainer + engine, weights by {record['transport']}; medians over "
+              f"{record['steps_measured']} steps after the first:"), "",
+             "| quantity | value |", "|---|---:|"]
+    lines += [f"| {k} | {v} |" for k, v in record["median"].items()]
+    lines += [f"| sync GB/s (bf16 params) | {record['sync_GBps_of_bf16_params']} |",
+              f"| sync GB/s (payload) | {record['sync_GBps_of_payload']} |",
+              f"| engine GPU memory released in training, GB | {record['rollout_gpu_GB_released']} |",
+              "", f"Max |dlogp| per step: {record['gap_max_abs']}."]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     """One run, one record."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--render", action="store_true", help="only rewrite the Markdown table from the JSON file (no GPU)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    if args.render:
+        write_text_atomic(args.out.with_suffix(".md"), markdown(load_records(args.out)))
+        return
     if not torch.cuda.is_available():
         raise SystemExit("bench_controller_gpu.py needs a CUDA GPU (see benchmarks/bench_controller.py for CPU)")
     ray.init(num_gpus=1, num_cpus=8, include_dashboard=False, log_to_driver=True)
@@ -70,17 +94,8 @@ def main() -> None:
         "rollout_gpu_GB_released": round(statistics.median(r["rollout/gpu_bytes_released"] for r in steady) / 1e9, 3),
         "gap_max_abs": [round(r["mismatch/gap_max_abs"], 4) for r in records],
     }
-    lines = [f"# Controller on {record['device']} ({record['date']})", "", f"Command: `{record['command']}`", "",
-             (f"{params / 1e6:.0f}M-parameter synthetic GPT-MoE, {record['precision']} mode, colocated trainer + engine, "
-              f"weights by {record['transport']}; medians over {len(steady)} steps after the first:"), "",
-             "| quantity | value |", "|---|---:|"]
-    lines += [f"| {k} | {v} |" for k, v in record["median"].items()]
-    lines += [f"| sync GB/s (bf16 params) | {record['sync_GBps_of_bf16_params']} |",
-              f"| sync GB/s (payload) | {record['sync_GBps_of_payload']} |",
-              f"| engine GPU memory released in training, GB | {record['rollout_gpu_GB_released']} |"]
-    out = Path(__file__).parent / "results" / "controller_gpu.json"
-    append_record(out, record, out.with_suffix(".md"), "\n".join(lines) + "\n")
-    print("\n".join(lines))
+    records = save_record(args.out, KEY, record, args.out.with_suffix(".md"), markdown)
+    print(markdown(records))
 
 
 if __name__ == "__main__":

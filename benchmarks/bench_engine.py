@@ -6,8 +6,9 @@
 Greedy decoding of a batch of prompts. Each NVFP4 mode runs twice: with the routed experts as grouped
 NVFP4 GEMMs (the engine's default: one call per projection and layer) and with the per-expert loop.
 On CPU the NVFP4 GEMMs are the PyTorch reference (dequantize and multiply); on CUDA they are the
-Triton kernels (W4A16 for w4a16, W4A4 + RAC for w4a4 / quads). Appends to
-benchmarks/results/engine.json and writes engine_<profile>.md.
+Triton kernels (W4A16 for w4a16, W4A4 + RAC for w4a4 / quads). Stores the record of the profile
+in benchmarks/results/engine.json (the newest of each profile) and writes engine_<profile>.md
+(``--render`` rewrites every profile's table alone).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 from pathlib import Path
 
 import torch
-from results_io import append_record
+from results_io import load_records, save_record, write_text_atomic
 
 from megatron_quads.rollout.engine import ENGINE_PRECISIONS, SamplingParams
 from megatron_quads.rollout.torch_engine import TorchRolloutEngine
@@ -31,6 +32,23 @@ PROFILES = {
 }
 
 
+def markdown(record: dict) -> str:
+    """The Markdown table of one profile's record."""
+    lines = [f"# Built-in engine throughput ({record['date']}, {record['device']}, profile {record['profile']})", "",
+             f"Command: `{record['command']}`. Greedy, batch {record['batch']}, prompt {record['prompt_tokens']} tokens, "
+             f"{record['new_tokens']} new tokens; NVFP4 GEMMs: "
+             + ("the PyTorch reference." if record["device"].startswith("CPU") else "Triton kernels."), "",
+             "| precision | experts | tokens | seconds | tokens/s |", "|---|---|---:|---:|---:|"]
+    lines += [f"| {r['precision']} | {r['experts']} | {r['tokens']} | {r['seconds']} | {r['tokens_per_s']} |"
+              for r in record["rows"]]
+    return "\n".join(lines) + "\n"
+
+
+def markdown_path(out: Path, profile: str) -> Path:
+    """Where the table of ``profile`` goes, beside the JSON file ``out``."""
+    return out.with_name(f"{out.stem}_{profile}.md")
+
+
 def main() -> None:
     """Time greedy generation for each precision and record tokens/s."""
     from megatron_quads.trainer.hf_export import qwen3_moe_config
@@ -39,7 +57,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", choices=sorted(PROFILES), default="gpu" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/engine.json"))
+    parser.add_argument("--render", action="store_true", help="only rewrite each profile's Markdown table from the JSON file")
     args = parser.parse_args()
+    if args.render:
+        for profile, record in load_records(args.out).items():
+            write_text_atomic(markdown_path(args.out, profile), markdown(record))
+        return
     profile = PROFILES[args.profile]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     config = qwen3_moe_config(PolicyModelConfig(**profile["model"]))
@@ -76,14 +99,9 @@ def main() -> None:
         "profile": args.profile, "command": f"python benchmarks/bench_engine.py --profile {args.profile}",
         "batch": profile["batch"], "prompt_tokens": profile["prompt"], "new_tokens": profile["new_tokens"], "rows": rows,
     }
-    lines = [f"# Built-in engine throughput ({record['date']}, {record['device']}, profile {args.profile})", "",
-             f"Command: `{record['command']}`. Greedy, batch {record['batch']}, prompt {record['prompt_tokens']} tokens, "
-             f"{record['new_tokens']} new tokens; NVFP4 GEMMs: "
-             + ("Triton kernels." if device == "cuda" else "the PyTorch reference."), "",
-             "| precision | experts | tokens | seconds | tokens/s |", "|---|---|---:|---:|---:|"]
-    lines += [f"| {r['precision']} | {r['experts']} | {r['tokens']} | {r['seconds']} | {r['tokens_per_s']} |" for r in rows]
-    append_record(args.out, record, args.out.with_name(f"engine_{args.profile}.md"), "\n".join(lines) + "\n")
-    print("\n".join(lines))
+    save_record(args.out, args.profile, record, markdown_path(args.out, args.profile),
+                lambda records: markdown(records[args.profile]))
+    print(markdown(record))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """Time the reference NVFP4 quantize / dequantize / fake_quant on CPU and write a results file.
 
-    python benchmarks/bench_nvfp4_cpu.py [--out benchmarks/results/nvfp4_cpu.json]
+    python benchmarks/bench_nvfp4_cpu.py [--out benchmarks/results/nvfp4_cpu.json] [--min-run-time 1.0]
 
-Each run appends one record (date, device, torch version, threads, per-case times) to the JSON
-file; the Markdown table beside it is rewritten from the newest record. No assertions: speed targets
-live here, never in unit tests.
+Each run replaces the file's record (date, device, torch version, threads, per-case times) and
+rewrites the Markdown table beside it (``--render`` rewrites the table alone). No assertions: speed
+targets live here, never in unit tests.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import platform
 from pathlib import Path
 
 import torch
-from results_io import append_record
+from results_io import load_records, save_record, write_text_atomic
 from torch.utils.benchmark import Timer
 
 from megatron_quads.nvfp4 import dequantize, fake_quant, quantize
@@ -58,7 +58,12 @@ def bench_case(rows: int, cols: int, min_run_time: float) -> dict:
     }
 
 
-def _markdown(record: dict) -> str:
+KEY = "cpu"
+
+
+def markdown(records: dict[str, dict]) -> str:
+    """The Markdown table of the file's record."""
+    record = records[KEY]
     lines = [
         f"# NVFP4 reference on CPU ({record['date']}, {record['device']}, torch {record['torch']}, "
         f"{record['threads']} threads)",
@@ -77,22 +82,27 @@ def _markdown(record: dict) -> str:
 
 
 def main() -> None:
-    """Run the benchmark and append its record to the results file."""
+    """Run the benchmark and store its record in the results file."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/nvfp4_cpu.json"))
     parser.add_argument("--min-run-time", type=float, default=1.0, help="seconds per measurement")
+    parser.add_argument("--render", action="store_true", help="only rewrite the Markdown table from the JSON file")
     args = parser.parse_args()
+    if args.render:
+        write_text_atomic(args.out.with_suffix(".md"), markdown(load_records(args.out)))
+        return
 
     record = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": _cpu_name(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "command": "python benchmarks/bench_nvfp4_cpu.py",
+        "command": "python benchmarks/bench_nvfp4_cpu.py"
+        + (f" --min-run-time {args.min_run_time:g}" if args.min_run_time != parser.get_default("min_run_time") else ""),
         "cases": [bench_case(r, c, args.min_run_time) for r, c in SHAPES],
     }
-    append_record(args.out, record, args.out.with_suffix(".md"), _markdown(record))
-    print(_markdown(record))
+    records = save_record(args.out, KEY, record, args.out.with_suffix(".md"), markdown)
+    print(markdown(records))
 
 
 if __name__ == "__main__":

@@ -1,21 +1,23 @@
 """FLOP and byte overhead of RAC over plain W4A4, computed per ratio and measured on CPU.
 
-    python benchmarks/bench_rac_cpu.py
+    python benchmarks/bench_rac_cpu.py [--out benchmarks/results/rac_cpu.json]
 
 The computed columns are what an FP4 kernel moves and multiplies: the augmented GEMM has
 ``K + |S|`` reduction columns, so FLOPs and weight bytes grow by ``|S| / K``. The measured columns
 time the PyTorch reference (``rac_linear`` vs ``w4a4_linear``), which emulates the FP4 GEMM with
 dequantized operands: its overhead also includes the residual's second quantization pass. Results
-go to ``benchmarks/results/rac_cpu.json`` (appended) and ``rac_cpu.md`` (newest).
+go to ``benchmarks/results/rac_cpu.json`` (the newest record) and ``rac_cpu.md`` (``--render``
+rewrites the table alone).
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 from pathlib import Path
 
 import torch
-from results_io import append_record
+from results_io import load_records, save_record, write_text_atomic
 from torch.utils.benchmark import Timer
 
 from megatron_quads.nvfp4 import quantize
@@ -29,6 +31,7 @@ from megatron_quads.rollout.w4a4 import w4a4_linear
 
 SHAPES = [(64, 2048, 2048), (64, 4096, 4096)]  # tokens, K, N (decode-like batch)
 RATIOS = (0.0, 0.125, 0.25, 0.5, 1.0)
+KEY = "cpu"
 
 
 def _bytes(tokens: int, k: int, n: int) -> int:
@@ -59,16 +62,9 @@ def case(tokens: int, k: int, n: int) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    """Run every shape and ratio; append the record to the results file."""
-    out = Path("benchmarks/results/rac_cpu.json")
-    record = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": f"CPU, {torch.get_num_threads()} threads",
-        "torch": torch.__version__,
-        "command": "python benchmarks/bench_rac_cpu.py",
-        "rows": [row for shape in SHAPES for row in case(*shape)],
-    }
+def markdown(records: dict[str, dict]) -> str:
+    """The Markdown table of the file's record."""
+    record = records[KEY]
     lines = [
         f"# RAC overhead over W4A4 ({record['date']}, {record['device']}, torch {record['torch']})", "",
         f"Command: `{record['command']}`. Computed: FP4 kernel FLOPs and operand bytes. Measured: the "
@@ -81,8 +77,27 @@ def main() -> None:
             f"| {r['tokens']}x{r['K']}x{r['N']} | {r['ratio']:.3f} | {r['residual_channels']} | {r['flop_overhead']:.1%} | "
             f"{r['byte_overhead']:.1%} | {r['w4a4_ms']:.2f} | {r['rac_ms']:.2f} | {r['measured_overhead']:+.1%} |"
         )
-    append_record(out, record, out.with_suffix(".md"), "\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    """Run every shape and ratio; store the record in the results file."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/rac_cpu.json"))
+    parser.add_argument("--render", action="store_true", help="only rewrite the Markdown table from the JSON file")
+    args = parser.parse_args()
+    if args.render:
+        write_text_atomic(args.out.with_suffix(".md"), markdown(load_records(args.out)))
+        return
+    record = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": f"CPU, {torch.get_num_threads()} threads",
+        "torch": torch.__version__,
+        "command": "python benchmarks/bench_rac_cpu.py",
+        "rows": [row for shape in SHAPES for row in case(*shape)],
+    }
+    records = save_record(args.out, KEY, record, args.out.with_suffix(".md"), markdown)
+    print(markdown(records))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Compare RAC channel-ranking statistics on linears with LLM-like outlier-channel activations.
 
-    python benchmarks/rac_statistics.py
+    python benchmarks/rac_statistics.py [--out benchmarks/results/rac_statistics.md]
 
 Synthetic layers: Gaussian activations with a few channels scaled by 10-50x (the outliers LLM
 activations show), a Gaussian weight with some near-dead input columns. For each statistic and
@@ -10,6 +10,7 @@ calibrated on one batch and measured on another. Results: benchmarks/results/rac
 
 from __future__ import annotations
 
+import argparse
 import datetime
 from pathlib import Path
 
@@ -44,6 +45,9 @@ def layer(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 def main() -> None:
     """Average relative output error per statistic and ratio over the synthetic layers."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/rac_statistics.md"))
+    args = parser.parse_args()
     errors = {(s, r): 0.0 for s in ChannelStatistic for r in RATIOS}
     for seed in range(LAYERS):
         x_cal, x_eval, w = layer(seed)
@@ -68,8 +72,7 @@ def main() -> None:
     ]
     for statistic in ChannelStatistic:
         lines.append(f"| {statistic.value} | " + " | ".join(f"{errors[(statistic, r)]:.4f}" for r in RATIOS) + " |")
-    out = Path("benchmarks/results/rac_statistics.md")
-    write_text_atomic(out, "\n".join(lines) + "\n")
+    write_text_atomic(args.out, "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -1,4 +1,4 @@
-"""The Markdown view of the GPU kernel benchmark history and the shape option (benchmarks/bench_kernels.py)."""
+"""The Markdown view of the GPU kernel results and the shape option (benchmarks/bench_kernels.py)."""
 
 from __future__ import annotations
 
@@ -13,30 +13,29 @@ import pytest
 from bench_kernels import _shape_arg, markdown_view
 
 
-def _record(date: str, command: str, results: dict[str, list[dict]]) -> dict:
-    return {"date": date, "device": "NVIDIA H200", "command": command, "copy_GBps": 4250.0,
-            "results": results, "eager_timed": []}
+def _record(date: str, command: str, rows: list[dict]) -> dict:
+    return {"date": date, "device": "NVIDIA H200", "command": command, "copy_GBps": 4250.0, "eager_timed": [],
+            "rows": rows}
 
 
-def test_each_section_comes_from_its_newest_run_in_a_fixed_order() -> None:
-    history = [
-        _record("2026-11-01", "full", {"rac": [{"case": "old rac", "us": 70.0}], "quantize": [{"case": "q", "us": 54.0}]}),
-        _record("2026-11-02", "--only rac", {"rac": [{"case": "new rac", "us": 16.8}], "grouped": []})
-        | {"note": "kernel X was a variant since reverted"},
-    ]
-    view = markdown_view(history)
-    assert "new rac" in view and "old rac" not in view
+def test_each_section_shows_its_record_in_a_fixed_order() -> None:
+    records = {
+        "rac": _record("2026-11-02", "--only rac", [{"case": "new rac", "us": 16.8}]),
+        "grouped": _record("2026-11-02", "--only rac grouped", []),
+        "quantize": _record("2026-11-01", "full", [{"case": "q", "us": 54.0, "sweep": {"a": 1.0}}]),
+    }
+    view = markdown_view(records)
     assert view.index("## quantize") < view.index("## rac")
-    assert "## grouped" not in view  # an empty section keeps nothing
+    assert "## grouped" not in view  # an empty section shows nothing
     rac = view[view.index("## rac"):]
-    assert "2026-11-02: `--only rac`" in rac
+    assert "NVIDIA H200, 2026-11-02: `--only rac`; device-to-device copy 4250.0 GB/s" in rac
     assert "| new rac | 16.8 |" in rac
-    assert "Note: kernel X was a variant since reverted" in rac  # a run's note shows with its sections only
-    assert "Note:" not in view[:view.index("## rac")]
-    assert "2026-11-01: `full`" in view[view.index("## quantize"):view.index("## rac")]
+    quantize = view[view.index("## quantize"):view.index("## rac")]
+    assert "2026-11-01: `full`" in quantize
+    assert "| case | us |" in quantize and "sweep" not in quantize  # sweeps stay in the JSON
 
 
-def test_mma_shape_option_parses_three_positive_integers() -> None:
+def test_dense_shape_option_parses_three_positive_integers() -> None:
     assert _shape_arg("64,8192,4096") == (64, 8192, 4096)
     for bad in ("64,8192", "64,0,8", "a,b,c", "1,2,3,4"):
         with pytest.raises(argparse.ArgumentTypeError, match="expected M,K,N"):
