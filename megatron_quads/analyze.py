@@ -3,7 +3,7 @@
 Runs on CPU on a Megatron-Core GPT-MoE (the tiny embedded architecture by default, random or from a
 Megatron dist checkpoint) or on a local Hugging Face Qwen3-MoE-format model; the routed experts'
 linears are the layers in scope. Token sequences are random ids (the gap is a property of the
-numerics on the model's own activations; prompts from a task arrive with the GRPO issue). For each pair
+numerics on the model's own activations; task prompts are not used here). For each pair
 of :func:`megatron_quads.rollout.analysis.default_pairs` it reports the per-token log-prob gap of the
 whole model and, per layer, the weight-error and activation-error terms; QUADS is measured at several
 RAC ratios and with each channel-ranking statistic.

@@ -170,7 +170,7 @@ class Rollouts:
             # a broadcast needs every member: rebuild the group and re-send to all engines
             self._form_sync_group(self.trainers)
             self._load(self.trainers, self.workers, self.version, self.calibration)
-        else:  # re-export: IPC buffers are not kept between syncs
+        else:  # re-export: IPC buffers are freed after each sync
             self._load(self.trainers, [self.workers[index]], self.version, self.calibration)
         self.restarts += 1
 
