@@ -24,6 +24,7 @@ from megatron_quads.kernels.w4a4 import (
     _round_e4m3,
     activation_block_values_kernel,
     grouped_rac_kernel,
+    prepare_rac_tail,
     quantize_activations_kernel,
     rac_linear_kernel,
 )
@@ -396,7 +397,7 @@ def _stacked_residual(weight: NVFP4Tensor, channels: torch.Tensor) -> NVFP4Tenso
 
 @pytest.mark.parametrize("w4a16_rows", (1 << 62, 0), ids=("w4a16 path", "rac gemm path"))
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("ratio", (0.0, 0.25, 0.5))  # on the H200 all run w4a16_ws (0.25: S 128 widened to 256)
+@pytest.mark.parametrize("ratio", (0.0, 0.25, 0.5))  # on the H200 all run w4a16_ws (0.25: S 128 prepared as 256)
 def test_grouped_rac_matches_the_per_expert_reference(
     kernel_device: str, mode: ActivationScale, ratio: float, w4a16_rows: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -429,11 +430,8 @@ def test_grouped_rac_matches_the_per_expert_reference(
                         assert torch.equal(got[lo:hi].cpu(), want), f"expert {e} prologue differs"
 
         y = torch.full((tokens, n), float("nan"), dtype=x.dtype, device=dev)
-        grouped_rac_kernel(
-            x.to(dev), weight.to(dev), offsets.to(dev),
-            None if channels is None else channels.to(dev), None if residual is None else residual.to(dev),
-            mode, static, out=y,
-        )
+        tail = (None, None) if channels is None else prepare_rac_tail(channels.to(dev), residual.to(dev), k, torch.device(dev))
+        grouped_rac_kernel(x.to(dev), weight.to(dev), offsets.to(dev), *tail, mode, static, out=y)
         y = y.cpu()
         for e in range(experts):
             lo, hi = int(offsets[e]), int(offsets[e + 1])
@@ -461,9 +459,10 @@ def _ws_grouped_runs_here() -> bool:
 def test_grouped_rac_down_projection_tails_run_widened_on_the_ws_kernel(
     kernel_device: str, s: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Qwen3-30B-A3B's down projection (K 768): RAC tails of 96, 192 and 384 channels are widened to
-    whole 256-column ring steps (repeated channels, zero ``W_S`` columns) and run on the warp-specialized
-    kernel; every expert's rows match the fp64 product of the reference operands."""
+    """Qwen3-30B-A3B's down projection (K 768): RAC tails of 96, 192 and 384 channels are prepared
+    (``prepare_rac_tail``) as whole 256-column ring steps (repeated channels, zero ``W_S`` columns)
+    and run on the warp-specialized kernel; every expert's rows match the fp64 product of the
+    reference operands of the narrow tail."""
     from megatron_quads.kernels import w4a16 as w4a16_kernels
 
     experts, k, n = 8, 768, 256
@@ -485,14 +484,44 @@ def test_grouped_rac_down_projection_tails_run_widened_on_the_ws_kernel(
         channels = torch.stack([_channels(k, s / k, seed + 2 + e) for e in range(experts)])
         residual = _stacked_residual(weight, channels)
         y = torch.full((tokens, n), float("nan"), dtype=x.dtype, device=kernel_device)
-        grouped_rac_kernel(x.to(kernel_device), weight.to(kernel_device), offsets.to(kernel_device),
-                           channels.to(kernel_device), residual.to(kernel_device), out=y)
+        device = torch.device(kernel_device)
+        tail = prepare_rac_tail(channels.to(device), residual.to(device), k, device)
+        assert tail[0].shape[1] == 256 * -(-s // 256)
+        grouped_rac_kernel(x.to(device), weight.to(device), offsets.to(device), *tail, out=y)
         assert tails and tails[-1] is not None and tails[-1].shape[-1] == 256 * -(-s // 256), "not widened onto ws"
         y = y.cpu()
         for e in range(experts):
             lo, hi = int(offsets[e]), int(offsets[e + 1])
             if hi == lo:
                 continue
+            a, a_decode, w = rac_operands(x[lo:hi], expert_weight(weight, e), channels[e], expert_weight(residual, e))
+            ref, bound = _gemm_reference(a, a_decode.expand(hi - lo), w, expert_weight(weight, e).weight_scale_2)
+            _assert_close(y[lo:hi], ref, bound)
+
+
+@pytest.mark.parametrize("w4a16_rows", (1 << 62, 0), ids=("w4a16 path", "rac gemm path"))
+def test_grouped_rac_takes_a_widened_tail_as_given(kernel_device: str, w4a16_rows: int,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tail widened by ``padded_tail`` (repeated channels, zero ``W_S`` columns) runs as given on
+    either GEMM path, and every expert's rows match the fp64 product of the narrow tail's operands."""
+    import megatron_quads.kernels.w4a4 as w4a4_kernels
+
+    monkeypatch.setitem(w4a4_kernels.W4A16_PATH_ROWS, "grouped", w4a16_rows)
+    experts, k, n, tokens = 3, 64, 24, 11
+    counts = _routing(experts, tokens, 31)
+    offsets = expert_offsets_from_counts(counts)
+    x = _activations(tokens, k, torch.bfloat16, 32)
+    weight = _weight(n, k, 33, experts)
+    channels = torch.stack([_channels(k, 0.25, 34 + e) for e in range(experts)])
+    residual = _stacked_residual(weight, channels)
+    wide_channels, wide_residual = w4a4_kernels.padded_tail(channels, residual, 48)
+    dev = torch.device(kernel_device)
+    y = torch.full((tokens, n), float("nan"), dtype=x.dtype, device=dev)
+    grouped_rac_kernel(x.to(dev), weight.to(dev), offsets.to(dev), wide_channels.to(dev), wide_residual.to(dev), out=y)
+    y = y.cpu()
+    for e in range(experts):
+        lo, hi = int(offsets[e]), int(offsets[e + 1])
+        if hi > lo:
             a, a_decode, w = rac_operands(x[lo:hi], expert_weight(weight, e), channels[e], expert_weight(residual, e))
             ref, bound = _gemm_reference(a, a_decode.expand(hi - lo), w, expert_weight(weight, e).weight_scale_2)
             _assert_close(y[lo:hi], ref, bound)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megatron_quads.rollout.engine import SamplingParams
+from megatron_quads.rollout.precision import Precision
 from megatron_quads.rollout.torch_engine import TorchRolloutEngine
 from megatron_quads.rollout.weights import quantize_hf_weights
 from megatron_quads.trainer.hf_export import export_hf_weights, qwen3_moe_config
@@ -161,9 +162,9 @@ def test_checkpoint_weights_of_a_transformers_model_load_into_the_engine() -> No
 
 @pytest.mark.parametrize("precision", ["w4a16", "w4a4", "quads"])
 def test_grouped_experts_give_the_per_expert_loops_results(trainers, precision: str) -> None:
-    """The grouped forward (one grouped NVFP4 call per projection) against the per-expert loop with
-    output hooks: the same tokens and log-probs, bit for bit, in every NVFP4 precision (quads after
-    calibration, so the residual channels are in use)."""
+    """The grouped forward (one grouped NVFP4 call per projection) against the per-expert loop (each
+    expert linear computing under the precision): the same tokens and log-probs, bit for bit, in
+    every NVFP4 precision (quads after calibration, so the residual channels are in use)."""
     weights = quantize_hf_weights(export_hf_weights(trainers["bf16"]), lambda m: bool(EXPERT.match(m)),
                                   unquantized_dtype=torch.float32)
     runs = {}
@@ -179,7 +180,8 @@ def test_grouped_experts_give_the_per_expert_loops_results(trainers, precision: 
 
 
 def test_a_layer_whose_channel_counts_differ_keeps_the_per_expert_loop(trainers) -> None:
-    """RAC channel sets of different sizes cannot be stacked: that layer falls back to hooks."""
+    """RAC channel sets of different sizes cannot be stacked: that layer computes expert by expert,
+    each expert linear under the engine's precision."""
     engine = _engine(trainers, "quads", quantized=True)
     engine.calibrate(PROMPTS)
     name = next(n for n in engine.states if n.endswith("down.0"))
@@ -187,8 +189,10 @@ def test_a_layer_whose_channel_counts_differ_keeps_the_per_expert_loop(trainers)
     assert state.channels[engine.ratio].numel() == 16  # 25% of 64
     state.channels[engine.ratio] = state.channels[engine.ratio][:0]  # this expert: plain W4A4
     state.residual[engine.ratio] = None
-    engine._install_hooks()
-    assert len(engine._grouped_layers) == CFG.num_layers - 1 and engine._hooks
+    engine._prepare_experts()
+    assert len(engine._grouped_layers) == CFG.num_layers - 1
+    layer = engine.model.get_submodule(name.rsplit(".", 2)[0])
+    assert layer.grouped is None and all(m.precision == Precision("quads", engine.ratio) for m in layer.down)
     out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=3, seed=3))
     assert all(len(g.token_ids) == 3 for g in out)
 
@@ -228,4 +232,196 @@ def test_to_device_moves_the_grouped_stacks_and_keeps_the_states_viewing_them(tr
         projection = grouped_layer.grouped.down
         assert projection.weight.codes.is_meta and projection.residual.codes.is_meta and projection.channels.is_meta
         assert all(s.quantized.codes.is_meta and s.residual[engine.ratio].scales.is_meta for s in grouped_layer.grouped.states)
-    assert all(s.weight.is_meta for s in engine.states.values())
+    assert all(s.quantized.codes.is_meta for s in engine.states.values())
+
+
+def _held_expert_tensors(engine: TorchRolloutEngine) -> list[torch.Tensor]:
+    """Every tensor the engine holds for its routed experts: the expert modules' parameters and
+    buffers, the experts' states and the grouped layers' stacks."""
+    import dataclasses
+
+    held: list[torch.Tensor] = []
+
+    def add(obj) -> None:
+        if isinstance(obj, torch.Tensor):
+            held.append(obj)
+        elif dataclasses.is_dataclass(obj):
+            for f in dataclasses.fields(obj):
+                add(getattr(obj, f.name))
+        elif isinstance(obj, dict):
+            for value in obj.values():
+                add(value)
+        elif isinstance(obj, (list, tuple)):
+            for value in obj:
+                add(value)
+
+    for module in engine.experts.values():
+        add([*module.parameters(), *module.buffers()])
+    add(list(engine.states.values()))
+    for layer in engine._grouped_layers:
+        for projection in (layer.grouped.gate_up, layer.grouped.down):
+            add([projection.weight, projection.channels, projection.residual])
+    return held
+
+
+def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one stack count once)."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+@pytest.mark.parametrize(("precision", "quantized"), [("w4a16", True), ("w4a4", False), ("quads", True), ("quads", False)])
+def test_nvfp4_modes_hold_the_experts_as_nvfp4_only(trainers, precision: str, quantized: bool) -> None:
+    """In an NVFP4 mode the experts are held as codes, block scales, decode scales and (quads) RAC
+    tails, nothing else: the expert modules have no parameters, no floating tensor larger than one
+    decode scale an expert is held, and the bytes are exactly the NVFP4 sizes of the experts' shapes
+    (against fp32 weights in the bf16 mode)."""
+    from megatron_quads.rollout.rac import num_residual_channels
+
+    hf = qwen3_moe_config(CFG)
+    e, h, i, layers = hf.num_experts, hf.hidden_size, hf.moe_intermediate_size, hf.num_hidden_layers
+    engine = _engine(trainers, precision, quantized=quantized)
+    if precision == "quads":
+        engine.calibrate(PROMPTS)
+    assert len(engine._grouped_layers) == layers
+    assert not any(True for m in engine.experts.values() for _ in m.parameters())
+    assert not [k for k in engine.model.state_dict() if ".mlp.experts." in k]
+    held = _held_expert_tensors(engine)
+    assert all(t.numel() <= e for t in held if t.dtype in (torch.float32, torch.bfloat16, torch.float16))
+
+    def nvfp4_bytes(n: int, k: int) -> int:  # E stacked [N, K] weights: codes, scales, E decode scales
+        return e * (n * k // 2 + n * k // 16 + 4)
+
+    expected = layers * (nvfp4_bytes(2 * i, h) + nvfp4_bytes(h, i))
+    if precision == "quads":
+        s_gate_up, s_down = num_residual_channels(h, engine.ratio), num_residual_channels(i, engine.ratio)
+        expected += layers * (nvfp4_bytes(2 * i, s_gate_up) + nvfp4_bytes(h, s_down) + 4 * e * (s_gate_up + s_down))
+    assert _storage_bytes(held) == expected
+    dense = _storage_bytes(_held_expert_tensors(_engine(trainers, "bf16")))
+    assert dense == layers * e * 3 * h * i * 4 and expected < dense / 5
+
+
+def test_calibration_records_the_experts_inputs_under_w4a16(trainers) -> None:
+    """Calibration's forward runs expert by expert with every expert linear in W4A16 (``aqat``) over
+    the NVFP4 weights; afterwards the experts compute under quads again, grouped."""
+    engine = _engine(trainers, "quads", quantized=True)
+    seen = set()
+    handles = [m.register_forward_pre_hook(lambda mod, args: seen.add(mod.precision)) for m in engine.experts.values()]
+    engine.calibrate(PROMPTS)
+    assert seen == {Precision("aqat")}
+    for handle in handles:
+        handle.remove()
+    assert {m.precision for m in engine.experts.values()} == {Precision("quads", engine.ratio)}
+    assert len(engine._grouped_layers) == CFG.num_layers
+
+
+WIDE_CFG = PolicyModelConfig(dtype="fp32", num_layers=1, num_experts=4, moe_ffn_hidden_size=768)
+"""Experts whose down projection (K 768) takes a widened RAC tail where the warp-specialized
+kernel runs: 96 channels at ratio 0.125 become 256 (growth 1.19); gate/up (K 128) keeps its 16."""
+
+
+def _wide_tail_weights() -> tuple[object, dict[int, torch.Tensor]]:
+    """Random :data:`WIDE_CFG` weights quantized with fixed RAC channels (ratio 0.125), and the
+    channels by K."""
+    from transformers import Qwen3MoeForCausalLM
+
+    from megatron_quads.rollout.hf_experts import checkpoint_weights
+
+    torch.manual_seed(2)
+    tensors = checkpoint_weights(Qwen3MoeForCausalLM(qwen3_moe_config(WIDE_CFG)))
+    g = torch.Generator().manual_seed(3)
+    experts = [n.removesuffix(".weight") for n in tensors if EXPERT.match(n.removesuffix(".weight"))]
+    picked = {k: torch.randperm(k, generator=g)[: k // 8].sort().values for k in (128, 768)}
+    channels = {m: picked[768] if m.endswith("down_proj") else picked[128] for m in experts}
+    weights = quantize_hf_weights(tensors.items(), lambda m: bool(EXPERT.match(m)), channels, 0.125,
+                                  unquantized_dtype=torch.float32)
+    return weights, picked
+
+
+def _tails(layer) -> list[torch.Tensor]:
+    return [t for p in (layer.gate_up, layer.down) for t in (p.channels, p.residual.codes, p.residual.scales)]
+
+
+def test_grouped_tails_are_prepared_at_load_and_a_forward_builds_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the dispatch rule widens a tail (faked here: the warp-specialized kernel "runs" on this
+    device), the grouped projections hold it widened once the weights load: the down projection's
+    96 channels (K 768) as 256, the gate/up's 16 (K 128, too much growth) as given; the experts'
+    states keep the chosen channels. The reference forward takes the widened tail (the same tokens
+    as without widening), builds no tail, and a move to a device the rule does not widen for gives
+    back the chosen width."""
+    pytest.importorskip("triton")
+    import megatron_quads.kernels.w4a4 as w4a4_kernels
+    import megatron_quads.rollout.grouped as grouped_module
+    from megatron_quads.kernels import w4a16
+
+    ws = w4a16._gluon_module("w4a16_ws")
+    if ws is None:
+        pytest.skip("this Triton has no Gluon warp specialization")
+    weights, picked = _wide_tail_weights()
+
+    def load(widen: bool) -> TorchRolloutEngine:
+        engine = TorchRolloutEngine(qwen3_moe_config(WIDE_CFG), precision="quads", ratio=0.125, dtype=torch.float32)
+        with monkeypatch.context() as m:
+            if widen:
+                m.setattr(ws, "runs_on", lambda device: True)
+                m.setattr(grouped_module, "use_kernels", lambda *tensors: True)  # preparation only: no forward runs here
+            engine.load_weights(weights, version=1)
+        return engine
+
+    engine, plain = load(widen=True), load(widen=False)
+    layer = engine._grouped_layers[0].grouped
+    assert layer.down.channels.shape == (4, 256) and layer.down.num_channels == 96
+    assert torch.equal(layer.down.channels[:, :96], picked[768].to(torch.int32).expand(4, -1))
+    assert tuple(layer.down.residual.shape) == (4, 128, 256) and not layer.down.residual.codes[..., 48:].any()
+    assert layer.gate_up.channels.shape == (4, 16)
+    assert plain._grouped_layers[0].grouped.down.channels.shape == (4, 96)
+    for state in layer.down.states:
+        assert state.channels[0.125].numel() == 96 and tuple(state.residual[0.125].shape) == (128, 96)
+    tails = _tails(layer)
+    built = []
+    monkeypatch.setattr(w4a4_kernels, "padded_tail", lambda *args: built.append(args))
+    params = SamplingParams(max_new_tokens=4, seed=5)
+    assert [o.token_ids for o in engine.generate(PROMPTS, params)] == [o.token_ids for o in plain.generate(PROMPTS, params)]
+    assert not built and all(a is b for a, b in zip(tails, _tails(layer), strict=True))
+    engine.to_device("meta")
+    assert layer.down.channels.shape == (4, 96) and tuple(layer.down.residual.shape) == (4, 128, 96)
+
+
+def _ws_grouped_runs_on_cuda() -> bool:
+    """Whether the grouped dispatch hands K-768 calls to the warp-specialized kernel (an sm_90 GPU)."""
+    if not torch.cuda.is_available():
+        return False
+    from megatron_quads.kernels import w4a16
+
+    return w4a16.warp_specialized_grouped(torch.device("cuda"), 768) is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _ws_grouped_runs_on_cuda(), reason="the warp-specialized grouped kernel runs on sm_90 GPUs only")
+def test_quads_engine_on_sm90_widens_tails_when_weights_load_or_move(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an sm_90 GPU the down projection's tail is widened when the weights load there and again
+    after a sleep / wake (narrow on the CPU), a forward builds none, and the grouped layer (the
+    warp-specialized kernel over the widened tail) gives the per-expert loop's greedy tokens (the
+    dense kernels over the narrow tail), log-probs within 1e-4."""
+    import megatron_quads.kernels.w4a4 as w4a4_kernels
+
+    weights, _ = _wide_tail_weights()
+    runs, built = {}, []
+    for grouped in (True, False):
+        engine = TorchRolloutEngine(qwen3_moe_config(WIDE_CFG), precision="quads", ratio=0.125, dtype=torch.float32,
+                                    device="cuda", grouped=grouped)
+        engine.load_weights(weights, version=1)
+        if grouped:
+            down = engine._grouped_layers[0].grouped.down
+            assert down.channels.shape == (4, 256) and down.channels.is_cuda
+            engine.to_device("cpu")
+            assert down.channels.shape == (4, 96) and not down.residual.codes.is_cuda
+            engine.to_device("cuda")
+            assert down.channels.shape == (4, 256) and down.residual.codes.is_cuda
+            layer = engine._grouped_layers[0].grouped
+            tails = _tails(layer)
+            monkeypatch.setattr(w4a4_kernels, "padded_tail", lambda *args: built.append(args))
+        runs[grouped] = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=0.0))
+    assert not built and all(a is b for a, b in zip(tails, _tails(layer), strict=True))
+    for g, ref in zip(runs[True], runs[False], strict=True):
+        assert g.token_ids == ref.token_ids
+        assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(ref.logprobs), atol=1e-4)

@@ -31,7 +31,6 @@ import triton.language as tl
 from megatron_quads.nvfp4 import BLOCK_SIZE, NVFP4Tensor
 from megatron_quads.nvfp4.format import SUPPORTED_DTYPES
 from megatron_quads.nvfp4.triton_codec import e2m1_to_f32, unpack_e2m1
-from megatron_quads.kernels.derived import derived_tensor
 from megatron_quads.kernels.w4a16 import (
     _X_ORDER_BLOCK,
     X_ORDER_BLOCK_K,
@@ -710,16 +709,16 @@ TAIL_PAD_MAX_GROWTH = 1.25
 kernel's ring step may cost (a chosen bound): the grouped W4A4 + RAC call then runs on that kernel
 rather than the Triton one. At the down projection (K 768) it covers S = 96, 192 and 384 (growth
 1.19, 1.07, 1.11), not S = 16; measured there at S 96 / 192 (H200, 2026-11-30T18:30, docs/kernels.md):
-1.17-1.40x the Triton path. The widened ``W_S`` is a second copy kept beside the first (Qwen3-30B-A3B
-down at S 96: 37.7 MB a layer against 14.2)."""
+1.17-1.40x the Triton path. The widened ``W_S`` takes the place of the narrow one (Qwen3-30B-A3B
+down at S 96: 37.7 MB a layer instead of 14.2)."""
 
 
 def padded_tail(channels: torch.Tensor, residual_weight: NVFP4Tensor,
                 width: int) -> tuple[torch.Tensor, NVFP4Tensor]:
     """RAC channels ``[E, S]`` and ``W_S [E, N, S]`` widened to ``width`` columns without changing
     the product: the added channels repeat the last one (finite block values), and ``W_S``'s added
-    columns are zero codes with zero block scales (cached per ``W_S`` while it lives, rebuilt after a
-    weight sync), so each adds exact zeros to the reduction."""
+    columns are zero codes with zero block scales, so each adds exact zeros to the reduction. The
+    widened tensors are new (the inputs are not kept or aliased)."""
     s = channels.shape[1]
     pad = width - s
     if pad < 0 or pad % BLOCK_SIZE or s == 0:
@@ -727,13 +726,27 @@ def padded_tail(channels: torch.Tensor, residual_weight: NVFP4Tensor,
     if pad == 0:
         return channels, residual_weight
     wide_channels = torch.cat([channels, channels[:, -1:].expand(-1, pad)], dim=1).contiguous()
-    kind = f"zero-padded by {pad} columns"
-    codes = derived_tensor(residual_weight.codes, kind,
-                           lambda: torch.nn.functional.pad(residual_weight.codes, (0, pad // 2)))
-    scales = derived_tensor(residual_weight.scales, kind, lambda: torch.nn.functional.pad(
-        _scales_u8(residual_weight), (0, pad // BLOCK_SIZE)).view(residual_weight.scales.dtype))
+    codes = torch.nn.functional.pad(residual_weight.codes, (0, pad // 2))
+    scales = torch.nn.functional.pad(_scales_u8(residual_weight), (0, pad // BLOCK_SIZE)).view(residual_weight.scales.dtype)
     return wide_channels, replace(residual_weight, codes=codes, scales=scales,
                                   shape=torch.Size((*residual_weight.shape[:-1], width)))
+
+
+def prepare_rac_tail(channels: torch.Tensor, residual_weight: NVFP4Tensor, in_features: int,
+                     device: torch.device) -> tuple[torch.Tensor, NVFP4Tensor]:
+    """The RAC tail (``channels [E, S]``, ``W_S [E, N, S]`` of a grouped weight with ``in_features``
+    columns) as :func:`grouped_rac_kernel` should be given it on ``device``: widened
+    (:func:`padded_tail`) to the warp-specialized grouped kernel's ring step where that kernel takes
+    the call there and the reduction ``K + S`` grows by at most :data:`TAIL_PAD_MAX_GROWTH`; otherwise
+    (another device, no tail, a tail already whole steps) the inputs themselves. Run once when the
+    weights load or move, not per call: the widened ``W_S`` is a copy."""
+    from megatron_quads.kernels.w4a16 import warp_specialized_tail_width
+
+    s = channels.shape[-1]
+    width = warp_specialized_tail_width(torch.device(device), in_features, s) if s else 0
+    if width > s and in_features + width <= TAIL_PAD_MAX_GROWTH * (in_features + s):
+        return padded_tail(channels, residual_weight, width)
+    return channels, residual_weight
 
 
 def grouped_rac_kernel(
@@ -753,7 +766,8 @@ def grouped_rac_kernel(
     ``expert_offsets`` int ``[E + 1]`` on x's device, ``channels [E, S]`` and ``residual_weight
     [E, N, S]`` (both or neither). No host sync: the grid depends on T and E only, and tiles past
     the routed tokens exit at once. Returns ``[T, N]`` in ``x.dtype``; ``config`` as in
-    :func:`rac_linear_kernel` (the default picks tiles from the mean rows per expert).
+    :func:`rac_linear_kernel` (the default picks tiles from the mean rows per expert). The tail is
+    used as given: :func:`prepare_rac_tail` puts it in the width this device runs best.
     """
     from megatron_quads.nvfp4.stacked import check_grouped_shapes
 
@@ -772,17 +786,12 @@ def grouped_rac_kernel(
         from megatron_quads.kernels.w4a16 import (
             grouped_w4a16_into,
             warp_specialized_grouped,
-            warp_specialized_tail_width,
         )
 
-        # the block values in the warp-specialized kernel's K order where it takes the call (after
-        # widening the tail to its ring step where that costs little)
-        k, s = weight.shape[-1], ch.shape[1]
-        tail = residual_weight if s else None
-        width = warp_specialized_tail_width(x.device, k, s)
-        if s and width and k + width <= TAIL_PAD_MAX_GROWTH * (k + s):
-            ch, tail = padded_tail(ch, residual_weight, width)
-        k_order = warp_specialized_grouped(x.device, k, ch.shape[1]) is not None
+        # the block values in the warp-specialized kernel's K order where it takes the call (a tail
+        # from prepare_rac_tail is whole ring steps there wherever widening it costs little)
+        tail = residual_weight if ch.shape[1] else None
+        k_order = warp_specialized_grouped(x.device, weight.shape[-1], ch.shape[1]) is not None
         values, decode = activation_block_values_kernel(x, ch, mode, static_amax, offsets, k_order=k_order)
         grouped_w4a16_into(values, weight, offsets, y, tail=tail, row_scale=decode, x_mma_order=k_order)
         return y

@@ -59,14 +59,11 @@ class QuantAnalysis:
         self.model = model
         self.modules = dict(modules)
         self.forward = forward
-        self.states = {
-            name: LinearState(weight=m.weight.detach(), quantized=quantize(m.weight.detach()))
-            for name, m in self.modules.items()
-        }
+        self.states = {name: LinearState(quantize(m.weight.detach())) for name, m in self.modules.items()}
 
     def calibrate(self, tokens: torch.Tensor, ratios: list[float], statistic: ChannelStatistic) -> None:
         """Choose RAC channels for each ratio from the BF16 trainer's activations on ``tokens``."""
-        in_features = {name: state.weight.shape[-1] for name, state in self.states.items()}
+        in_features = {name: state.in_features for name, state in self.states.items()}
         calibrator = RacCalibrator(self.modules, in_features)
         try:
             with torch.no_grad():
@@ -99,6 +96,13 @@ class QuantAnalysis:
             for handle in handles:
                 handle.remove()
 
+    def _output(self, x: torch.Tensor, name: str, precision: Precision) -> torch.Tensor:
+        """In-scope linear ``name``'s output for ``x`` under ``precision`` (bf16: with its own weight)."""
+        if precision.kind == "bf16":
+            weight = self.modules[name].weight.detach()
+            return (x.float() @ weight.float().t()).to(x.dtype)
+        return linear_output(x, self.states[name], precision)
+
     @torch.no_grad()
     def logprobs(self, tokens: torch.Tensor, precision: Precision) -> torch.Tensor:
         """fp32 log-probs ``[b, s-1]`` of ``tokens[:, 1:]`` under ``precision``."""
@@ -112,13 +116,12 @@ class QuantAnalysis:
         sums: dict[str, dict[str, float]] = {name: {"weight": 0.0, "activation": 0.0, "output": 0.0} for name in self.modules}
         handles = []
         for name, module in self.modules.items():
-            state = self.states[name]
 
-            def record(mod, args, result, name=name, state=state):
+            def record(mod, args, result, name=name):
                 x = args[0]
-                y_t = linear_output(x, state, trainer).double()
-                w_r_only = linear_output(x, state, Precision("aqat") if rollout.kind != "bf16" else rollout).double()
-                y_r = linear_output(x, state, rollout).double()
+                y_t = self._output(x, name, trainer).double()
+                w_r_only = self._output(x, name, Precision("aqat") if rollout.kind != "bf16" else rollout).double()
+                y_r = self._output(x, name, rollout).double()
                 # x W_R^T - x W_T^T, then the rest: what the rollout's activation handling adds
                 sums[name]["weight"] += float((w_r_only - y_t).square().sum())
                 sums[name]["activation"] += float((y_r - w_r_only).square().sum())

@@ -134,7 +134,9 @@ def grouped_rac_linear(
 ) -> torch.Tensor:
     """W4A4 (+ RAC when ``channels [E, S]`` and ``residual_weight [E, N, S]`` are given) per expert.
 
-    On CUDA: the Triton prologue and one grouped GEMM, no host synchronisation."""
+    A tail widened by :func:`prepare_grouped_rac_tail` (repeated channels over zero ``W_S``
+    columns) gives the same product. On CUDA: the Triton prologue and one grouped GEMM, no host
+    synchronisation."""
     if (channels is None) != (residual_weight is None):
         raise ValueError("grouped RAC needs both channels [E, S] and residual_weight [E, N, S], or neither")
     if use_kernels(x):
@@ -157,3 +159,17 @@ def grouped_rac_linear(
                 x[lo:hi], expert_weight(weight, e), channels[e], expert_weight(residual_weight, e), mode, static_amax
             )
     return out
+
+
+def prepare_grouped_rac_tail(channels: torch.Tensor, residual_weight: NVFP4Tensor,
+                             in_features: int) -> tuple[torch.Tensor, NVFP4Tensor]:
+    """The RAC tail (``channels [E, S]``, ``residual_weight [E, N, S]`` of a stacked weight with
+    ``in_features`` columns) as :func:`grouped_rac_linear` should be given it on the tail's device:
+    on the kernel path what :func:`~megatron_quads.kernels.w4a4.prepare_rac_tail` makes of it (on
+    sm_90 maybe widened by repeated channels and zero ``W_S`` columns: the same product), elsewhere
+    the inputs themselves. Called when the weights load or move, never per forward."""
+    if not use_kernels(channels, residual_weight.codes):
+        return channels, residual_weight
+    from megatron_quads.kernels.w4a4 import prepare_rac_tail
+
+    return prepare_rac_tail(channels, residual_weight, in_features, channels.device)

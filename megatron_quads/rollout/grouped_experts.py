@@ -6,11 +6,13 @@ For generation in an NVFP4 precision the built-in engine attaches a :class:`Grou
 the routed copies of the tokens are sorted by expert once, and each projection is one
 :func:`~megatron_quads.rollout.grouped.grouped_w4a16_linear` (``aqat``, served as W4A16) or
 :func:`~megatron_quads.rollout.grouped.grouped_rac_linear` (``w4a4``, ``quads``) call, which on CUDA
-is one Triton launch. Per expert the arithmetic is the per-expert path's (the same reference
-functions), and each token's expert outputs are summed in the same (expert) order. Where the W4A16
-kernel runs on enough rows per expert, the tokens' rows are put in its K order before the gather
-(:func:`~megatron_quads.rollout.grouped.kernel_x_order`), which saves the kernel reordering x, and
-gate/up writes the down projection's input in it. The routing
+is one Triton launch. The stacks, and the RAC tails in the form the kernel takes on their device,
+are built when the weights load or move (:meth:`GroupedProjection.prepare`), never in a forward.
+Per expert the arithmetic is the per-expert path's (the same reference functions, which take a
+widened tail as the same product), and each token's expert outputs are summed in the same (expert)
+order. Where the W4A16 kernel runs on enough rows per expert, the tokens' rows are put in its K
+order before the gather (:func:`~megatron_quads.rollout.grouped.kernel_x_order`), which saves the
+kernel reordering x, and gate/up writes the down projection's input in it. The routing
 (:func:`~megatron_quads.rollout.grouped.route_by_expert`) and the combine
 (:func:`~megatron_quads.rollout.grouped.combine_routed_rows`: each token's rows summed in expert
 order) are Triton kernels on CUDA too, so a forward has no host sync and captures into a CUDA graph.
@@ -19,17 +21,18 @@ order) are Triton kernels on CUDA too, so a forward has no host sync and capture
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from megatron_quads.nvfp4 import NVFP4Tensor
+from megatron_quads.nvfp4 import BLOCK_SIZE, NVFP4Tensor
 from megatron_quads.nvfp4.stacked import expert_weight, stack_experts
 from megatron_quads.rollout.grouped import (
     combine_routed_rows,
     grouped_rac_linear,
     grouped_w4a16_linear,
     kernel_x_order,
+    prepare_grouped_rac_tail,
     route_by_expert,
 )
 from megatron_quads.rollout.precision import LinearState, Precision
@@ -37,14 +40,25 @@ from megatron_quads.rollout.precision import LinearState, Precision
 
 @dataclass
 class GroupedProjection:
-    """One projection (gate_up or down) of every expert of a layer, under one precision. ``states``
-    are the experts' states, whose weights are views of the stacks (:meth:`view_states`)."""
+    """One projection (gate_up or down) of every expert of a layer, under one precision: the stacked
+    weight and, for ``quads``, the stacked RAC tail (``channels [E, S]``, ``residual [E, N, S]``).
+
+    Built from the experts' states by :meth:`from_states`, which stacks them and runs :meth:`prepare`:
+    the tail is put in the form the grouped GEMM takes on the stacks' device (it may come out wider
+    than the S channels chosen, which adds zeros to the product) and each expert's state is pointed
+    at its slice of the stacks, so weights are held once (``num_channels``: the channels chosen per
+    expert, a prepared tail's first ones). :meth:`to` moves the stacks and prepares them again;
+    calling the projection only computes."""
 
     precision: Precision
     weight: NVFP4Tensor
     channels: torch.Tensor | None = None
     residual: NVFP4Tensor | None = None
     states: Sequence[LinearState] = ()
+
+    def __post_init__(self) -> None:
+        # the channels chosen per expert: a prepared tail's first num_channels columns
+        self.num_channels = 0 if self.channels is None else self.channels.shape[1]
 
     def __call__(self, x: torch.Tensor, offsets: torch.Tensor, x_mma_order: bool = False,
                  y_mma_order: bool = False) -> torch.Tensor:
@@ -64,24 +78,45 @@ class GroupedProjection:
             return None
         return kernel_x_order(x, rows_per_expert, in_features=self.weight.shape[-1])
 
+    def prepare(self) -> None:
+        """The tail as the grouped GEMM takes it on the stacks' device
+        (:func:`prepare_grouped_rac_tail` of the chosen channels), and the states viewing the stacks."""
+        if self.residual is not None:
+            channels, residual = self._chosen_tail()
+            self.channels, self.residual = prepare_grouped_rac_tail(channels, residual, self.weight.shape[-1])
+        self.view_states()
+
+    def _chosen_tail(self) -> tuple[torch.Tensor, NVFP4Tensor]:
+        """The tail's first :attr:`num_channels` columns (itself where it has no more)."""
+        assert self.channels is not None and self.residual is not None
+        if self.channels.shape[1] == self.num_channels:
+            return self.channels, self.residual
+        return self.channels[:, : self.num_channels].contiguous(), _leading_columns(self.residual, self.num_channels, copy=True)
+
     def view_states(self) -> None:
-        """Point each expert's state at its slice of the stacks, so the weights are held once."""
+        """Point each expert's state at its slice of the stacks (of the tail: its chosen columns)."""
+        ratio = self.precision.ratio
         for e, state in enumerate(self.states):
             state.quantized = expert_weight(self.weight, e)
             if self.residual is not None:
-                state.residual[self.precision.ratio] = expert_weight(self.residual, e)
+                state.channels[ratio] = self.channels[e, : self.num_channels]
+                state.residual[ratio] = _leading_columns(expert_weight(self.residual, e), self.num_channels)
+            elif self.precision.kind == "quads":  # no tail: no channels, on the stacks' device
+                state.channels[ratio] = torch.zeros(0, dtype=torch.int32, device=self.weight.codes.device)
+                state.residual[ratio] = None
 
     def to(self, device: torch.device) -> None:
-        """Move the stacks (one copy each, not one per expert) and re-point the states at them."""
+        """Move the stacks (one copy each, not one per expert) and prepare them for ``device``."""
         self.weight = self.weight.to(device)
-        self.channels = None if self.channels is None else self.channels.to(device)
-        self.residual = None if self.residual is None else self.residual.to(device)
-        self.view_states()
+        if self.residual is not None:
+            channels, residual = self._chosen_tail()
+            self.channels, self.residual = channels.to(device), residual.to(device)
+        self.prepare()
 
     @classmethod
     def from_states(cls, states: Sequence[LinearState], precision: Precision) -> GroupedProjection | None:
-        """Stack the experts' states (which then view the stacks); ``None`` where the experts' RAC
-        channel counts differ."""
+        """The prepared projection of the experts' states (which then view its stacks); ``None``
+        where the experts' RAC channel counts differ."""
         channels = residual = None
         if precision.kind == "quads":
             chosen = [s.channels.get(precision.ratio) for s in states]
@@ -92,8 +127,18 @@ class GroupedProjection:
                 channels = torch.stack([c.to(torch.int32) for c in chosen]).to(states[0].quantized.codes.device)
                 residual = stack_experts([s.residual[precision.ratio] for s in states])
         projection = cls(precision, stack_experts([s.quantized for s in states]), channels, residual, list(states))
-        projection.view_states()
+        projection.prepare()
         return projection
+
+
+def _leading_columns(t: NVFP4Tensor, count: int, copy: bool = False) -> NVFP4Tensor:
+    """The first ``count`` columns (a multiple of 16) of an NVFP4 tensor: a view, or with ``copy`` contiguous."""
+    if t.shape[-1] == count:
+        return t
+    codes, scales = t.codes[..., : count // 2], t.scales[..., : count // BLOCK_SIZE]
+    if copy:
+        codes, scales = codes.contiguous(), scales.contiguous()
+    return replace(t, codes=codes, scales=scales, shape=torch.Size((*t.shape[:-1], count)))
 
 
 class GroupedExperts:

@@ -2,9 +2,11 @@
 
 transformers 5 stores a Qwen3-MoE layer's experts as ``gate_up_proj [E, 2I, H]`` and
 ``down_proj [E, H, I]`` inside one module, so nothing sees one expert's input. :func:`split_experts`
-replaces each such module by :class:`PerExpertLinears` (one ``gate_up`` and one ``down``
-``nn.Linear`` per expert, the same weights and the same routing arithmetic), whose linears the
-quantization analysis and calibration can hook like any other.
+replaces each such module by :class:`PerExpertLinears` (one ``gate_up`` and one ``down`` linear
+per expert, the same routing arithmetic), whose linears the quantization analysis and calibration
+can hook like any other. By default each is an ``nn.Linear`` holding the fused weight's slice; a
+caller that computes the experts another way (the rollout engine: NVFP4 weights only) passes a
+factory of the per-expert modules instead, and the fused weights are not copied.
 """
 
 from __future__ import annotations
@@ -20,20 +22,32 @@ def _is_fused_experts(module: nn.Module) -> bool:
     return isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.ndim == 3
 
 
-class PerExpertLinears(nn.Module):
-    """Fused MoE experts as ``nn.Linear`` per expert; forward(hidden [T, H], top_k_index, top_k_weights)."""
+ExpertLinearFactory = Callable[[str, int, int, int], nn.Module]
+"""``(kind, expert, in_features, out_features) -> module`` for one expert's ``"gate_up"`` or
+``"down"`` linear: any module mapping ``x [T, in_features]`` to ``[T, out_features]``."""
 
-    def __init__(self, fused: nn.Module) -> None:
+
+class PerExpertLinears(nn.Module):
+    """Fused MoE experts as one linear module per expert; forward(hidden [T, H], top_k_index, top_k_weights).
+
+    ``linears`` builds the per-expert modules; without it they are ``nn.Linear`` copies of the fused
+    weights."""
+
+    def __init__(self, fused: nn.Module, linears: ExpertLinearFactory | None = None) -> None:
         super().__init__()
         num_experts, two_i, hidden = fused.gate_up_proj.shape
         self.act_fn = fused.act_fn
-        self.gate_up = nn.ModuleList(nn.Linear(hidden, two_i, bias=False) for _ in range(num_experts))
-        self.down = nn.ModuleList(nn.Linear(two_i // 2, hidden, bias=False) for _ in range(num_experts))
-        with torch.no_grad():
-            for e in range(num_experts):
-                self.gate_up[e].weight.copy_(fused.gate_up_proj[e])
-                self.down[e].weight.copy_(fused.down_proj[e])
-        self.to(device=fused.gate_up_proj.device, dtype=fused.gate_up_proj.dtype)
+        if linears is None:
+            self.gate_up = nn.ModuleList(nn.Linear(hidden, two_i, bias=False) for _ in range(num_experts))
+            self.down = nn.ModuleList(nn.Linear(two_i // 2, hidden, bias=False) for _ in range(num_experts))
+            with torch.no_grad():
+                for e in range(num_experts):
+                    self.gate_up[e].weight.copy_(fused.gate_up_proj[e])
+                    self.down[e].weight.copy_(fused.down_proj[e])
+            self.to(device=fused.gate_up_proj.device, dtype=fused.gate_up_proj.dtype)
+        else:
+            self.gate_up = nn.ModuleList(linears("gate_up", e, hidden, two_i) for e in range(num_experts))
+            self.down = nn.ModuleList(linears("down", e, two_i // 2, hidden) for e in range(num_experts))
         self.grouped: Callable[..., torch.Tensor] | None = None
         """A grouped forward (:class:`~megatron_quads.rollout.grouped_experts.GroupedExperts`) to use
         instead of the per-expert loop; the per-expert linears (and their hooks) are then not called."""
@@ -53,12 +67,13 @@ class PerExpertLinears(nn.Module):
         return out
 
 
-def split_experts(model: nn.Module) -> int:
-    """Replace every fused-experts module of ``model`` in place; returns how many were replaced."""
+def split_experts(model: nn.Module, linears: ExpertLinearFactory | None = None) -> int:
+    """Replace every fused-experts module of ``model`` in place by :class:`PerExpertLinears` (built
+    with ``linears``); returns how many were replaced."""
     targets = [(name, m) for name, m in model.named_modules() if _is_fused_experts(m)]
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, PerExpertLinears(module))
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, PerExpertLinears(module, linears))
     return len(targets)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from megatron_quads.nvfp4 import NVFP4Tensor
 from megatron_quads.rollout.rac import rac_linear
@@ -40,12 +41,17 @@ class Precision:
 
 @dataclass
 class LinearState:
-    """What a precision needs of one linear: its dense weight, quantized weight and RAC channels."""
+    """One linear as the NVFP4 precisions compute it: its quantized weight and, per RAC ratio, the
+    residual channels and their residual weight ``W_S`` (``None`` where there are no channels)."""
 
-    weight: torch.Tensor
     quantized: NVFP4Tensor
     channels: dict[float, torch.Tensor] = field(default_factory=dict)
-    residual: dict[float, NVFP4Tensor] = field(default_factory=dict)
+    residual: dict[float, NVFP4Tensor | None] = field(default_factory=dict)
+
+    @property
+    def in_features(self) -> int:
+        """K of the weight ``[N, K]``."""
+        return self.quantized.shape[-1]
 
 
 def replace_output(result: object, y: torch.Tensor) -> object:
@@ -54,12 +60,28 @@ def replace_output(result: object, y: torch.Tensor) -> object:
 
 
 def linear_output(x: torch.Tensor, state: LinearState, precision: Precision) -> torch.Tensor:
-    """The linear's output under ``precision`` for input ``x [..., K]``, in x's dtype."""
+    """The linear's output under an NVFP4 ``precision`` for input ``x [..., K]``, in x's dtype."""
     if precision.kind == "bf16":
-        return (x.float() @ state.weight.float().t()).to(x.dtype)
+        raise ValueError("bf16 computes with the unquantized weight, which a LinearState does not hold")
     if precision.kind == "aqat":
         return (x.float() @ state.quantized.dequantize(torch.float32).t()).to(x.dtype)
     if precision.kind == "w4a4":
         return w4a4_linear(x, state.quantized)
     channels = state.channels[precision.ratio]
     return rac_linear(x, state.quantized, channels, state.residual.get(precision.ratio))
+
+
+class QuantizedLinear(nn.Module):
+    """A linear held as NVFP4 (and its RAC tails) only: ``forward(x)`` is :func:`linear_output` of
+    ``state`` under ``precision``. It has no parameters; ``state`` is set when weights load."""
+
+    def __init__(self, precision: Precision, state: LinearState | None = None) -> None:
+        super().__init__()
+        self.precision = precision
+        self.state = state
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The output for ``x [..., K]`` in x's dtype."""
+        if self.state is None:
+            raise RuntimeError("this quantized linear holds no weights yet: load them first")
+        return linear_output(x, self.state, self.precision)

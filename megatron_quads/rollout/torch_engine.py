@@ -1,10 +1,15 @@
 """The built-in rollout engine: a Qwen3-MoE decoder in PyTorch with NVFP4 (+RAC) routed experts.
 
 The network is transformers' ``Qwen3MoeForCausalLM`` (checked against the Megatron trainer in
-tests/test_hf_export.py), with its fused experts split per expert (:mod:`.hf_experts`) so each
-expert linear computes under the engine's precision (:mod:`.precision`). Generation is batched with
-left padding and a KV cache; sampling (temperature, top-p) draws from a seeded CPU generator, so a
-seed reproduces the same tokens on any device. It runs on CPU and GPU.
+tests/test_hf_export.py), with its fused experts split per expert (:mod:`.hf_experts`). In the bf16
+mode the expert linears are ``nn.Linear``; in an NVFP4 mode each is a
+:class:`~megatron_quads.rollout.precision.QuantizedLinear` that holds the expert's NVFP4 weight (and
+RAC tail) only and computes under the engine's precision (:mod:`.precision`), and each MoE layer
+whose experts stack runs grouped (:mod:`.grouped_experts`). Weights are prepared when they arrive
+or move (:meth:`TorchRolloutEngine.load_weights`, ``calibrate``, ``to_device``: quantized experts,
+grouped stacks, the kernels' tail layout), never in a forward. Generation is batched with left
+padding and a KV cache; sampling (temperature, top-p) draws from a seeded CPU generator, so a seed
+reproduces the same tokens on any device. It runs on CPU and GPU.
 """
 
 from __future__ import annotations
@@ -20,18 +25,15 @@ from megatron_quads.rollout.calibration import RacCalibrator
 from megatron_quads.rollout.engine import ENGINE_PRECISIONS, Generation, SamplingParams
 from megatron_quads.rollout.grouped_experts import GroupedExperts
 from megatron_quads.rollout.hf_experts import split_experts
-from megatron_quads.rollout.precision import (
-    LinearState,
-    Precision,
-    linear_output,
-    replace_output,
-)
+from megatron_quads.rollout.precision import LinearState, Precision, QuantizedLinear
 from megatron_quads.rollout.rac import DEFAULT_RATIO, ChannelStatistic, reblock_columns
 from megatron_quads.rollout.weights import QuantizedModelWeights
 
 _CKPT_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)$")
 _ENGINE_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up|down)\.(\d+)$")
-_PRECISION_KIND = {"bf16": "bf16", "w4a16": "aqat", "w4a4": "w4a4", "quads": "quads"}
+_PRECISION_KIND = {"w4a16": "aqat", "w4a4": "w4a4", "quads": "quads"}
+_CALIBRATION = Precision("aqat")
+"""What the expert linears compute while calibration records their inputs: W4A16 (``x q(W)^T``)."""
 
 
 def _concat_nvfp4(parts: list[NVFP4Tensor]) -> NVFP4Tensor:
@@ -58,24 +60,33 @@ class TorchRolloutEngine:
             raise ValueError(f"unknown precision {precision!r}; the built-in engine serves {ENGINE_PRECISIONS}")
         self.precision = precision
         self.ratio = ratio
-        self.grouped = grouped  # grouped NVFP4 expert GEMMs per layer; False: the per-expert loop with hooks
+        self.grouped = grouped  # grouped NVFP4 expert GEMMs per layer; False: every layer expert by expert
         self.device = torch.device(device)
         self.dtype = dtype
         self.weight_version = -1
-        self.model = Qwen3MoeForCausalLM(config).to(dtype=dtype, device=self.device).eval()
-        split_experts(self.model)
+        self._expert_precision = (None if precision == "bf16" else
+                                  Precision(_PRECISION_KIND[precision], ratio if precision == "quads" else 0.0))
+        """What the expert linears compute in an NVFP4 mode (``None``: bf16, ``nn.Linear`` experts)."""
+        model = Qwen3MoeForCausalLM(config)
+        # split before the move: in an NVFP4 mode the dense expert weights never reach the device
+        split_experts(model, None if self._expert_precision is None else self._quantized_linear)
+        self.model = model.to(dtype=dtype, device=self.device).eval()
         self.experts = {name: m for name, m in self.model.named_modules() if _ENGINE_EXPERT.match(name)}
         self.states: dict[str, LinearState] = {}
-        self._hooks = []
         self._grouped_layers: list[torch.nn.Module] = []
         # transformers 5 renamed the KV-cache argument from past_key_values to cache
         self._cache_arg = "cache" if "cache" in inspect.signature(type(self.model).forward).parameters else "past_key_values"
 
+    def _quantized_linear(self, kind: str, expert: int, in_features: int, out_features: int) -> QuantizedLinear:
+        """An expert linear of an NVFP4 mode; its state comes with the weights."""
+        return QuantizedLinear(self._expert_precision)
+
     def to_device(self, device: str | torch.device) -> None:
-        """Move the model and every linear's quantized state to ``device`` (colocated sleep / wake).
+        """Move the model and every expert's NVFP4 weights to ``device`` (colocated sleep / wake),
+        the grouped layers' tails prepared for it.
 
         Grouped layers move their stacks (the experts' states view them); the other states move one
-        by one, mutated in place because the forward hooks hold these objects."""
+        by one, mutated in place because their expert modules hold these objects."""
         device = torch.device(device)
         self.model.to(device)
         grouped = set()
@@ -83,16 +94,15 @@ class TorchRolloutEngine:
             layer.grouped.to(device)
             grouped.update(id(state) for state in layer.grouped.states)
         for state in self.states.values():
-            state.weight = state.weight.to(device)
-            state.channels = {r: c.to(device) for r, c in state.channels.items()}
             if id(state) not in grouped:
                 state.quantized = state.quantized.to(device)
+                state.channels = {r: c.to(device) for r, c in state.channels.items()}
                 state.residual = {r: None if w is None else w.to(device) for r, w in state.residual.items()}
         self.device = device
 
     # ------------------------------------------------------------------ weights
     def _engine_name(self, module: str) -> tuple[str, str] | None:
-        """Checkpoint expert module name -> (engine module name, 'gate'|'up'|'down')."""
+        """Checkpoint expert module name -> (engine module name, 'gate_proj'|'up_proj'|'down_proj')."""
         match = _CKPT_EXPERT.match(module)
         if not match:
             return None
@@ -101,84 +111,108 @@ class TorchRolloutEngine:
         return f"{base}.{kind}.{expert}", proj
 
     def load_weights(self, weights: Mapping[str, torch.Tensor] | QuantizedModelWeights, version: int) -> None:
-        """Load BF16 tensors by HF name, or a QuantizedModelWeights (NVFP4 experts, RAC channels)."""
+        """Load BF16 tensors by HF name, or a QuantizedModelWeights (NVFP4 experts, RAC channels),
+        and prepare them: in an NVFP4 mode every expert is held as NVFP4 only (BF16 experts are
+        quantized here, gate and up fused with one amax) and the grouped layers are built; in the
+        bf16 mode the experts are ``nn.Linear`` weights (NVFP4 ones dequantized)."""
         if isinstance(weights, QuantizedModelWeights):
             dense, quantized = dict(weights.unquantized), weights.quantized
         else:
             dense, quantized = dict(weights), {}
         state: dict[str, torch.Tensor] = {}
-        gate_up: dict[str, dict[str, torch.Tensor]] = {}
+        dense_experts: dict[str, dict[str, torch.Tensor]] = {}
         for name, tensor in dense.items():
             mapped = self._engine_name(name.removesuffix(".weight")) if name.endswith(".weight") else None
             if mapped is None:
                 state[name] = tensor
-            elif mapped[1] == "down_proj":
-                state[f"{mapped[0]}.weight"] = tensor
             else:
-                gate_up.setdefault(mapped[0], {})[mapped[1]] = tensor
-        for module, parts in gate_up.items():
-            state[f"{module}.weight"] = torch.cat([parts["gate_proj"], parts["up_proj"]])
+                dense_experts.setdefault(mapped[0], {})[mapped[1]] = tensor
         q_parts: dict[str, dict[str, object]] = {}
         for module, lin in quantized.items():
             mapped = self._engine_name(module)
             if mapped is None:
                 raise ValueError(f"the built-in engine quantizes routed experts only; got quantized module {module!r}")
             q_parts.setdefault(mapped[0], {})[mapped[1]] = lin
-            state[f"{mapped[0]}.weight"] = None  # filled from the quantized weight below
-        self.states = {}
+        states: dict[str, LinearState] = {}
+        for module, parts in dense_experts.items():
+            w = parts["down_proj"] if "down_proj" in parts else torch.cat([parts["gate_proj"], parts["up_proj"]])
+            if self._expert_precision is None:
+                state[f"{module}.weight"] = w
+            else:  # one amax for gate and up, the engine's dtype and device: the NVFP4 weight the trainer's export makes
+                states[module] = LinearState(quantize(w.to(device=self.device, dtype=self.dtype)))
         for module, parts in q_parts.items():
             order = ["down_proj"] if "down_proj" in parts else ["gate_proj", "up_proj"]
             lins = [parts[p] for p in order]
             nvfp4 = _concat_nvfp4([lin.to_nvfp4(self.dtype) for lin in lins]).to(self.device)
+            if self._expert_precision is None:
+                state[f"{module}.weight"] = nvfp4.dequantize(self.dtype)
+                continue
+            states[module] = LinearState(nvfp4)
+            if self.precision != "quads":
+                continue  # the RAC tail is for quads only
             channels = lins[0].residual_channels
             if any(not torch.equal(lin.residual_channels, channels) for lin in lins):
                 raise ValueError(f"{module}: gate_proj and up_proj read the same input, so they need the same residual channels")
-            residual = _concat_nvfp4([lin.residual_to_nvfp4(self.dtype) for lin in lins]).to(self.device) if channels.numel() else None
-            dense_w = nvfp4.dequantize(self.dtype)
-            state[f"{module}.weight"] = dense_w
-            self.states[module] = LinearState(weight=dense_w, quantized=nvfp4, channels={self.ratio: channels}, residual={self.ratio: residual})
-        missing, unexpected = self.model.load_state_dict({k: v for k, v in state.items() if v is not None}, strict=False)
+            residual = (_concat_nvfp4([lin.residual_to_nvfp4(self.dtype) for lin in lins]).to(self.device)
+                        if channels.numel() else None)
+            states[module].channels[self.ratio] = channels.to(self.device)
+            states[module].residual[self.ratio] = residual
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
         missing = [m for m in missing if not m.endswith("rotary_emb.inv_freq")]
+        if self._expert_precision is not None:
+            missing += sorted(set(self.experts) - set(states))
         if missing or unexpected:
             raise ValueError(f"weights do not fit the engine's model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        if not quantized and self.precision != "bf16":  # BF16 weights, NVFP4 mode: quantize the experts here (gate and up fused: one amax)
-            for name, module in self.experts.items():
-                w = module.weight.detach()
-                self.states[name] = LinearState(weight=w, quantized=quantize(w))
+        self.states = states
+        for name, linear_state in states.items():
+            self.experts[name].state = linear_state
         self.weight_version = version
-        self._install_hooks()
+        self._prepare_experts()
 
     def calibrate(self, prompts: Sequence[Sequence[int]], statistic: ChannelStatistic = ChannelStatistic.OUTPUT_ERROR) -> None:
-        """Choose RAC channels from the engine's own activations on ``prompts`` (quads mode)."""
+        """Choose RAC channels from the experts' inputs on ``prompts`` (quads mode) and prepare the
+        grouped layers' tails for them.
+
+        The forward that records the inputs is the W4A16 one over the NVFP4 weights the engine holds
+        (every expert linear computes ``x q(W)^T``, expert by expert, without RAC: the AQAT trainer's
+        forward); channels are then scored with the quantized weights."""
         if self.precision != "quads":
             raise ValueError(f"RAC calibration is for the quads precision; this engine serves {self.precision!r}")
-        self._remove_hooks()  # calibrate on the unquantized forward's inputs, like the analysis
-        calibrator = RacCalibrator(self.experts, {n: s.weight.shape[-1] for n, s in self.states.items()})
+        if self.weight_version < 0:
+            raise RuntimeError("no weights loaded: call load_weights first")
+        self._ungroup()
+        for module in self.experts.values():
+            module.precision = _CALIBRATION
         try:
-            with torch.no_grad():
-                self.model(**self._batch(prompts))
+            calibrator = RacCalibrator(self.experts, {n: s.in_features for n, s in self.states.items()})
+            try:
+                with torch.no_grad():
+                    self.model(**self._batch(prompts))
+            finally:
+                calibrator.detach()
+            # an expert nothing was routed to takes the channels of its layer's pooled statistics (same
+            # projection), so every expert of a layer has the same channel count and the layer can be grouped
+            pools = {name: ".".join(_ENGINE_EXPERT.match(name).groups()[:2]) for name in self.states}
+            chosen = calibrator.select(self.ratio, statistic, {n: s.quantized for n, s in self.states.items()}, pools)
+            for name, state in self.states.items():
+                channels = chosen.get(name, torch.zeros(0, dtype=torch.int32)).to(state.quantized.codes.device)
+                state.channels[self.ratio] = channels
+                state.residual[self.ratio] = reblock_columns(state.quantized, channels) if channels.numel() else None
         finally:
-            calibrator.detach()
-        # an expert nothing was routed to takes the channels of its layer's pooled statistics (same
-        # projection), so every expert of a layer has the same channel count and the layer can be grouped
-        pools = {name: ".".join(_ENGINE_EXPERT.match(name).groups()[:2]) for name in self.states}
-        chosen = calibrator.select(self.ratio, statistic, {n: s.quantized for n, s in self.states.items()}, pools)
-        for name, state in self.states.items():
-            channels = chosen.get(name, torch.zeros(0, dtype=torch.int32))
-            state.channels[self.ratio] = channels
-            state.residual[self.ratio] = reblock_columns(state.quantized, channels) if channels.numel() else None
-        self._install_hooks()
+            self._prepare_experts()
 
-    def _install_hooks(self) -> None:
-        """Apply the engine's precision to the routed experts: each MoE layer gets a grouped forward
-        (:mod:`.grouped_experts`: one grouped NVFP4 call per projection); a layer whose experts cannot
-        be grouped (RAC channel counts that differ) keeps the per-expert loop with output hooks."""
-        self._remove_hooks()
-        if self.precision == "bf16" or not self.states:
+    def _prepare_experts(self) -> None:
+        """Set every expert linear to the engine's precision and build each MoE layer's grouped
+        projections from the experts' states (:mod:`.grouped_experts`: stacks and tails prepared for
+        the device, one grouped NVFP4 call per projection); a layer whose experts cannot be grouped
+        (RAC channel counts that differ) computes expert by expert."""
+        self._ungroup()
+        if self._expert_precision is None or not self.states:
             return
-        precision = Precision(_PRECISION_KIND[self.precision], self.ratio if self.precision == "quads" else 0.0)
+        precision = self._expert_precision
         layers: dict[str, dict[str, dict[int, str]]] = {}
-        for name in self.experts:
+        for name, module in self.experts.items():
+            module.precision = precision
             base, kind, expert = _ENGINE_EXPERT.match(name).groups()
             layers.setdefault(base, {}).setdefault(kind, {})[int(expert)] = name
         for base, kinds in layers.items():
@@ -187,26 +221,18 @@ class TorchRolloutEngine:
                 state = self.states[name]
                 if precision.kind == "quads" and self.ratio not in state.channels:
                     state.channels[self.ratio] = torch.zeros(0, dtype=torch.int32, device=state.quantized.codes.device)  # until calibrated: plain W4A4
-            layer = self.model.get_submodule(base)
-            grouped = None
-            if self.grouped:
-                grouped = GroupedExperts.from_states([self.states[n] for n in names["gate_up"]],
-                                                     [self.states[n] for n in names["down"]], precision)
+                    state.residual[self.ratio] = None
+            if not self.grouped:
+                continue
+            grouped = GroupedExperts.from_states([self.states[n] for n in names["gate_up"]],
+                                                 [self.states[n] for n in names["down"]], precision)
             if grouped is not None:
+                layer = self.model.get_submodule(base)
                 layer.grouped = grouped
                 self._grouped_layers.append(layer)
-                continue
-            for name in names["gate_up"] + names["down"]:
 
-                def hook(mod, args, result, state=self.states[name]):
-                    return replace_output(result, linear_output(args[0], state, precision))
-
-                self._hooks.append(self.experts[name].register_forward_hook(hook))
-
-    def _remove_hooks(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
+    def _ungroup(self) -> None:
+        """Every MoE layer back to its per-expert loop (the states keep viewing the stacks they had)."""
         for layer in self._grouped_layers:
             layer.grouped = None
         self._grouped_layers = []
