@@ -1,8 +1,7 @@
 """The warp-specialized Gluon grouped W4A16 kernel (``w4a16_ws``) against the fp64 oracle.
 
-The checks of the other grouped kernels (tests/test_kernels_w4a16_mma.py): bit for bit on inputs
-whose fp32 sums are exact, within the fp32 accumulation bound on realistic and raw weights, outputs
-NaN-poisoned; here x goes in already in the kernel's K order, as the engine passes it. Persistent
+Bit for bit on inputs whose fp32 sums are exact, within the fp32 accumulation bound on realistic
+and raw weights, outputs NaN-poisoned; here x goes in already in the kernel's K order, as the engine passes it. Persistent
 programs walk many (expert, N tile) pairs through one ring, so a config with 3 programs makes every
 program wrap the ring at uneven points. Gluon kernels need the GPU; the argument checks and the
 offline sm_90 compile of each config run on CPU.
@@ -12,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import re
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -21,13 +21,14 @@ pytest.importorskip("triton.experimental.gluon")
 
 from test_kernels_w4a16 import (
     _activations,
+    _assert_within,
     _gaussian_weight,
+    _grid_activations,
+    _grouped_oracle,
     _raw_weight,
-)
-from test_kernels_w4a16_mma import (
-    check_grouped_exact,
-    check_grouped_within_fp32_bound,
-    grouped_cases,
+    _tolerance,
+    _with_ws2,
+    assert_grouped_exact,
 )
 
 from megatron_quads.nvfp4 import NVFP4Tensor
@@ -53,13 +54,50 @@ CONFIGS: list[dict[str, Any]] = [
 ]
 
 
+def _grouped_cases(big_expert_rows: int = 70) -> list[tuple[list[int], int, int]]:
+    """(tokens per expert, N, K): empty experts, one expert with everything (``big_expert_rows``:
+    several token tiles), E = 1, N not a multiple of the tile, and Qwen3-30B-A3B gate/up routing of
+    512 tokens (top-8 of 128 experts, skewed)."""
+    routed = torch.distributions.Categorical(logits=torch.randn(128) * 1.5).sample((512 * 8,))
+    return [([3, 0, 17, 5], 40, 256), ([0, 0, big_expert_rows, 0], 24, 512), ([7], 72, 256),
+            (torch.bincount(routed, minlength=128).tolist(), 1536, 2048), ([0] * 15 + [200], 768 + 40, 2048)]
+
+
+def _check_grouped_exact(run: Callable[[torch.Tensor, object, list[int]], torch.Tensor],
+                        cases: list[tuple[list[int], int, int]], device: str) -> None:
+    """``run(x, weight, counts)`` bit for bit on every case, inputs whose fp32 sums are exact."""
+    for counts, n, k in cases:
+        weight = _raw_weight((len(counts), n, k), device, scale_bytes=(0x28, 0x4F))
+        x = _grid_activations((sum(counts), k), torch.bfloat16, device, bound=1)
+        assert_grouped_exact(run(x, weight, counts), x, weight, counts)
+
+
+def _check_grouped_within_fp32_bound(run: Callable[[torch.Tensor, object, list[int]], torch.Tensor],
+                                    cases: list[tuple[list[int], int, int]], device: str, ws2_layout: str) -> None:
+    """``run(x, weight, counts)`` within the fp32 accumulation bound on every case, Gaussian and raw
+    weights with ``weight_scale_2`` laid out as ``ws2_layout``."""
+    for counts, n, k in cases:
+        for weight in (_gaussian_weight((len(counts), n, k), device), _raw_weight((len(counts), n, k), device)):
+            weight = _with_ws2(weight, ws2_layout)
+            x = _activations((sum(counts), k), torch.bfloat16, device)
+            exact, magnitude = _grouped_oracle(x, weight, counts)
+            _assert_within(run(x, weight, counts), exact, _tolerance(exact, magnitude, k, torch.bfloat16))
+
+
+def _on_gpu(test: Callable) -> Callable:
+    """A GPU test of a Gluon kernel: the Triton interpreter cannot run Gluon, so it is skipped
+    without a CUDA device even under ``TRITON_INTERPRET=1``."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(),
+                                              reason="Gluon kernels need a CUDA GPU")(test))
+
+
 def _config_id(config: dict[str, Any]) -> str:
     return "-".join(f"{k[0]}{k[-1]}{v}" for k, v in config.items()) or "default"
 
 
 def _cases() -> list[tuple[list[int], int, int]]:
     """The Gluon grouped kernels' cases, the big expert with 300 rows: several tiles of 128 tokens."""
-    return grouped_cases(big_expert_rows=300)
+    return _grouped_cases(big_expert_rows=300)
 
 
 def _run(x: torch.Tensor, weight, counts: list[int], config: dict[str, Any], y_mma_order: bool = False) -> torch.Tensor:
@@ -71,21 +109,21 @@ def _run(x: torch.Tensor, weight, counts: list[int], config: dict[str, Any], y_m
     return out
 
 
-@pytest.mark.gpu
+@_on_gpu
 @pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
 def test_exact_on_exactly_summable_inputs(kernel_device: str, config: dict[str, Any]) -> None:
-    check_grouped_exact(lambda x, weight, counts: _run(x, weight, counts, config), _cases(), kernel_device)
+    _check_grouped_exact(lambda x, weight, counts: _run(x, weight, counts, config), _cases(), kernel_device)
 
 
-@pytest.mark.gpu
+@_on_gpu
 @pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
 @pytest.mark.parametrize("ws2_layout", ["E1", "shared"])
 def test_within_fp32_accumulation_error(kernel_device: str, config: dict[str, Any], ws2_layout: str) -> None:
-    check_grouped_within_fp32_bound(lambda x, weight, counts: _run(x, weight, counts, config), _cases(), kernel_device,
+    _check_grouped_within_fp32_bound(lambda x, weight, counts: _run(x, weight, counts, config), _cases(), kernel_device,
                                     ws2_layout)
 
 
-@pytest.mark.gpu
+@_on_gpu
 @pytest.mark.parametrize("config", CONFIGS[:3], ids=_config_id)
 def test_y_mma_order_stores_each_row_in_the_k_order(kernel_device: str, config: dict[str, Any]) -> None:
     for counts, n, k in [([5, 0, 40, 9], 256, 256), _cases()[3]]:
@@ -126,7 +164,7 @@ def _rac_outputs(counts: list[int], n: int, k: int, k2: int, out_dtype: torch.dt
     return outputs
 
 
-@pytest.mark.gpu
+@_on_gpu
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_tail_and_row_scale_give_the_triton_x_order_bits(kernel_device: str, out_dtype: torch.dtype) -> None:
     """W4A4 + RAC on this kernel (a tail weight over ``K2`` more columns of x, ``alpha`` a row in the
@@ -141,7 +179,7 @@ def test_tail_and_row_scale_give_the_triton_x_order_bits(kernel_device: str, out
         assert torch.allclose(out["ws"].float(), out["natural"].float(), rtol=2**-7, atol=1e-3 * scale), (n, k)
 
 
-@pytest.mark.gpu
+@_on_gpu
 def test_64_bit_output_offsets_store_the_same_bits(kernel_device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Outputs of 2^31 elements or more are addressed in 64 bits (forced here on a small one)."""
     counts, n, k = _cases()[3]
@@ -152,7 +190,7 @@ def test_64_bit_output_offsets_store_the_same_bits(kernel_device: str, monkeypat
     assert torch.equal(_run(x, weight, counts, {}), narrow)
 
 
-@pytest.mark.gpu
+@_on_gpu
 def test_dynamic_schedule_gives_the_static_bits_and_leaves_its_counters_zero(kernel_device: str) -> None:
     """Which program takes a tile does not change its products; each launch puts the shared counters
     back to zero (a stale count would make the next launch skip tiles), at any program count."""
@@ -165,7 +203,7 @@ def test_dynamic_schedule_gives_the_static_bits_and_leaves_its_counters_zero(ker
         assert w4a16._split_counters(x.device, 2)[:2].tolist() == [0, 0]
 
 
-@pytest.mark.gpu
+@_on_gpu
 def test_agrees_with_the_triton_grouped_kernel(kernel_device: str) -> None:
     counts, n, k = _cases()[3]
     weight = _gaussian_weight((len(counts), n, k), kernel_device)
@@ -176,7 +214,7 @@ def test_agrees_with_the_triton_grouped_kernel(kernel_device: str) -> None:
     assert torch.allclose(y.float(), reference.float(), rtol=2**-7, atol=1e-3 * float(reference.float().abs().max()))
 
 
-@pytest.mark.gpu
+@_on_gpu
 def test_grouped_w4a16_into_dispatches_x_order_calls_here_bit_for_bit(kernel_device: str,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """On the H200 the engine's x-in-K-order grouped calls run this kernel, with the Triton kernel's

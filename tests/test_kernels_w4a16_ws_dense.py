@@ -1,8 +1,7 @@
 """The warp-specialized dense decode W4A16 kernel (``w4a16_ws_dense``) against the fp64 oracle.
 
-The dense kernels' checks (tests/test_kernels_w4a16_mma.py): bit for bit on inputs whose fp32 sums
-are exact, within the fp32 accumulation bound on realistic and raw weights, outputs and the split-K
-workspace NaN-poisoned, the arrival counters back at zero after every call. Split-K partials are
+Bit for bit on inputs whose fp32 sums are exact, within the fp32 accumulation bound on realistic
+and raw weights, outputs and the split-K workspace NaN-poisoned, the arrival counters back at zero after every call. Split-K partials are
 summed in split order, so with the Triton dense kernel's split boundaries the result is its bits.
 Gluon kernels need the GPU; the argument checks, the split rules and the offline sm_90 compile run
 on CPU (with Triton installed).
@@ -12,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import re
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -21,11 +21,16 @@ pytest.importorskip("triton.experimental.gluon")
 
 from test_kernels_w4a16 import (
     _activations,
+    _assert_within,
+    _exact_expected,
     _gaussian_weight,
+    _grid_activations,
+    _oracle,
     _raw_weight,
+    _same_bits,
+    _tolerance,
     poisoned_partials,  # noqa: F401 (a fixture: NaN in the split-K workspace)
 )
-from test_kernels_w4a16_mma import check_exact, check_within_fp32_bound, run_into
 
 from megatron_quads.kernels import w4a16, w4a16_ws_dense
 
@@ -44,29 +49,67 @@ CONFIGS: list[dict[str, Any]] = [
 ]
 
 
+SHAPES = [(1, 40, 512), (3, 72, 256), (16, 200, 1024), (17, 24, 512), (64, 4096 + 40, 2048), (16, 2048, 4096)]
+"""(M, N, K): 1..64 tokens (several token tiles at 17 and 64), N not a multiple of the tile; K a
+multiple of 256 (the kernel's ring step)."""
+
+
+def _run_into(linear_into: Callable, x: torch.Tensor, weight, config: dict[str, int]) -> torch.Tensor:
+    """``linear_into(x, weight, out, config)`` into a NaN-filled ``out``; the split-K counters must be back at 0."""
+    out = torch.full((x.shape[0], weight.shape[0]), float("nan"), dtype=x.dtype, device=x.device)
+    assert linear_into(x, weight, out, config) is out
+    assert all(int(c.abs().sum()) == 0 for c in w4a16._COUNTERS.values()), "split-K counters were not reset"
+    return out
+
+
+def _check_exact(run: Callable[[torch.Tensor, object], torch.Tensor], device: str) -> None:
+    """``run(x, weight)`` bit for bit on every shape of :data:`SHAPES`, inputs whose fp32 sums are exact."""
+    for m, n, k in SHAPES:
+        for decode in (None, 2.0**-7):
+            weight = _raw_weight((n, k), device, scale_bytes=(0x28, 0x4F), decode=decode)
+            x = _grid_activations((m, k), torch.bfloat16, device, bound=8 if k <= 256 else 1)
+            assert _same_bits(run(x, weight), _exact_expected(x, weight, torch.bfloat16)), (m, n, k, decode)
+
+
+def _check_within_fp32_bound(run: Callable[[torch.Tensor, object], torch.Tensor], device: str) -> None:
+    """``run(x, weight)`` within the fp32 accumulation bound on every shape, realistic and raw weights."""
+    for m, n, k in SHAPES:
+        for weight in (_gaussian_weight((n, k), device), _raw_weight((n, k), device)):
+            x = _activations((m, k), torch.bfloat16, device)
+            exact, magnitude = _oracle(x, weight)
+            _assert_within(run(x, weight), exact, _tolerance(exact, magnitude, k, torch.bfloat16))
+
+
+def _on_gpu(test: Callable) -> Callable:
+    """A GPU test of a Gluon kernel: the Triton interpreter cannot run Gluon, so it is skipped
+    without a CUDA device even under ``TRITON_INTERPRET=1``."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(),
+                                              reason="Gluon kernels need a CUDA GPU")(test))
+
+
 def _config_id(config: dict[str, Any]) -> str:
     return "-".join(f"{k[0]}{k[-1]}{v}" for k, v in config.items()) or "default"
 
 
 def _run(x: torch.Tensor, weight, config: dict[str, Any]) -> torch.Tensor:
-    return run_into(w4a16_ws_dense.w4a16_ws_linear_into, x, weight, config)
+    return _run_into(w4a16_ws_dense.w4a16_ws_linear_into, x, weight, config)
 
 
-@pytest.mark.gpu
+@_on_gpu
 @pytest.mark.usefixtures("poisoned_partials")
 @pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
 def test_exact_on_exactly_summable_inputs(kernel_device: str, config: dict[str, Any]) -> None:
-    check_exact(lambda x, weight: _run(x, weight, config), kernel_device)
+    _check_exact(lambda x, weight: _run(x, weight, config), kernel_device)
 
 
-@pytest.mark.gpu
+@_on_gpu
 @pytest.mark.usefixtures("poisoned_partials")
 @pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
 def test_within_fp32_accumulation_error(kernel_device: str, config: dict[str, Any]) -> None:
-    check_within_fp32_bound(lambda x, weight: _run(x, weight, config), kernel_device)
+    _check_within_fp32_bound(lambda x, weight: _run(x, weight, config), kernel_device)
 
 
-@pytest.mark.gpu
+@_on_gpu
 @pytest.mark.usefixtures("poisoned_partials")
 @pytest.mark.parametrize("m", [1, 16, 40])
 def test_triton_split_boundaries_give_the_triton_bits_and_k_ordered_x_too(kernel_device: str, m: int) -> None:
@@ -86,7 +129,7 @@ def test_triton_split_boundaries_give_the_triton_bits_and_k_ordered_x_too(kernel
     assert torch.equal(out, ours)
 
 
-@pytest.mark.gpu
+@_on_gpu
 def test_w4a16_linear_into_dispatches_decode_calls_here(kernel_device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without a config, up to ``WS_DENSE_MAX_M`` rows with K a multiple of 256 go to this kernel
     (its bits); more rows, or K that 256 does not divide, stay with the Triton kernel."""

@@ -17,7 +17,7 @@ the way Hopper GEMMs are (``gl.warp_specialize``):
   stages by TMA, each stage completing a ``ready`` mbarrier;
 * the MMA warps (the default partition, ``BN / 64`` warpgroups, :func:`_mma_partition`) wait on it,
   read a 128-wide sub-step's words into the registers of the wgmma A operand (the K permutation of
-  :func:`~megatron_quads.kernels.w4a16_mma._dequant_a`: no data moves between threads),
+  :func:`_dequant_a`: no data moves between threads),
   dequantize them and issue register-A wgmma against the x tiles in shared memory; the next
   sub-step's words are read while they run, and a stage goes back to the loader (its ``empty``
   mbarrier) once the wgmma that read it have retired. Without ``SCALE_RING`` (``BLOCK_K`` 128) the
@@ -57,6 +57,7 @@ from megatron_quads.kernels.w4a16 import (
     _DEQUANT_WORD_PTX,
     _INTERPRET,
     _OUT_DTYPES,
+    _SCALE_HALF_PTX,
     _X_ORDER_BLOCK,
     OPERAND_LOG2_SCALE,
     X_ORDER_BLOCK_K,
@@ -66,14 +67,6 @@ from megatron_quads.kernels.w4a16 import (
     _split_counters,
     check_grouped_bf16_call,
 )
-from megatron_quads.kernels.w4a16_mma import (
-    _dequant_a,
-    _row_bases,
-    _scale_pointers,
-    scale_bytes_layout,
-    words_layout,
-)
-from megatron_quads.kernels.w4a16_tma import words_ring_layout, words_tile_layout
 from megatron_quads.kernels.word_layout import (
     ROTATED_DEQUANT_WORD_PTX,
     rotated_code_words,
@@ -81,6 +74,126 @@ from megatron_quads.kernels.word_layout import (
 from megatron_quads.nvfp4.tensor import NVFP4Tensor
 
 _ROTATED_WORD_PTX = gl.constexpr(ROTATED_DEQUANT_WORD_PTX)
+
+
+# --------------------------------------------------------------------------------------------------
+# Register and shared-memory layouts of the weight operand (shared with w4a16_ws_dense)
+# --------------------------------------------------------------------------------------------------
+
+_SCALE_PAIRS_2_PTX = gl.constexpr(
+    "{\n.reg .b32 w, v, t, u, c;\nmov.b32 c, 0x7B007B00;\ncvt.u32.u16 w, $2;"
+    + _SCALE_HALF_PTX.replace("$4", "w").format(select="0x4140", lo=0, hi=1)
+    + "}\n"
+)
+"""Two E4M3 scale bytes (one 16-bit register) to two bf16x2 pairs ``(s, s)``, ``s = scale * 2^118``:
+the scale conversion of the Triton kernels (:data:`~megatron_quads.kernels.w4a16._SCALE_PAIRS_PTX`)
+for the 2-byte runs a thread holds of a 128-wide K step."""
+
+
+@gluon.constexpr_function
+def _bits(n: int) -> list[int]:
+    return [1 << b for b in range(n.bit_length() - 1)]
+
+
+@gluon.constexpr_function
+def _basis(rank: int, dim: int, value: int) -> list[int]:
+    out = [0] * rank
+    out[dim] = value
+    return out
+
+
+@gluon.constexpr_function
+def _row_bases(block_n: int, num_warps: int, rank: int) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+    """How the A fragments spread ``block_n`` weight rows: (lane, register, warp) bases.
+
+    Lanes 2-4 take rows 1, 2, 4 (the fragment's group id), one register row 8, the warps rows 16,
+    32, ..., and the remaining register bits the repeats of ``16 * num_warps`` rows.
+    """
+    lanes = [_basis(rank, 0, r) for r in (1, 2, 4)]
+    regs = [_basis(rank, 0, 8)]
+    warps = [_basis(rank, 0, 16 << w) for w in range(num_warps.bit_length() - 1)]
+    regs_rep = [_basis(rank, 0, 16 * num_warps * r) for r in _bits(block_n // (16 * num_warps))]
+    return lanes, regs + regs_rep, warps
+
+
+@gluon.constexpr_function
+def words_layout(block_n: int, block_k: int, num_warps: int) -> gl.DistributedLinearLayout:
+    """int32 code words ``[BN, 4, I]`` (row, thread-in-quad ``t``, word ``i``): thread ``t`` of a
+    quad holds words ``I t .. I t + I - 1`` of its rows, consecutive registers (16-byte loads)."""
+    i_words = block_k // 32
+    lanes, regs, warps = _row_bases(block_n, num_warps, 3)
+    return gl.DistributedLinearLayout(
+        reg_bases=[_basis(3, 2, b) for b in _bits(i_words)] + regs,
+        lane_bases=[_basis(3, 1, 1), _basis(3, 1, 2)] + lanes,
+        warp_bases=warps, block_bases=[], shape=[block_n, 4, i_words],
+    )
+
+
+@gluon.constexpr_function
+def scale_bytes_layout(block_n: int, block_k: int, num_warps: int) -> gl.DistributedLinearLayout:
+    """uint8 block scales ``[BN, 4, I/2]``: the ``I/2`` scales of a thread's ``I`` words (two words
+    a 16-block), consecutive registers."""
+    i_words = block_k // 32
+    lanes, regs, warps = _row_bases(block_n, num_warps, 3)
+    return gl.DistributedLinearLayout(
+        reg_bases=[_basis(3, 2, b) for b in _bits(i_words // 2)] + regs,
+        lane_bases=[_basis(3, 1, 1), _basis(3, 1, 2)] + lanes,
+        warp_bases=warps, block_bases=[], shape=[block_n, 4, i_words // 2],
+    )
+
+
+@gluon.constexpr_function
+def words_tile_layout(block_n: int, block_k: int, num_warps: int) -> gl.DistributedLinearLayout:
+    """int32 code words ``[BN, BK / 8]`` of one ring stage as :func:`words_layout` holds them
+    (thread ``t`` of a quad: words ``I t .. I t + I - 1`` of its rows), before the reshape to
+    ``[BN, 4, I]``."""
+    i_words = block_k // 32
+    lanes, regs, warps = _row_bases(block_n, num_warps, 2)
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, b] for b in _bits(i_words)] + regs, lane_bases=[[0, i_words], [0, 2 * i_words]] + lanes,
+        warp_bases=warps, block_bases=[], shape=[block_n, block_k // 8],
+    )
+
+
+@gluon.constexpr_function
+def words_ring_layout() -> gl.NVMMASharedLayout:
+    """The code-word ring's shared layout (also the TMA descriptor's): unswizzled rows of ``BK / 2``
+    bytes; at ``BK = 128`` the 8 lanes of a quarter warp read 4 x 16 bytes of two consecutive rows,
+    128 contiguous bytes (no bank conflict)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+
+
+@gluon.jit
+def _dequant_a(words, scale_bytes, A_LAYOUT: gl.constexpr, WORDS: gl.constexpr,
+               WORD_PTX: gl.constexpr = _DEQUANT_WORD_PTX):
+    """Words ``[BN, 4, 4]`` and scale bytes ``[BN, 4, 2]`` of a 128-wide K step to the A operand
+    ``[BN, 128]`` (bf16 ``e2m1 * e4m3 * 2^-8``) in MMA K order: word ``4 t + i``'s nibbles ``q`` and
+    ``q + 4`` (``q = 2 q1 + q0``) become logical columns ``32 i + 16 q1 + 8 q0 + 2 t + (0, 1)``."""
+    BN: gl.constexpr = words.shape[0]
+    I: gl.constexpr = words.shape[2]
+    gl.static_assert(I == 4, "_dequant_a takes the words of a 128-wide K step")
+    pairs = gl.inline_asm_elementwise(_SCALE_PAIRS_2_PTX, "=r,=r,h", [scale_bytes], dtype=gl.int32,
+                                      is_pure=True, pack=2)
+    pairs = gl.convert_layout(gl.reshape(gl.join(pairs, pairs), (BN, 4, I)), WORDS, assert_trivial=True)
+    o = gl.inline_asm_elementwise(WORD_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, pairs],
+                                  dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
+    # dims after the joins: (BN, t, i, h, q0, q1)
+    v = gl.join(gl.join(gl.join(o[0], o[1]), gl.join(o[2], o[3])), gl.join(gl.join(o[4], o[5]), gl.join(o[6], o[7])))
+    v = gl.permute(v, (0, 2, 5, 4, 1, 3))  # (BN, i, q1, q0, t, h)
+    return gl.convert_layout(gl.reshape(v, (BN, 32 * I)), A_LAYOUT, assert_trivial=True)
+
+
+@gluon.jit
+def _scale_pointers(scales_ptr, row0, N, stride_sn, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                    SCALES: gl.constexpr):
+    """Pointers to the first K step's scale bytes ``[BN, 4, I/2]`` of rows ``row0 ..`` (rows past N
+    clamped), in :func:`scale_bytes_layout`."""
+    I: gl.constexpr = BLOCK_K // 32
+    sr = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, SCALES)))
+    st = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, SCALES)))
+    si = gl.arange(0, I // 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, SCALES)))
+    s_rows = gl.minimum(row0 + sr, N - 1).to(gl.int64)
+    return scales_ptr + (s_rows * stride_sn)[:, None, None] + (st * (I // 2))[None, :, None] + si[None, None, :]
 
 
 @gluon.constexpr_function
@@ -111,7 +224,7 @@ def scales_ring_layout() -> gl.NVMMASharedLayout:
 @gluon.constexpr_function
 def scales_tile_layout(block_n: int, num_warps: int) -> gl.DistributedLinearLayout:
     """uint8 scale bytes ``[BN, 8]`` of one 128-wide sub-step as
-    :func:`~megatron_quads.kernels.w4a16_mma.scale_bytes_layout` holds them (thread ``t`` of a
+    :func:`scale_bytes_layout` holds them (thread ``t`` of a
     quad: bytes ``2 t, 2 t + 1`` of its rows), before the reshape to ``[BN, 4, 2]``."""
     lanes, regs, warps = _row_bases(block_n, num_warps, 2)
     return gl.DistributedLinearLayout(reg_bases=[[0, 1]] + regs, lane_bases=[[0, 2], [0, 4]] + lanes,

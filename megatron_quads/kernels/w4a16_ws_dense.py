@@ -54,7 +54,6 @@ from megatron_quads.kernels.w4a16 import (
     _split_counters,
     mma_k_order_rows,
 )
-from megatron_quads.kernels.w4a16_tma import words_ring_layout
 from megatron_quads.kernels.w4a16_ws import (
     X_SUB_K,
     Y_I32_LIMIT,
@@ -65,6 +64,7 @@ from megatron_quads.kernels.w4a16_ws import (
     runs_on,
     scales_ring_layout,
     wgmma_layout,
+    words_ring_layout,
     x_tile_layout,
 )
 from megatron_quads.kernels.word_layout import rotated_code_words
