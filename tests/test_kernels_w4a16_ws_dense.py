@@ -44,7 +44,7 @@ CONFIGS: list[dict[str, Any]] = [
     {"BLOCK_M": 16, "SPLIT_K": 2, "PROGRAMS": 3},  # several token tiles; persistent programs wrap the ring
     {"BLOCK_N": 64, "num_warps": 4, "STAGES": 4, "CTAS_PER_SM": 3},
     {"BLOCK_N": 256, "num_warps": 16, "STAGES": 2, "CTAS_PER_SM": 1, "maxnreg": 0},
-    {"ROTATED": 1, "STAGES": 2, "PROGRAMS": 5},
+    {"STAGES": 2, "PROGRAMS": 5},
     {"BLOCK_M": 64, "STAGES": 2, "SPLIT_K": 4},
 ]
 

@@ -24,10 +24,6 @@ the way Hopper GEMMs are (``gl.warp_specialize``):
   MMA warps load the scale bytes (1/9 of the weight bytes) themselves, one sub-step ahead; the scale
   ring took 6% off the gate/up time at 512 tokens (docs/kernels.md).
 
-``ROTATED`` decodes code words rewritten into the layout of
-:mod:`~megatron_quads.kernels.word_layout` (9 integer instructions a word instead of 13),
-built once per weight and kept beside it: a second copy of the code words, so it is not a default.
-
 Same operands, products and K order of the fp32 accumulation as the Triton kernel (bit for bit its
 output in every benchmark and GPU test so far). Dispatched by
 :func:`~megatron_quads.kernels.w4a16.grouped_w4a16_into` for x in K order on sm_90 (1.19-1.20x
@@ -67,14 +63,7 @@ from megatron_quads.kernels.w4a16 import (
     _split_counters,
     check_grouped_bf16_call,
 )
-from megatron_quads.kernels.word_layout import (
-    ROTATED_DEQUANT_WORD_PTX,
-    rotated_code_words,
-)
 from megatron_quads.nvfp4.tensor import NVFP4Tensor
-
-_ROTATED_WORD_PTX = gl.constexpr(ROTATED_DEQUANT_WORD_PTX)
-
 
 # --------------------------------------------------------------------------------------------------
 # Register and shared-memory layouts of the weight operand (shared with w4a16_ws_dense)
@@ -164,8 +153,7 @@ def words_ring_layout() -> gl.NVMMASharedLayout:
 
 
 @gluon.jit
-def _dequant_a(words, scale_bytes, A_LAYOUT: gl.constexpr, WORDS: gl.constexpr,
-               WORD_PTX: gl.constexpr = _DEQUANT_WORD_PTX):
+def _dequant_a(words, scale_bytes, A_LAYOUT: gl.constexpr, WORDS: gl.constexpr):
     """Words ``[BN, 4, 4]`` and scale bytes ``[BN, 4, 2]`` of a 128-wide K step to the A operand
     ``[BN, 128]`` (bf16 ``e2m1 * e4m3 * 2^-8``) in MMA K order: word ``4 t + i``'s nibbles ``q`` and
     ``q + 4`` (``q = 2 q1 + q0``) become logical columns ``32 i + 16 q1 + 8 q0 + 2 t + (0, 1)``."""
@@ -175,7 +163,7 @@ def _dequant_a(words, scale_bytes, A_LAYOUT: gl.constexpr, WORDS: gl.constexpr,
     pairs = gl.inline_asm_elementwise(_SCALE_PAIRS_2_PTX, "=r,=r,h", [scale_bytes], dtype=gl.int32,
                                       is_pure=True, pack=2)
     pairs = gl.convert_layout(gl.reshape(gl.join(pairs, pairs), (BN, 4, I)), WORDS, assert_trivial=True)
-    o = gl.inline_asm_elementwise(WORD_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, pairs],
+    o = gl.inline_asm_elementwise(_DEQUANT_WORD_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, pairs],
                                   dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
     # dims after the joins: (BN, t, i, h, q0, q1)
     v = gl.join(gl.join(gl.join(o[0], o[1]), gl.join(o[2], o[3])), gl.join(gl.join(o[4], o[5]), gl.join(o[6], o[7])))
@@ -423,8 +411,7 @@ def _x_operand(ring_x, index, TILE_M: gl.constexpr):
 
 @gluon.jit
 def _k_loop(acc, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps,
-            BLOCK_K: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, ROTATED: gl.constexpr,
-            SCALE_RING: gl.constexpr):
+            BLOCK_K: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, SCALE_RING: gl.constexpr):
     """``acc [BN, BM'] += dq(W) @ x^T`` over all K steps of one token tile (``BM'`` the first rows of
     each x stage), ring steps ``step ..``; returns ``(acc, next step)``. A step of ``BLOCK_K`` 256
     is two 128-wide sub-steps (x's K order is per 128 columns) behind one ring wait and release.
@@ -442,7 +429,6 @@ def _k_loop(acc, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps,
     A_HALF: gl.constexpr = A_LAYOUT  # the same register map on a [BN, 64] operand
     WORDS: gl.constexpr = words_layout(BLOCK_N, _X_ORDER_BLOCK, NUM_WARPS)
     WTILE: gl.constexpr = words_tile_layout(BLOCK_N, _X_ORDER_BLOCK, NUM_WARPS)
-    WORD_PTX: gl.constexpr = _ROTATED_WORD_PTX if ROTATED else _DEQUANT_WORD_PTX
     SCALES: gl.constexpr = scale_bytes_layout(BLOCK_N, _X_ORDER_BLOCK, NUM_WARPS)
     STILE: gl.constexpr = scales_tile_layout(BLOCK_N, NUM_WARPS)
     last = k_steps * SUBS - 1
@@ -456,7 +442,7 @@ def _k_loop(acc, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps,
         for j in gl.static_range(SUBS):
             if not SCALE_RING:  # the next sub-step's scale bytes from global memory, one sub-step ahead
                 s1 = gl.load(s_ptrs + gl.minimum(kt * SUBS + j + 1, last) * (_X_ORDER_BLOCK // 16))
-            a_lo, a_hi = _k_halves(_dequant_a(words, s0, A_LAYOUT, WORDS, WORD_PTX), A_HALF)
+            a_lo, a_hi = _k_halves(_dequant_a(words, s0, A_LAYOUT, WORDS), A_HALF)
             x0 = (stage * SUBS + j) * 2
             acc = warpgroup_mma(a_lo, _x_operand(ring_x, x0, TILE_M), acc, is_async=True)
             acc = warpgroup_mma(a_hi, _x_operand(ring_x, x0 + 1, TILE_M), acc, is_async=True)
@@ -509,12 +495,12 @@ def _store_rows(acc, y_ptr, weight_scale_2, row_scale_ptr, row0, N, m0, hi, stri
 def _token_tile(TILE_M: gl.constexpr, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps, y_ptr,
                 weight_scale_2, row_scale_ptr, n0, N, m0, hi, stride_ym, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                 STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, Y_MMA_ORDER: gl.constexpr, EVEN_N: gl.constexpr,
-                Y_I32: gl.constexpr, ROTATED: gl.constexpr, SCALE_RING: gl.constexpr, ROW_SCALE: gl.constexpr):
+                Y_I32: gl.constexpr, SCALE_RING: gl.constexpr, ROW_SCALE: gl.constexpr):
     """Rows ``m0 .. hi`` (at most ``TILE_M``: the first rows of each x tile) times the N tile
     (output columns ``n0 ..``) over the whole K, stored; returns the next ring step."""
     acc = gl.zeros((BLOCK_N, TILE_M), gl.float32, layout=wgmma_layout(TILE_M, NUM_WARPS))
     acc, step = _k_loop(acc, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps, BLOCK_K, STAGES, NUM_WARPS,
-                        ROTATED, SCALE_RING)
+                        SCALE_RING)
     _store_rows(acc, y_ptr, weight_scale_2, row_scale_ptr, n0, N, m0, hi, stride_ym, NUM_WARPS, Y_MMA_ORDER, EVEN_N,
                 Y_I32, ROW_SCALE)
     return step
@@ -525,7 +511,7 @@ def _mma_tile(tile, lo, hi, weight_scale_2, step, ring_w, ring_x, ring_s, ready,
               N, k_steps, n_tiles, stride_se, stride_sn, stride_ym,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
               NUM_WARPS: gl.constexpr, HALF_TILE: gl.constexpr, Y_MMA_ORDER: gl.constexpr, EVEN_N: gl.constexpr,
-              Y_I32: gl.constexpr, ROTATED: gl.constexpr, SCALE_RING: gl.constexpr, ROW_SCALE: gl.constexpr):
+              Y_I32: gl.constexpr, SCALE_RING: gl.constexpr, ROW_SCALE: gl.constexpr):
     """(expert, N tile) pair ``tile`` (its expert's rows ``lo:hi``): its token tiles in the loader's
     order, each over the whole K from ring step ``step`` on, then stored; returns the next ring step."""
     SCALES: gl.constexpr = scale_bytes_layout(BLOCK_N, _X_ORDER_BLOCK, NUM_WARPS)  # a 128-wide sub-step's
@@ -537,11 +523,11 @@ def _mma_tile(tile, lo, hi, weight_scale_2, step, ring_w, ring_x, ring_s, ready,
         if HALF_TILE and hi - m0 <= BLOCK_M // 2:  # the last (often only) tile of a small expert
             step = _token_tile(BLOCK_M // 2, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps, y_ptr,
                                weight_scale_2, row_scale_ptr, n0, N, m0, hi, stride_ym, BLOCK_N, BLOCK_K, STAGES,
-                               NUM_WARPS, Y_MMA_ORDER, EVEN_N, Y_I32, ROTATED, SCALE_RING, ROW_SCALE)
+                               NUM_WARPS, Y_MMA_ORDER, EVEN_N, Y_I32, SCALE_RING, ROW_SCALE)
         else:
             step = _token_tile(BLOCK_M, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps, y_ptr,
                                weight_scale_2, row_scale_ptr, n0, N, m0, hi, stride_ym, BLOCK_N, BLOCK_K, STAGES,
-                               NUM_WARPS, Y_MMA_ORDER, EVEN_N, Y_I32, ROTATED, SCALE_RING, ROW_SCALE)
+                               NUM_WARPS, Y_MMA_ORDER, EVEN_N, Y_I32, SCALE_RING, ROW_SCALE)
     return step
 
 
@@ -550,7 +536,7 @@ def _mma_partition(ring_w, ring_x, ring_s, ready, empty, queue, queued, taken, s
                    row_scale_ptr, N, K, K2, num_tiles, n_tiles, stride_se, stride_sn, stride_w2, stride_ym,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                    NUM_WARPS: gl.constexpr, HALF_TILE: gl.constexpr, Y_MMA_ORDER: gl.constexpr, EVEN_N: gl.constexpr,
-                   Y_I32: gl.constexpr, ROTATED: gl.constexpr, SCALE_RING: gl.constexpr, DYNAMIC: gl.constexpr,
+                   Y_I32: gl.constexpr, SCALE_RING: gl.constexpr, DYNAMIC: gl.constexpr,
                    ROW_SCALE: gl.constexpr):
     """The MMA warps: the program's tiles in the loader's order (``DYNAMIC``: as the tile queue
     gives them), each stored while the loader already fills the ring for the next."""
@@ -563,7 +549,7 @@ def _mma_partition(ring_w, ring_x, ring_s, ready, empty, queue, queued, taken, s
             lo, hi, weight_scale_2 = _take_tile(count, queue, taken, NUM_WARPS)
             step = _mma_tile(tile, lo, hi, weight_scale_2, step, ring_w, ring_x, ring_s, ready, empty, scales_ptr,
                              y_ptr, row_scale_ptr, N, k_steps, n_tiles, stride_se, stride_sn, stride_ym, BLOCK_M,
-                             BLOCK_N, BLOCK_K, STAGES, NUM_WARPS, HALF_TILE, Y_MMA_ORDER, EVEN_N, Y_I32, ROTATED,
+                             BLOCK_N, BLOCK_K, STAGES, NUM_WARPS, HALF_TILE, Y_MMA_ORDER, EVEN_N, Y_I32,
                              SCALE_RING, ROW_SCALE)
             count += 1
             tile = _peek_tile(count, queue, queued, NUM_WARPS)
@@ -572,7 +558,7 @@ def _mma_partition(ring_w, ring_x, ring_s, ready, empty, queue, queued, taken, s
             lo, hi, weight_scale_2 = _expert_params(tile, n_tiles, offsets_ptr, ws2_ptr, stride_w2)
             step = _mma_tile(tile, lo, hi, weight_scale_2, step, ring_w, ring_x, ring_s, ready, empty, scales_ptr,
                              y_ptr, row_scale_ptr, N, k_steps, n_tiles, stride_se, stride_sn, stride_ym, BLOCK_M,
-                             BLOCK_N, BLOCK_K, STAGES, NUM_WARPS, HALF_TILE, Y_MMA_ORDER, EVEN_N, Y_I32, ROTATED,
+                             BLOCK_N, BLOCK_K, STAGES, NUM_WARPS, HALF_TILE, Y_MMA_ORDER, EVEN_N, Y_I32,
                              SCALE_RING, ROW_SCALE)
 
 
@@ -588,7 +574,7 @@ def _grouped_ws_kernel(
     N, K, K2, num_tiles, n_tiles, stride_se, stride_sn, stride_w2, stride_ym,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
     NUM_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, HALF_TILE: gl.constexpr, Y_MMA_ORDER: gl.constexpr,
-    EVEN_N: gl.constexpr, Y_I32: gl.constexpr, ROTATED: gl.constexpr, SCALE_RING: gl.constexpr, DYNAMIC: gl.constexpr,
+    EVEN_N: gl.constexpr, Y_I32: gl.constexpr, SCALE_RING: gl.constexpr, DYNAMIC: gl.constexpr,
     HAS_TAIL: gl.constexpr, ROW_SCALE: gl.constexpr,
 ):
     """Persistent: the ``E * n_tiles`` (expert, N tile) pairs, expert-major (programs running together
@@ -623,7 +609,7 @@ def _grouped_ws_kernel(
         (_mma_partition, (ring_w, ring_x, ring_s, ready, empty, queue, queued, taken, scales_ptr, ws2_ptr, offsets_ptr,
                           y_ptr, row_scale_ptr, N, K, K2, num_tiles, n_tiles, stride_se, stride_sn, stride_w2,
                           stride_ym, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, NUM_WARPS, HALF_TILE, Y_MMA_ORDER, EVEN_N,
-                          Y_I32, ROTATED, SCALE_RING, DYNAMIC, ROW_SCALE)),
+                          Y_I32, SCALE_RING, DYNAMIC, ROW_SCALE)),
         (_load_partition, (w_desc, x_desc, s_desc, t_desc, ts_desc, ring_w, ring_x, ring_s, ready, empty, queue, queued,
                            taken, offsets_ptr, ws2_ptr, sched_ptr, N, K, K2, num_tiles, n_tiles, stride_w2, BLOCK_M,
                            BLOCK_N, BLOCK_K, STAGES, HALF_TILE, SCALE_RING, DYNAMIC, HAS_TAIL)),
@@ -636,8 +622,7 @@ DEFAULT_CONFIG = {"BLOCK_N": 128, "BLOCK_K": 128, "STAGES": 3, "num_warps": 8, "
 ``CTAS_PER_SM`` programs an SM (persistent), or ``PROGRAMS`` when the config gives it; ``maxnreg``
 the register budget the partitions split (0: the compiler's; two CTAs of 12 warps an SM need 80 or
 fewer). ``SCALE_RING``: the scale bytes by TMA in the ring (``BLOCK_K`` 256 only: TMA rows of 16
-bytes or more; ignored otherwise); ``ROTATED``: code words in the rotated layout (a cached second
-copy); ``DYNAMIC``: tiles handed out by a shared counter as programs free up instead of ``p, p + P,
+bytes or more; ignored otherwise); ``DYNAMIC``: tiles handed out by a shared counter as programs free up instead of ``p, p + P,
 ...`` (a token tile of 33-64 rows costs about twice one of 32 or fewer, inferred from the 64- and
 512-token times in docs/kernels.md, so the static split ends unevenly). :func:`default_config` puts :data:`WIDE_K_CONFIG`, :data:`SHORT_WIDE_K_CONFIG` or
 :data:`SHORT_K_CONFIG` over it: the fastest measured at Qwen3-30B-A3B expert shapes
@@ -739,15 +724,11 @@ def grouped_w4a16_ws_into(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets: 
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:  # TMA: 16-byte aligned rows
         x = x.contiguous()
     codes, scales = _operands(weight)
-    if cfg.get("ROTATED"):
-        codes = rotated_code_words(weight.codes, codes)
     stacked_scales = scales.reshape(num_experts * n, k // 16) if _scale_ring(cfg) else None
     w_desc, x_desc, s_desc = _descriptors(codes.reshape(num_experts * n, k // 8), x, stacked_scales, cfg)
     t_desc, ts_desc = w_desc, s_desc  # stand-ins the kernel does not read without a tail
     if tail is not None:
         tail_codes, tail_scales = _operands(tail)
-        if cfg.get("ROTATED"):
-            tail_codes = rotated_code_words(tail.codes, tail_codes)
         t_desc, _, ts_desc = _descriptors(tail_codes.reshape(num_experts * n, k2 // 8), x,
                                           tail_scales.reshape(num_experts * n, k2 // 16), cfg)
     ws2 = weight.weight_scale_2.reshape(-1).to(torch.float32)
@@ -799,7 +780,7 @@ def _meta(cfg: dict[str, Any], y_mma_order: bool, n: int, y_elements: int, has_t
     return {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"], "STAGES": cfg["STAGES"],
             "NUM_WARPS": cfg["num_warps"], "LOADER_REGS": cfg["LOADER_REGS"], "HALF_TILE": cfg["HALF_TILE"],
             "Y_MMA_ORDER": int(y_mma_order), "EVEN_N": int(n % cfg["BLOCK_N"] == 0),
-            "Y_I32": int(y_elements < Y_I32_LIMIT), "ROTATED": cfg.get("ROTATED", 0),
+            "Y_I32": int(y_elements < Y_I32_LIMIT),
             "SCALE_RING": int(_scale_ring(cfg)), "DYNAMIC": cfg.get("DYNAMIC", 0), "HAS_TAIL": int(has_tail),
             "ROW_SCALE": int(row_scale)}
 

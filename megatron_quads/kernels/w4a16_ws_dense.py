@@ -67,7 +67,6 @@ from megatron_quads.kernels.w4a16_ws import (
     words_ring_layout,
     x_tile_layout,
 )
-from megatron_quads.kernels.word_layout import rotated_code_words
 from megatron_quads.nvfp4.tensor import NVFP4Tensor
 
 _X_SUB_K = gl.constexpr(X_SUB_K)
@@ -223,8 +222,7 @@ def _store_partial(acc, partials_ptr, counters_ptr, out_tile, split, SPLIT_K: gl
 def _mma_partition(ring_w, ring_x, ring_s, ready, empty, ws2_ptr, y_ptr, partials_ptr, counters_ptr, M, N,
                    num_tiles, n_tiles, k_steps, stride_ym,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                   NUM_WARPS: gl.constexpr, SPLIT_K: gl.constexpr, EVEN_N: gl.constexpr, Y_I32: gl.constexpr,
-                   ROTATED: gl.constexpr):
+                   NUM_WARPS: gl.constexpr, SPLIT_K: gl.constexpr, EVEN_N: gl.constexpr, Y_I32: gl.constexpr):
     """The MMA warps: each tile's split of K through the grouped kernel's K loop, then its store (or
     its partial, and the tile's sum by the last split)."""
     weight_scale_2 = gl.load(ws2_ptr)
@@ -235,7 +233,7 @@ def _mma_partition(ring_w, ring_x, ring_s, ready, empty, ws2_ptr, y_ptr, partial
         acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=wgmma_layout(BLOCK_M, NUM_WARPS))
         # the scale bytes come through the ring (SCALE_RING): the pointer argument is not read
         acc, step = _k_loop(acc, ring_w, ring_x, ring_s, ready, empty, ws2_ptr, step, kt_hi - kt_lo, BLOCK_K, STAGES,
-                            NUM_WARPS, ROTATED, True)
+                            NUM_WARPS, True)
         if SPLIT_K == 1:
             _store_rows(acc, y_ptr, weight_scale_2, ws2_ptr, n_tile * BLOCK_N, N, m_tile * BLOCK_M, M, stride_ym,
                         NUM_WARPS, False, EVEN_N, Y_I32, False)
@@ -252,7 +250,7 @@ def _dense_ws_kernel(
     stride_xm, stride_ym,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
     NUM_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, SPLIT_K: gl.constexpr, EVEN_N: gl.constexpr,
-    Y_I32: gl.constexpr, ROTATED: gl.constexpr, X_NATURAL: gl.constexpr, X_WARPS: gl.constexpr,
+    Y_I32: gl.constexpr, X_NATURAL: gl.constexpr, X_WARPS: gl.constexpr,
     X_REGS: gl.constexpr,
 ):
     """Persistent: program ``p`` takes tiles ``p, p + P, ...`` of ``num_tiles`` (N tiles x splits x
@@ -274,7 +272,7 @@ def _dense_ws_kernel(
         gl.warp_specialize([
             (_mma_partition, (ring_w, ring_x, ring_s, ready, empty, ws2_ptr, y_ptr, partials_ptr, counters_ptr, M, N,
                               num_tiles, n_tiles, k_steps, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, NUM_WARPS,
-                              SPLIT_K, EVEN_N, Y_I32, ROTATED)),
+                              SPLIT_K, EVEN_N, Y_I32)),
             (_load_partition, (w_desc, x_desc, s_desc, ring_w, ring_x, ring_s, ready, empty, num_tiles, n_tiles,
                                k_steps, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, SPLIT_K, X_NATURAL)),
             (_x_partition, (x_ptr, ring_x, ready, empty, M, stride_xm, num_tiles, n_tiles, k_steps, BLOCK_M, BLOCK_K,
@@ -284,7 +282,7 @@ def _dense_ws_kernel(
         gl.warp_specialize([
             (_mma_partition, (ring_w, ring_x, ring_s, ready, empty, ws2_ptr, y_ptr, partials_ptr, counters_ptr, M, N,
                               num_tiles, n_tiles, k_steps, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, NUM_WARPS,
-                              SPLIT_K, EVEN_N, Y_I32, ROTATED)),
+                              SPLIT_K, EVEN_N, Y_I32)),
             (_load_partition, (w_desc, x_desc, s_desc, ring_w, ring_x, ring_s, ready, empty, num_tiles, n_tiles,
                                k_steps, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, SPLIT_K, X_NATURAL)),
         ], [1], [LOADER_REGS])
@@ -294,8 +292,7 @@ DEFAULT_CONFIG = {"BLOCK_N": 128, "BLOCK_K": 256, "STAGES": 3, "num_warps": 8, "
                   "maxnreg": 80, "X_WARPS": 2, "X_REGS": 80}
 """``BLOCK_M`` (16, 32 or 64) defaults to the smallest that holds M (at most 64), ``SPLIT_K`` to
 :func:`default_split`; :data:`DECODE_CONFIG` or :data:`WIDE_M_CONFIG` goes over this by ``BLOCK_M``.
-``num_warps`` must be ``BLOCK_N / 16`` (a warpgroup a 64 weight rows); ``ROTATED`` decodes a cached
-rotated copy of the code words (:mod:`~megatron_quads.kernels.word_layout`); ``X_WARPS`` warps
+``num_warps`` must be ``BLOCK_N / 16`` (a warpgroup a 64 weight rows); ``X_WARPS`` warps
 (``X_REGS`` registers each) reorder natural-order x inside the kernel (0: a copy kernel,
 ``mma_k_order_rows``, reorders it before the launch)."""
 
@@ -392,7 +389,7 @@ def _meta(cfg: dict[str, Any], n: int, y_elements: int, x_natural: bool) -> dict
     return {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": BLOCK_K, "STAGES": cfg["STAGES"],
             "NUM_WARPS": cfg["num_warps"], "LOADER_REGS": cfg["LOADER_REGS"], "SPLIT_K": cfg["SPLIT_K"],
             "EVEN_N": int(n % cfg["BLOCK_N"] == 0), "Y_I32": int(y_elements < Y_I32_LIMIT),
-            "ROTATED": int(bool(cfg.get("ROTATED"))), "X_NATURAL": int(x_natural), "X_WARPS": cfg["X_WARPS"] or 1,
+            "X_NATURAL": int(x_natural), "X_WARPS": cfg["X_WARPS"] or 1,
             "X_REGS": cfg["X_REGS"]}
 
 
@@ -403,7 +400,7 @@ def w4a16_ws_linear_into(x: torch.Tensor, weight: NVFP4Tensor, out: torch.Tensor
     ``x_mma_order``: x is already in the K order of ``mma_k_order_rows(x, 128)`` (else the kernel's x
     warps reorder it, or with ``X_WARPS`` 0 a copy kernel before the launch). ``config`` over
     :data:`DEFAULT_CONFIG`: ``BLOCK_M``, ``BLOCK_N``, ``STAGES``, ``SPLIT_K``, ``CTAS_PER_SM`` (or
-    ``PROGRAMS``), ``ROTATED``, ``X_WARPS``, ``maxnreg``.
+    ``PROGRAMS``), ``X_WARPS``, ``maxnreg``.
     """
     if len(weight.shape) != 2:
         raise ValueError(f"w4a16_ws_linear_into needs an [N, K] weight, got shape {tuple(weight.shape)}")
@@ -422,8 +419,6 @@ def w4a16_ws_linear_into(x: torch.Tensor, weight: NVFP4Tensor, out: torch.Tensor
     if x.stride(1) != 1 or (not x_natural and (x.stride(0) % 8 or x.data_ptr() % 16)):  # TMA: 16-byte aligned rows
         x = x.contiguous()
     codes, scales = _operands(weight)
-    if cfg.get("ROTATED"):
-        codes = rotated_code_words(weight.codes, codes)
     w_desc, s_desc, x_desc = _descriptors(codes, scales, None if x_natural else x, cfg)
     split = cfg["SPLIT_K"]
     n_tiles, m_tiles = triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"])
