@@ -35,17 +35,16 @@ from test_kernels_w4a16 import (
 from megatron_quads.kernels import w4a16, w4a16_ws_dense
 
 CONFIGS: list[dict[str, Any]] = [
-    {},  # defaults: token tile and split from the shape, x reordered by the kernel's x warps
-    {"X_WARPS": 0},  # x reordered by a copy kernel, then loaded by TMA
-    {"X_WARPS": 1, "BLOCK_M": 32},
-    {"X_WARPS": 4, "BLOCK_M": 64, "STAGES": 2, "PROGRAMS": 7},
+    {},  # defaults: split from the shape, x reordered by the kernel's x warps
+    {"X_WARPS": 1},
+    {"X_WARPS": 4, "STAGES": 2, "PROGRAMS": 7},
     {"SPLIT_K": 3},  # uneven splits (and fewer than asked where a split would be empty)
     {"SPLIT_K": 1},  # no partials: the direct epilogue
-    {"BLOCK_M": 16, "SPLIT_K": 2, "PROGRAMS": 3},  # several token tiles; persistent programs wrap the ring
+    {"SPLIT_K": 2, "PROGRAMS": 3},  # several token tiles; persistent programs wrap the ring
     {"BLOCK_N": 64, "num_warps": 4, "STAGES": 4, "CTAS_PER_SM": 3},
     {"BLOCK_N": 256, "num_warps": 16, "STAGES": 2, "CTAS_PER_SM": 1, "maxnreg": 0},
     {"STAGES": 2, "PROGRAMS": 5},
-    {"BLOCK_M": 64, "STAGES": 2, "SPLIT_K": 4},
+    {"BLOCK_N": 128, "num_warps": 8, "CTAS_PER_SM": 2, "SPLIT_K": 4},
 ]
 
 
@@ -112,21 +111,16 @@ def test_within_fp32_accumulation_error(kernel_device: str, config: dict[str, An
 @_on_gpu
 @pytest.mark.usefixtures("poisoned_partials")
 @pytest.mark.parametrize("m", [1, 16, 40])
-def test_triton_split_boundaries_give_the_triton_bits_and_k_ordered_x_too(kernel_device: str, m: int) -> None:
+def test_triton_split_boundaries_give_the_triton_bits(kernel_device: str, m: int) -> None:
     """Split 4 of K 4096 in both kernels (ring steps of 256 here, K tiles of 128 there): the same
     per-split sums in the same K order, added in split order: equal bits (x a strided view, which
-    the x warps read in place); x passed already in the K order (loaded by TMA) gives the same bits."""
+    the x warps read in place)."""
     weight = _gaussian_weight((1024 + 64, 4096), kernel_device)
     x = _activations((m, 4096 + 64), torch.bfloat16, kernel_device)[:, 32:4096 + 32]  # rows 4160 apart
     triton_out = torch.empty(m, 1024 + 64, dtype=torch.bfloat16, device=kernel_device)
     w4a16.w4a16_linear_into(x, weight, triton_out, {"BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 4})
     ours = _run(x, weight, {"SPLIT_K": 4})
     assert torch.equal(ours, triton_out)
-    assert torch.equal(_run(x, weight, {"SPLIT_K": 4, "X_WARPS": 0}), ours)
-    ordered = w4a16.mma_k_order_rows(x, w4a16.X_ORDER_BLOCK_K)
-    out = torch.full_like(ours, float("nan"))
-    w4a16_ws_dense.w4a16_ws_linear_into(ordered, weight, out, {"SPLIT_K": 4}, x_mma_order=True)
-    assert torch.equal(out, ours)
 
 
 @_on_gpu
@@ -166,11 +160,9 @@ def test_config_defaults_follow_the_shape() -> None:
     small = w4a16_ws_dense.resolve_config(16, 8192, 8192, cpu, None)  # 128 N tiles of 64, 3 x 132 programs
     assert (small["BLOCK_M"], small["BLOCK_N"], small["STAGES"], small["SPLIT_K"], small["X_WARPS"]) == (16, 64, 3, 2, 2)
     assert w4a16_ws_dense.resolve_config(16, 8192, 8192, cpu, {"BLOCK_N": 128, "num_warps": 8})["SPLIT_K"] == 4
-    wide = w4a16_ws_dense.resolve_config(64, 8192, 8192, cpu, None)
-    assert (wide["BLOCK_M"], wide["BLOCK_N"], wide["STAGES"], wide["X_WARPS"]) == (64, 128, 2, 0)
-    assert wide["SPLIT_K"] == 2  # 64 N tiles, one tile an SM
-    assert w4a16_ws_dense.resolve_config(64, 8192, 8192, cpu, {"STAGES": 3})["STAGES"] == 3
-    assert w4a16_ws_dense.resolve_config(64, 8192, 8192, cpu, {"BLOCK_M": 16})["BLOCK_N"] == 64
+    more_rows = w4a16_ws_dense.resolve_config(64, 8192, 8192, cpu, None)  # four token tiles of 16
+    assert (more_rows["BLOCK_M"], more_rows["BLOCK_N"], more_rows["SPLIT_K"]) == (16, 64, 1)
+    assert w4a16_ws_dense.resolve_config(16, 8192, 8192, cpu, {"STAGES": 4})["STAGES"] == 4
 
 
 def test_argument_errors() -> None:
@@ -183,7 +175,11 @@ def test_argument_errors() -> None:
     with pytest.raises(ValueError, match="num_warps = BLOCK_N / 16"):
         w4a16_ws_dense.w4a16_ws_linear_into(x, weight, out, {"BLOCK_N": 128})  # on the decode config's 4 warps
     with pytest.raises(ValueError, match="do not fit in shared memory"):
-        w4a16_ws_dense.w4a16_ws_linear_into(x, weight, out, {"BLOCK_M": 64, "STAGES": 8})
+        w4a16_ws_dense.w4a16_ws_linear_into(x, weight, out, {"BLOCK_N": 256, "num_warps": 16, "STAGES": 8})
+    with pytest.raises(ValueError, match="BLOCK_M must be 16"):
+        w4a16_ws_dense.w4a16_ws_linear_into(x, weight, out, {"BLOCK_M": 32})
+    with pytest.raises(ValueError, match="X_WARPS must be 1, 2 or 4"):
+        w4a16_ws_dense.w4a16_ws_linear_into(x, weight, out, {"X_WARPS": 0})
     with pytest.raises(TypeError, match="take bfloat16 activations"):
         w4a16_ws_dense.w4a16_ws_linear_into(x.float(), weight, out)
     with pytest.raises(ValueError, match="out must be"):
@@ -199,18 +195,16 @@ def _ops(sass: str) -> collections.Counter:
 
 @pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
 def test_every_config_compiles_for_sm90(config: dict[str, Any]) -> None:
-    """The kernel builds for sm_90 without a GPU, with the wgmma and the loader's TMA copies (x's
-    too where the x warps do not load it); the split-K arrival (a gpu-scope atomic, then the
-    counter's reset) only with splits; the MMA warps' barriers on their own threads (``bar.sync 0,
-    32 num_warps``), never the whole CTA with the loader and x warps."""
+    """The kernel builds for sm_90 without a GPU, with the wgmma and the loader's two TMA copies a
+    step (words, scale bytes); the split-K arrival (a gpu-scope atomic, then the counter's reset)
+    only with splits; the MMA warps' barriers on their own threads (``bar.sync 0, 32 num_warps``),
+    never the whole CTA with the loader and x warps."""
     cfg = w4a16_ws_dense.resolve_config(16, 1024, 4096, torch.device("cpu"), config)
-    for x_mma_order in (False, True):
-        out = w4a16_ws_dense.compile_offline(cfg, 1024, 4096, x_mma_order=x_mma_order)
-        ops = _ops(out["sass"])
-        x_warps = cfg["X_WARPS"] and not x_mma_order
-        assert ops["HGMMA"] > 0 and ops["UTMALDG"] == (2 if x_warps else 6)
-        assert (ops["ATOMG"] > 0) == (cfg["SPLIT_K"] > 1)
-        assert set(re.findall(r"bar\.sync\s+0, (\d+);", out["ptx"])) == {str(32 * cfg["num_warps"])}
+    out = w4a16_ws_dense.compile_offline(cfg, 1024, 4096)
+    ops = _ops(out["sass"])
+    assert ops["HGMMA"] > 0 and ops["UTMALDG"] == 2
+    assert (ops["ATOMG"] > 0) == (cfg["SPLIT_K"] > 1)
+    assert set(re.findall(r"bar\.sync\s+0, (\d+);", out["ptx"])) == {str(32 * cfg["num_warps"])}
 
 
 def test_x_warps_move_x_in_16_byte_loads_and_4_byte_stores() -> None:
