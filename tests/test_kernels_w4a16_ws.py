@@ -36,15 +36,15 @@ from megatron_quads.kernels import w4a16, w4a16_ws
 from megatron_quads.rollout.grouped import expert_offsets_from_counts
 
 CONFIGS: list[dict[str, Any]] = [
-    {},  # the defaults: 2 MMA warpgroups, two 128-wide sub-steps a ring stage, 2 CTAs an SM, half tile on
+    {},  # the defaults: 2 MMA warpgroups, two 128-wide sub-steps a ring stage, 2 CTAs an SM
     {"BLOCK_K": 128},  # one sub-step a stage (K not a multiple of 256)
     {"BLOCK_N": 64, "num_warps": 4, "BLOCK_M": 16, "STAGES": 2, "CTAS_PER_SM": 2, "maxnreg": 128},
     {"BLOCK_N": 256, "num_warps": 16, "BLOCK_K": 128, "BLOCK_M": 32, "STAGES": 3, "CTAS_PER_SM": 1, "maxnreg": 0},
-    {"BLOCK_K": 128, "BLOCK_M": 64, "HALF_TILE": 0, "STAGES": 6, "PROGRAMS": 3, "maxnreg": 0},
+    {"BLOCK_K": 128, "BLOCK_M": 64, "STAGES": 6, "PROGRAMS": 3, "maxnreg": 0},
     {"BLOCK_K": 128, "BLOCK_M": 128, "STAGES": 2, "PROGRAMS": 5, "maxnreg": 0},
     {"BLOCK_N": 64, "num_warps": 4, "BLOCK_K": 128, "STAGES": 3, "CTAS_PER_SM": 3, "maxnreg": 80},
     {"BLOCK_N": 64, "num_warps": 4, "BLOCK_K": 256, "BLOCK_M": 32, "STAGES": 3, "PROGRAMS": 7},
-    {"SCALE_RING": 1, "BLOCK_K": 256, "BLOCK_N": 128, "num_warps": 8, "BLOCK_M": 32, "STAGES": 2, "PROGRAMS": 3},
+    {"BLOCK_K": 256, "BLOCK_N": 128, "num_warps": 8, "BLOCK_M": 32, "STAGES": 2, "PROGRAMS": 3},
     {"BLOCK_K": 128, "BLOCK_M": 64, "STAGES": 5, "PROGRAMS": 3, "maxnreg": 0},
     {"DYNAMIC": 1},  # tiles handed out by the shared counter
     {"DYNAMIC": 1, "BLOCK_K": 128, "BLOCK_M": 64, "STAGES": 3, "PROGRAMS": 3, "maxnreg": 0},
@@ -237,10 +237,10 @@ def test_dispatch_needs_a_hopper_gpu_and_whole_k_order_blocks() -> None:
     assert w4a16.warp_specialized_grouped(torch.device("cpu"), 256) is None  # CPU
     wide, wide_short, short, odd = (w4a16_ws.default_config(k) for k in (2048, 768, 640, 1152))
     for cfg in (wide, wide_short):
-        assert (cfg["BLOCK_K"], cfg["BLOCK_N"], cfg["SCALE_RING"]) == (256, 128, 1)
+        assert (cfg["BLOCK_K"], cfg["BLOCK_N"]) == (256, 128) and w4a16_ws._scale_ring(cfg)
     assert wide_short["DYNAMIC"] and not wide.get("DYNAMIC")  # the shared tile counter where K is short
-    assert (odd["BLOCK_K"], odd["BLOCK_N"]) == (128, 128) and not odd.get("SCALE_RING")
-    assert (short["BLOCK_K"], short["BLOCK_N"], short["num_warps"]) == (128, 64, 4) and not short.get("SCALE_RING")
+    assert (odd["BLOCK_K"], odd["BLOCK_N"]) == (128, 128) and not w4a16_ws._scale_ring(odd)
+    assert (short["BLOCK_K"], short["BLOCK_N"], short["num_warps"]) == (128, 64, 4) and not w4a16_ws._scale_ring(short)
     for k, cfg in ((2048, wide), (768, wide_short), (640, short), (1152, odd)):
         w4a16_ws.check_config({**cfg, "BLOCK_M": 64}, 2048, k)
 
@@ -285,14 +285,6 @@ def test_every_config_compiles_for_sm90(config: dict[str, Any]) -> None:
 def _sass_ops(config: dict[str, Any]) -> collections.Counter:
     sass = w4a16_ws.compile_offline({**w4a16_ws.default_config(2048), "BLOCK_M": 64, **config}, n=1536, k=2048)
     return collections.Counter(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9]+)", sass, re.MULTILINE))
-
-
-def test_scale_ring_changes_what_the_sass_does() -> None:
-    """Offline sm_90 SASS: with the scale ring the loader's TMA brings the scale bytes (one more
-    UTMALDG, the MMA warps' scale LDGs gone)."""
-    ring, no_ring = _sass_ops({}), _sass_ops({"SCALE_RING": 0})
-    assert ring["UTMALDG"] == no_ring["UTMALDG"] + 1
-    assert ring["LDG"] < no_ring["LDG"] and ring["LDS"] > no_ring["LDS"]
 
 
 def test_a_tail_adds_its_tma_copies_and_a_row_scale_its_loads() -> None:

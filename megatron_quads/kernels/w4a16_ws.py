@@ -233,7 +233,7 @@ def _k_order_position(cols, BLOCK_K: gl.constexpr):
 @gluon.jit
 def _load_tile(tile, lo, hi, step, w_desc, x_desc, s_desc, t_desc, ts_desc, ring_w, ring_x, ring_s, ready, empty, N,
                k_main, k_steps, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-               STAGES: gl.constexpr, HALF_TILE: gl.constexpr, SCALE_RING: gl.constexpr, HAS_TAIL: gl.constexpr):
+               STAGES: gl.constexpr, SCALE_RING: gl.constexpr, HAS_TAIL: gl.constexpr):
     """Every (token tile, K step) of (expert, N tile) pair ``tile`` (its expert's rows ``lo:hi``)
     into the ring from ring step ``step`` on: the weight rows' code words (and scale bytes), from
     the tail's descriptors ``t_desc`` / ``ts_desc`` for the steps past ``k_main`` (``HAS_TAIL``: x
@@ -245,7 +245,7 @@ def _load_tile(tile, lo, hi, step, w_desc, x_desc, s_desc, t_desc, ts_desc, ring
     expert = tile // n_tiles
     row0 = expert * N + (tile % n_tiles) * BLOCK_N
     for m0 in range(lo, hi, BLOCK_M):
-        half = (hi - m0 <= BLOCK_M // 2).to(gl.int32) * HALF_TILE  # as the MMA warps decide
+        half = (hi - m0 <= BLOCK_M // 2).to(gl.int32)  # as the MMA warps decide
         for kt in range(k_steps):
             stage = step % STAGES
             # a fresh mbarrier counts as having completed the phase before 0: the first lap waits on nothing
@@ -329,8 +329,8 @@ def _take_tile(count, queue, taken, NUM_WARPS: gl.constexpr):
 @gluon.jit
 def _load_partition(w_desc, x_desc, s_desc, t_desc, ts_desc, ring_w, ring_x, ring_s, ready, empty, queue, queued, taken,
                     offsets_ptr, ws2_ptr, sched_ptr, N, K, K2, num_tiles, n_tiles, stride_w2, BLOCK_M: gl.constexpr,
-                    BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, HALF_TILE: gl.constexpr,
-                    SCALE_RING: gl.constexpr, DYNAMIC: gl.constexpr, HAS_TAIL: gl.constexpr):
+                    BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, SCALE_RING: gl.constexpr,
+                    DYNAMIC: gl.constexpr, HAS_TAIL: gl.constexpr):
     """The loader warp: the program's tiles (:func:`_load_tile`) in the MMA warps' order. Static:
     tiles ``p, p + P, ...``. ``DYNAMIC``: tile ``p``, then whichever tile the shared counter at
     ``sched_ptr`` hands out next (taken one tile ahead, so its latency hides behind the loads), each
@@ -349,8 +349,8 @@ def _load_partition(w_desc, x_desc, s_desc, t_desc, ts_desc, ring_w, ring_x, rin
             lo, hi, weight_scale_2 = _expert_params(tile, n_tiles, offsets_ptr, ws2_ptr, stride_w2)
             _publish_tile(count, tile, lo, hi, weight_scale_2.to(gl.int32, bitcast=True), queue, queued, taken)
             step = _load_tile(tile, lo, hi, step, w_desc, x_desc, s_desc, t_desc, ts_desc, ring_w, ring_x, ring_s,
-                              ready, empty, N, k_main, k_steps, n_tiles, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, HALF_TILE,
-                              SCALE_RING, HAS_TAIL)
+                              ready, empty, N, k_main, k_steps, n_tiles, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, SCALE_RING,
+                              HAS_TAIL)
             count += 1
             tile = next_tile
         _publish_tile(count, tile, 0, 0, 0, queue, queued, taken)  # past the last pair: the MMA warps stop
@@ -363,8 +363,8 @@ def _load_partition(w_desc, x_desc, s_desc, t_desc, ts_desc, ring_w, ring_x, rin
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             lo, hi, _ = _expert_params(tile, n_tiles, offsets_ptr, ws2_ptr, stride_w2)
             step = _load_tile(tile, lo, hi, step, w_desc, x_desc, s_desc, t_desc, ts_desc, ring_w, ring_x, ring_s,
-                              ready, empty, N, k_main, k_steps, n_tiles, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, HALF_TILE,
-                              SCALE_RING, HAS_TAIL)
+                              ready, empty, N, k_main, k_steps, n_tiles, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, SCALE_RING,
+                              HAS_TAIL)
 
 
 @gluon.jit
@@ -510,8 +510,8 @@ def _token_tile(TILE_M: gl.constexpr, ring_w, ring_x, ring_s, ready, empty, s_pt
 def _mma_tile(tile, lo, hi, weight_scale_2, step, ring_w, ring_x, ring_s, ready, empty, scales_ptr, y_ptr, row_scale_ptr,
               N, k_steps, n_tiles, stride_se, stride_sn, stride_ym,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-              NUM_WARPS: gl.constexpr, HALF_TILE: gl.constexpr, Y_MMA_ORDER: gl.constexpr, EVEN_N: gl.constexpr,
-              Y_I32: gl.constexpr, SCALE_RING: gl.constexpr, ROW_SCALE: gl.constexpr):
+              NUM_WARPS: gl.constexpr, Y_MMA_ORDER: gl.constexpr, EVEN_N: gl.constexpr, Y_I32: gl.constexpr,
+              SCALE_RING: gl.constexpr, ROW_SCALE: gl.constexpr):
     """(expert, N tile) pair ``tile`` (its expert's rows ``lo:hi``): its token tiles in the loader's
     order, each over the whole K from ring step ``step`` on, then stored; returns the next ring step."""
     SCALES: gl.constexpr = scale_bytes_layout(BLOCK_N, _X_ORDER_BLOCK, NUM_WARPS)  # a 128-wide sub-step's
@@ -520,7 +520,7 @@ def _mma_tile(tile, lo, hi, weight_scale_2, step, ring_w, ring_x, ring_s, ready,
     s_ptrs = _scale_pointers(scales_ptr + expert.to(gl.int64) * stride_se, n0, N, stride_sn, BLOCK_N,
                              _X_ORDER_BLOCK, SCALES)
     for m0 in range(lo, hi, BLOCK_M):
-        if HALF_TILE and hi - m0 <= BLOCK_M // 2:  # the last (often only) tile of a small expert
+        if hi - m0 <= BLOCK_M // 2:  # the last (often only) tile of a small expert: a half-width tile
             step = _token_tile(BLOCK_M // 2, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps, y_ptr,
                                weight_scale_2, row_scale_ptr, n0, N, m0, hi, stride_ym, BLOCK_N, BLOCK_K, STAGES,
                                NUM_WARPS, Y_MMA_ORDER, EVEN_N, Y_I32, SCALE_RING, ROW_SCALE)
@@ -535,7 +535,7 @@ def _mma_tile(tile, lo, hi, weight_scale_2, step, ring_w, ring_x, ring_s, ready,
 def _mma_partition(ring_w, ring_x, ring_s, ready, empty, queue, queued, taken, scales_ptr, ws2_ptr, offsets_ptr, y_ptr,
                    row_scale_ptr, N, K, K2, num_tiles, n_tiles, stride_se, stride_sn, stride_w2, stride_ym,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                   NUM_WARPS: gl.constexpr, HALF_TILE: gl.constexpr, Y_MMA_ORDER: gl.constexpr, EVEN_N: gl.constexpr,
+                   NUM_WARPS: gl.constexpr, Y_MMA_ORDER: gl.constexpr, EVEN_N: gl.constexpr,
                    Y_I32: gl.constexpr, SCALE_RING: gl.constexpr, DYNAMIC: gl.constexpr,
                    ROW_SCALE: gl.constexpr):
     """The MMA warps: the program's tiles in the loader's order (``DYNAMIC``: as the tile queue
@@ -549,8 +549,8 @@ def _mma_partition(ring_w, ring_x, ring_s, ready, empty, queue, queued, taken, s
             lo, hi, weight_scale_2 = _take_tile(count, queue, taken, NUM_WARPS)
             step = _mma_tile(tile, lo, hi, weight_scale_2, step, ring_w, ring_x, ring_s, ready, empty, scales_ptr,
                              y_ptr, row_scale_ptr, N, k_steps, n_tiles, stride_se, stride_sn, stride_ym, BLOCK_M,
-                             BLOCK_N, BLOCK_K, STAGES, NUM_WARPS, HALF_TILE, Y_MMA_ORDER, EVEN_N, Y_I32,
-                             SCALE_RING, ROW_SCALE)
+                             BLOCK_N, BLOCK_K, STAGES, NUM_WARPS, Y_MMA_ORDER, EVEN_N, Y_I32, SCALE_RING,
+                             ROW_SCALE)
             count += 1
             tile = _peek_tile(count, queue, queued, NUM_WARPS)
     else:
@@ -558,8 +558,8 @@ def _mma_partition(ring_w, ring_x, ring_s, ready, empty, queue, queued, taken, s
             lo, hi, weight_scale_2 = _expert_params(tile, n_tiles, offsets_ptr, ws2_ptr, stride_w2)
             step = _mma_tile(tile, lo, hi, weight_scale_2, step, ring_w, ring_x, ring_s, ready, empty, scales_ptr,
                              y_ptr, row_scale_ptr, N, k_steps, n_tiles, stride_se, stride_sn, stride_ym, BLOCK_M,
-                             BLOCK_N, BLOCK_K, STAGES, NUM_WARPS, HALF_TILE, Y_MMA_ORDER, EVEN_N, Y_I32,
-                             SCALE_RING, ROW_SCALE)
+                             BLOCK_N, BLOCK_K, STAGES, NUM_WARPS, Y_MMA_ORDER, EVEN_N, Y_I32, SCALE_RING,
+                             ROW_SCALE)
 
 
 TILE_QUEUE_SLOTS = 4
@@ -573,7 +573,7 @@ def _grouped_ws_kernel(
     w_desc, x_desc, s_desc, t_desc, ts_desc, scales_ptr, ws2_ptr, offsets_ptr, sched_ptr, y_ptr, row_scale_ptr,
     N, K, K2, num_tiles, n_tiles, stride_se, stride_sn, stride_w2, stride_ym,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-    NUM_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, HALF_TILE: gl.constexpr, Y_MMA_ORDER: gl.constexpr,
+    NUM_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, Y_MMA_ORDER: gl.constexpr,
     EVEN_N: gl.constexpr, Y_I32: gl.constexpr, SCALE_RING: gl.constexpr, DYNAMIC: gl.constexpr,
     HAS_TAIL: gl.constexpr, ROW_SCALE: gl.constexpr,
 ):
@@ -608,16 +608,16 @@ def _grouped_ws_kernel(
     gl.warp_specialize([
         (_mma_partition, (ring_w, ring_x, ring_s, ready, empty, queue, queued, taken, scales_ptr, ws2_ptr, offsets_ptr,
                           y_ptr, row_scale_ptr, N, K, K2, num_tiles, n_tiles, stride_se, stride_sn, stride_w2,
-                          stride_ym, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, NUM_WARPS, HALF_TILE, Y_MMA_ORDER, EVEN_N,
-                          Y_I32, SCALE_RING, DYNAMIC, ROW_SCALE)),
+                          stride_ym, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, NUM_WARPS, Y_MMA_ORDER, EVEN_N, Y_I32,
+                          SCALE_RING, DYNAMIC, ROW_SCALE)),
         (_load_partition, (w_desc, x_desc, s_desc, t_desc, ts_desc, ring_w, ring_x, ring_s, ready, empty, queue, queued,
                            taken, offsets_ptr, ws2_ptr, sched_ptr, N, K, K2, num_tiles, n_tiles, stride_w2, BLOCK_M,
-                           BLOCK_N, BLOCK_K, STAGES, HALF_TILE, SCALE_RING, DYNAMIC, HAS_TAIL)),
+                           BLOCK_N, BLOCK_K, STAGES, SCALE_RING, DYNAMIC, HAS_TAIL)),
     ], [1], [LOADER_REGS])
 
 
-DEFAULT_CONFIG = {"BLOCK_N": 128, "BLOCK_K": 128, "STAGES": 3, "num_warps": 8, "LOADER_REGS": 40, "HALF_TILE": 1,
-                  "CTAS_PER_SM": 2, "maxnreg": 80}
+DEFAULT_CONFIG = {"BLOCK_N": 128, "BLOCK_K": 128, "STAGES": 3, "num_warps": 8, "LOADER_REGS": 40, "CTAS_PER_SM": 2,
+                  "maxnreg": 80}
 """``num_warps`` (the MMA warps) must be ``BLOCK_N / 16``: one warpgroup a 64 weight rows. The grid is
 ``CTAS_PER_SM`` programs an SM (persistent), or ``PROGRAMS`` when the config gives it; ``maxnreg``
 the register budget the partitions split (0: the compiler's; two CTAs of 12 warps an SM need 80 or
@@ -628,7 +628,7 @@ bytes or more; ignored otherwise); ``DYNAMIC``: tiles handed out by a shared cou
 :data:`SHORT_K_CONFIG` over it: the fastest measured at Qwen3-30B-A3B expert shapes
 (``bench_kernels.py --quick --only grouped_ws``, H200, docs/kernels.md)."""
 
-WIDE_K_CONFIG = {"BLOCK_K": 256, "STAGES": 2, "SCALE_RING": 1}
+WIDE_K_CONFIG = {"BLOCK_K": 256, "STAGES": 2}
 """Where 256 divides K: two 128-wide sub-steps a ring stage (one ring wait and release, and their CTA
 barriers, a 256 K) and the scale bytes in the ring (instead of the MMA warps' global loads one
 sub-step ahead, which nothing hid at a tile's first step). Qwen3-30B-A3B, H200, 2026-11-30
@@ -715,7 +715,7 @@ def grouped_w4a16_ws_into(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets: 
         if tuple(tail.shape) != (num_experts, n, k2) or k2 == 0:
             raise ValueError(f"the tail weight must be [{num_experts}, {n}, K2] with K2 > 0, got {tuple(tail.shape)}")
         if not _scale_ring(cfg) or k2 % cfg["BLOCK_K"]:
-            raise ValueError(f"a tail runs on the scale ring: BLOCK_K 256 with SCALE_RING and K2 a multiple of it; "
+            raise ValueError(f"a tail runs on the scale ring: BLOCK_K 256 and K2 a multiple of it; "
                              f"got K2={k2} and {cfg} (pad the tail, or use grouped_w4a16_into's Triton kernel)")
     if row_scale is not None and (row_scale.shape != (x.shape[0],) or row_scale.dtype != torch.float32):
         raise ValueError(f"row_scale must be float32 [{x.shape[0]}], got {row_scale.dtype} {tuple(row_scale.shape)}")
@@ -766,8 +766,9 @@ def _descriptors(codes: torch.Tensor, x: torch.Tensor, scales: torch.Tensor | No
 
 
 def _scale_ring(cfg: dict[str, Any]) -> bool:
-    """``SCALE_RING`` takes effect at ``BLOCK_K`` 256 only: TMA rows need at least 16 scale bytes."""
-    return bool(cfg.get("SCALE_RING")) and cfg["BLOCK_K"] == 2 * X_ORDER_BLOCK_K
+    """Whether the scale bytes come through the ring (``SCALE_RING``): at ``BLOCK_K`` 256, where a
+    TMA row holds 16 scale bytes (the least TMA copies); at 128 the MMA warps load them."""
+    return cfg["BLOCK_K"] == 2 * X_ORDER_BLOCK_K
 
 
 Y_I32_LIMIT = 2**31
@@ -778,7 +779,7 @@ def _meta(cfg: dict[str, Any], y_mma_order: bool, n: int, y_elements: int, has_t
           row_scale: bool = False) -> dict[str, int]:
     """The kernel's compile-time arguments (``y_elements``: the span of the output's rows)."""
     return {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"], "STAGES": cfg["STAGES"],
-            "NUM_WARPS": cfg["num_warps"], "LOADER_REGS": cfg["LOADER_REGS"], "HALF_TILE": cfg["HALF_TILE"],
+            "NUM_WARPS": cfg["num_warps"], "LOADER_REGS": cfg["LOADER_REGS"],
             "Y_MMA_ORDER": int(y_mma_order), "EVEN_N": int(n % cfg["BLOCK_N"] == 0),
             "Y_I32": int(y_elements < Y_I32_LIMIT),
             "SCALE_RING": int(_scale_ring(cfg)), "DYNAMIC": cfg.get("DYNAMIC", 0), "HAS_TAIL": int(has_tail),
