@@ -197,13 +197,10 @@ def test_quantize_amax_modes(dtype: torch.dtype, kernel_device: str) -> None:
     _check_quantize(x[0, 0], torch.tensor(true_amax, device=kernel_device))  # 1D input
 
 
-@pytest.mark.parametrize("tile_scales", [True, False], ids=["scales once a tile", "scales once a row"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_quantize_2d_blocks(dtype: torch.dtype, tile_scales: bool, kernel_device: str,
-                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """16x16 tiles with one amax, per-row amax (always scaled row by row) and per-matrix amax, each
-    tile's scale computed once (where its rows share their amax) or once per row: the same bytes."""
-    monkeypatch.setattr(kq, "_tile_scales_enabled", lambda: tile_scales)
+def test_quantize_2d_blocks(dtype: torch.dtype, kernel_device: str) -> None:
+    """16x16 tiles with one amax and per-matrix amax (each tile's scale computed once: its rows share
+    their amax) and with per-row amax (scaled row by row): the reference bytes."""
     big = _big(kernel_device)
     shapes = [(1000, 512), (4, 129, 256), (2, 3, 40, 128)] if big else [(20, 64), (3, 21, 48), (2, 2, 16, 32), (1, 32), (7, 16)]
     for shape in shapes:
@@ -460,26 +457,13 @@ def test_every_row_config(config: tuple[int, int, int], kernel_device: str, monk
     _check_row_amax(_randn((m, k), 1.0, torch.bfloat16, kernel_device))
 
 
-@pytest.mark.parametrize("loop", [(1, 1), (kq._ONE_PER_TILE, 0)], ids=["persistent", "one per tile"])
-def test_k_major_launch_order(loop: tuple[int, int], kernel_device: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """K-major program order (``_program_tile``): the same tiles, so the same bytes, whether each
-    program has one tile or walks several (1x16 and 16x16, a stack of matrices, partial tiles)."""
-    monkeypatch.setattr(kq, "_k_major", lambda block_2d=False: True)
-    monkeypatch.setattr(kq, "_loop_config", lambda block_2d=False: loop)
-    x = _randn((3, 40, 2064), 1.0, torch.bfloat16, kernel_device)
-    x[2, 33, 2050] = 300.0
-    _check_quantize(x)
-    _check_quantize(x, x.abs().amax(-1).float() * 0.9)
-    _check_quantize(x, block_2d=True)
-
-
-@pytest.mark.parametrize("prefetch", [0, 1])
-def test_persistent_programs_loop_over_tiles(prefetch: int, kernel_device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("stages", [1, 3])
+def test_persistent_programs_loop_over_tiles(stages: int, kernel_device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """One program per SM and K tile walks many row tiles (then matrices of a stack), loading the
-    next tile ahead or not (fake quant: 1 or 3 async-copy stages); every tile, partial and per-row
-    amax included, stays exact."""
-    monkeypatch.setattr(kq, "_loop_config", lambda block_2d=False: (1, prefetch))
-    monkeypatch.setattr(kq, "_FAKE_QUANT_LOOP", (1, 1 + 2 * prefetch))
+    next tile ahead (fake quant: 1 or 3 async-copy stages); every tile, partial and per-row amax
+    included, stays exact."""
+    monkeypatch.setattr(kq, "_loop_config", lambda block_2d=False: 1)
+    monkeypatch.setattr(kq, "_FAKE_QUANT_LOOP", (1, stages))
     x = _randn((3, 40, 2064), 1.0, torch.bfloat16, kernel_device)  # partial K and row tiles in every matrix
     x[1, 7, 5] = -250.0
     _check_quantize(x)

@@ -99,17 +99,6 @@ def _tile_rows(row_tile, mat_rows, ROWS: tl.constexpr, BLOCK_2D: tl.constexpr):
 
 
 @triton.jit
-def _program_tile(K_MAJOR: tl.constexpr):
-    """``(K tile, first row tile)`` of this program in a ``(P, K tiles)`` grid: the grid's own axes,
-    or with ``K_MAJOR`` the program's launch rank split K tile first (ranks ``r`` and ``r + 1`` take
-    neighbouring K tiles of one row tile)."""
-    if K_MAJOR:
-        rank = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)  # launch order: axis 0 fastest
-        return rank % tl.num_programs(1), rank // tl.num_programs(1)
-    return tl.program_id(1), tl.program_id(0)
-
-
-@triton.jit
 def _e4m3_round(s):
     """fp32 ``s`` in ``[0, 448]`` to float8_e4m3fn, round to nearest even: ``(byte int32, value fp32)``.
 
@@ -449,16 +438,13 @@ def _amax_kernel(x_ptr, out_ptr, n_blocks, n_iter, BLOCK: tl.constexpr):
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _quantize_kernel(w_ptr, amax_ptr, codes_ptr, scales_ptr, R, mat_rows, amax_div, KB, m_bucket,
                      BLOCK_2D: tl.constexpr, IS_BF16: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr,
-                     PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr, K_MAJOR: tl.constexpr,
-                     FAST_MAX_ROWS: tl.constexpr, TILE_SCALES: tl.constexpr):
+                     PERSISTENT: tl.constexpr, FAST_MAX_ROWS: tl.constexpr, TILE_SCALES: tl.constexpr):
     """Grid ``(P, cdiv(KB, NB))``: program ``(p, k)`` quantizes the ``[ROWS, NB * 16]`` tiles of K
-    tile ``k`` in row tiles ``p, p + P, ...`` of the ``R`` rows (``PERSISTENT``; otherwise ``P``
-    covers every row tile). With ``PREFETCH`` the next tile's words are loaded into registers before
-    the current one is quantized, so a program always has reads in flight. With ``K_MAJOR`` the
-    programs launched one after the other take the K tiles of a row tile before the next row tile
-    (the launch order otherwise runs down the rows of one K tile). ``m_bucket`` is only an autotune
-    key."""
-    k_tile, row_tile = _program_tile(K_MAJOR)
+    tile ``k`` in row tiles ``p, p + P, ...`` of the ``R`` rows (``PERSISTENT``, loading the next
+    tile's words into registers before the current one is quantized, so a program always has reads
+    in flight; otherwise ``P`` covers every row tile). ``m_bucket`` is only an autotune key."""
+    k_tile = tl.program_id(1)
+    row_tile = tl.program_id(0)
     blocks = k_tile * NB + tl.arange(0, NB)
     n_row_tiles = (R // mat_rows) * tl.cdiv(mat_rows, ROWS)  # mat_rows == R without BLOCK_2D
     enc_s, dec_s, decode_s = _global_scales(tl.load(amax_ptr))  # used when one amax covers every row
@@ -475,20 +461,15 @@ def _quantize_kernel(w_ptr, amax_ptr, codes_ptr, scales_ptr, R, mat_rows, amax_d
         step = tl.num_programs(0)
         low, high = _load_halves(w_ptr, rows, row_mask & (row_tile < n_row_tiles), blocks, KB, "evict_first")
         while row_tile < n_row_tiles:
-            if PREFETCH:
-                next_rows, next_mask = _tile_rows(row_tile + step, mat_rows, ROWS, BLOCK_2D)
-                next_low, next_high = _load_halves(w_ptr, next_rows, next_mask & (row_tile + step < n_row_tiles), blocks, KB,
-                                                   "evict_first")
+            next_rows, next_mask = _tile_rows(row_tile + step, mat_rows, ROWS, BLOCK_2D)
+            next_low, next_high = _load_halves(w_ptr, next_rows, next_mask & (row_tile + step < n_row_tiles), blocks, KB,
+                                               "evict_first")
             if amax_div != 0:
                 enc, dec, _unused = _table_scales(amax_ptr, rows, row_mask, amax_div)
             _quantize_tile(codes_ptr, scales_ptr, low, high, enc, dec, rows, row_mask, blocks, KB, ROWS, NB, BLOCK_2D,
                            IS_BF16, FAST_MAX_ROWS, TILE_SCALES)
             row_tile += step
-            if PREFETCH:
-                low, high, rows, row_mask = next_low, next_high, next_rows, next_mask
-            else:
-                rows, row_mask = _tile_rows(row_tile, mat_rows, ROWS, BLOCK_2D)
-                low, high = _load_halves(w_ptr, rows, row_mask & (row_tile < n_row_tiles), blocks, KB, "evict_first")
+            low, high, rows, row_mask = next_low, next_high, next_rows, next_mask
 
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
@@ -549,22 +530,15 @@ def _row_amax_quantize_kernel(w_ptr, codes_ptr, scales_ptr, amax_ptr, decode_ptr
 ENV_AUTOTUNE = "MEGATRON_QUADS_AUTOTUNE"
 _TILE_CONFIGS = [(1, 128, 4), (8, 16, 4), (16, 16, 4), (32, 16, 4), (16, 32, 4), (64, 16, 8)]
 _ROW_CONFIGS = [(1, 128, 4), (1, 256, 8), (2, 128, 8), (4, 32, 4), (4, 64, 8)]
-_M_BUCKET_CAP = 1 << 14
 
 
 def _tile_config(rows: int, block_2d: bool, blocks: int) -> tuple[int, int, int]:
     """Default tile for the quantize / fake-quant kernels (``blocks``: 16-element blocks per row).
 
-    From the tile sweep of ``benchmarks/bench_kernels.py --only quantize_tiles`` on the H200 (8192 x
-    8192 bf16, 2026-11-30, half-block loads): a row segment of 128 blocks per program (1 x 128, 4
-    warps: one block a thread) quantized in 55.8 us and fake-quantized in 73.1 us, against 92.8 /
-    107.6 us for 32-row tiles. 2D scaling needs whole 16-row tiles: 16 x 32 blocks, 4 warps (four
-    blocks a thread), one program per tile and direct stores: 60.3 us in the 2026-11-30T08:50 run
-    (59.9 in its tile rows; 16 x 16 blocks 63.0, 16 x 8 on 2 warps 63.1, 16 x 16 on 8 warps 67.4,
-    programs looping over row tiles 64.8-75.9); with each tile's scale computed once
-    (:func:`_tile_scales`) 54.9 us at T09:23 (56.1 in its tile rows against 59.5 once per row;
-    16 x 16 blocks on 2 warps 56.4).
-    Short rows keep several rows per program so that a tile still holds one block per thread.
+    A row segment of 128 blocks per program (1 x 128, 4 warps: one block a thread); 2D scaling
+    needs whole 16-row tiles: 16 x 32 blocks on 4 warps (four blocks a thread), one program per tile.
+    Short rows keep several rows per program so that a tile still holds one block per thread. The
+    fastest of the tile sweep (``benchmarks/bench_kernels.py --only quantize_tiles``, docs/kernels.md).
     """
     if block_2d:
         return 16, 32, 4
@@ -579,62 +553,32 @@ def _tile_config(rows: int, block_2d: bool, blocks: int) -> tuple[int, int, int]
     return 1, 128, 4
 
 
-_LOOP_CONFIG = (32, 1)
-"""``(programs per SM, PREFETCH)`` of the persistent quantize kernel with 1x16 blocks. H200 sweep
-(8192 x 8192 bf16, 2026-11-30; ``benchmarks/bench_kernels.py --only quantize_tiles`` re-times the
-prefetch and programs-per-SM rows; the async-copy variants came from a one-off sweep, since removed):
-with half-block loads, 32 programs per SM with the next tile prefetched into registers quantized in
-55.0 us, against 56.6 without prefetch, 55.1 / 55.1 with 16 / 64 programs per SM and 58.3 us with
-one program per tile (before the half-block loads: 61.6 / 64.1 / 62.1 / 62.2 / 74.2 us, and 65-75 us
-with 1-3 async-copy stages)."""
 _ONE_PER_TILE = 1 << 20
-_LOOP_CONFIG_2D = (_ONE_PER_TILE, 0)
-"""16x16 blocks: one program per tile, no loop (the persistent loop measured slower there: 74.1-78.6 us
-against 68.9 us with half-block loads)."""
+_LOOP_CONFIG = 32
+"""Programs per SM of the persistent quantize kernel with 1x16 blocks (each loads its next tile
+while it quantizes the current one): faster than one program per tile in the
+``quantize_tiles`` sweep."""
+_LOOP_CONFIG_2D = _ONE_PER_TILE
+"""16x16 blocks: one program per tile, no loop (the persistent loop measured slower there)."""
 _FAKE_QUANT_LOOP = (16, 3)
 """``(programs per SM, STAGES)`` of the persistent fake-quant kernel (``STAGES - 1`` tiles of async
 copies in flight)."""
 
 
-_K_MAJOR = {False: False, True: False}
-"""Launch order of the quantize kernel per ``block_2d``: ``True`` runs along K first
-(:func:`_program_tile`). Both False (the measured order) until the ``quantize_tiles`` bench times
-the K-major rows on the H200: the guess is that running down the rows of one 256-512-byte column
-slice at a time (16-row tiles, 16 KB row stride) concentrates the reads on few DRAM channels."""
-
-
 _FAST_MAX_ROWS = 16
 """Tiles of up to this many rows (1x16 and 16x16 alike) take the PTX codes and direct stores of
-:func:`_quantize_tile`; larger ones Triton's arithmetic and stores. Since the loads run along a
-row's blocks (:func:`_load_halves`), the direct path is the faster one on every 16-row tile of the
-``quantize_tiles`` sweep (8192^2 bf16, H200, 2026-11-30T08:47): 16x16 blocks 16 x 512 59.9 us
-against 66.8, 16 x 256 63.3 against 68.6; 1x16 16 x 256 58.3 against 61.6. (With the loads down 16
-rows of a tile it had been the slower one there: 88-101 us against 69-72.)"""
+:func:`_quantize_tile`; larger ones Triton's arithmetic and stores (the direct path is the faster
+one on every 16-row tile of the ``quantize_tiles`` sweep)."""
 
 
 def _fast_max_rows() -> int:
-    """:data:`_FAST_MAX_ROWS` (a function so that benchmarks and tests can sweep it)."""
+    """:data:`_FAST_MAX_ROWS`, read at each launch (tests set it to run every tile config both ways)."""
     return _FAST_MAX_ROWS
 
 
-_TILE_SCALES = True
-"""16x16 quantize computes each tile's scale once, not once per row, where the tile's rows share one
-amax (one per tensor or per matrix): :func:`_tile_scales`."""
-
-
-def _tile_scales_enabled() -> bool:
-    """:data:`_TILE_SCALES` (a function so that benchmarks and tests can switch it)."""
-    return _TILE_SCALES
-
-
-def _k_major(block_2d: bool = False) -> bool:
-    """Whether the quantize kernel runs K-major (a function so that benchmarks and tests can sweep it)."""
-    return _K_MAJOR[block_2d]
-
-
-def _loop_config(block_2d: bool = False) -> tuple[int, int]:
-    """``(programs per SM, PREFETCH)`` of the quantize kernel; a function so that benchmarks and tests
-    can sweep it."""
+def _loop_config(block_2d: bool = False) -> int:
+    """Programs per SM of the quantize kernel (:data:`_ONE_PER_TILE`: no loop), read at each launch
+    (tests set it to make programs walk many tiles)."""
     return _LOOP_CONFIG_2D if block_2d else _LOOP_CONFIG
 
 
@@ -808,15 +752,15 @@ def _launch_quantize(x: torch.Tensor, amax_rows: tuple[torch.Tensor, int], codes
 
     def grid(rows_per_tile: int, blocks_per_tile: int) -> tuple[int]:
         return _persistent_grid(x.device, n_mats * triton.cdiv(mat_rows, rows_per_tile), triton.cdiv(kb, blocks_per_tile),
-                                _loop_config(block_2d)[0])
+                                _loop_config(block_2d))
 
     table, div = amax_rows
     words, misaligned = _code_words(codes)
     _launch(_quantize_kernel, _QUANTIZE_TUNED, _tile_config(rows, block_2d, kb), grid,
             (_words_view(x), table, words, scales, rows, mat_rows, div, kb, rows),
-            BLOCK_2D=block_2d, IS_BF16=x.dtype == torch.bfloat16, PERSISTENT=_loop_config(block_2d)[0] < _ONE_PER_TILE,
-            PREFETCH=bool(_loop_config(block_2d)[1]), K_MAJOR=_k_major(block_2d), FAST_MAX_ROWS=_fast_max_rows(),
-            TILE_SCALES=block_2d and _tile_scales_enabled() and (div == 0 or (mat_rows > 0 and div % mat_rows == 0)))
+            BLOCK_2D=block_2d, IS_BF16=x.dtype == torch.bfloat16, PERSISTENT=_loop_config(block_2d) < _ONE_PER_TILE,
+            FAST_MAX_ROWS=_fast_max_rows(),
+            TILE_SCALES=block_2d and (div == 0 or (mat_rows > 0 and div % mat_rows == 0)))
     if misaligned is not None:
         misaligned.copy_(words.view(torch.uint8))
 
