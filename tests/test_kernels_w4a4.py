@@ -13,15 +13,9 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-import triton.language as tl
-
 from megatron_quads.nvfp4 import NVFP4Tensor, quantize
-from megatron_quads.nvfp4.format import round_to_e2m1_codes
 from megatron_quads.kernels.w4a4 import (
     GemmConfig,
-    _e2m1_code,
-    _e4m3_to_f32,
-    _round_e4m3,
     activation_block_values_kernel,
     grouped_rac_kernel,
     quantize_activations_kernel,
@@ -136,59 +130,6 @@ def _reference_bytes(
 def _bytes_to_values(codes: torch.Tensor, scales: torch.Tensor, width: int) -> torch.Tensor:
     t = NVFP4Tensor(codes, scales.view(torch.float8_e4m3fn), torch.ones(()), torch.Size((codes.shape[0], width)), torch.float32)
     return block_values(t)
-
-
-# ----------------------------------------------------------------------------------------------
-# Device functions
-# ----------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _round_e4m3_probe(v_ptr, value_ptr, byte_ptr, decoded_ptr, n, BLOCK: tl.constexpr):
-    i = tl.arange(0, BLOCK)
-    v = tl.load(v_ptr + i, mask=i < n, other=0.0)
-    value, byte = _round_e4m3(v)
-    tl.store(value_ptr + i, value, mask=i < n)
-    tl.store(byte_ptr + i, byte, mask=i < n)
-    tl.store(decoded_ptr + i, _e4m3_to_f32(byte), mask=i < n)
-
-
-@triton.jit
-def _e2m1_probe(v_ptr, code_ptr, n, BLOCK: tl.constexpr):
-    i = tl.arange(0, BLOCK)
-    v = tl.load(v_ptr + i, mask=i < n, other=0.0)
-    tl.store(code_ptr + i, _e2m1_code(v), mask=i < n)
-
-
-def _neighbours(v: torch.Tensor) -> torch.Tensor:
-    up = torch.nextafter(v, torch.full_like(v, float("inf")))
-    down = torch.nextafter(v, torch.full_like(v, float("-inf")))
-    return torch.cat([v, up, down])
-
-
-def test_e4m3_rounding_matches_torch_at_every_boundary(kernel_device: str) -> None:
-    grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448
-    mids = (grid[1:] + grid[:-1]) / 2  # exact in fp32: the round-half-even ties
-    rand = torch.rand(3000, generator=_gen(11)) * 10.0 ** (-4 * torch.rand(3000, generator=_gen(12))) * 448
-    v = torch.cat([_neighbours(grid), _neighbours(mids), rand]).clamp(0, 448)
-    n = v.numel()
-    value = torch.full((n,), float("nan"), device=kernel_device)
-    byte = torch.full((n,), -1, dtype=torch.int32, device=kernel_device)
-    decoded = torch.full((n,), float("nan"), device=kernel_device)
-    _round_e4m3_probe[(1,)](v.to(kernel_device), value, byte, decoded, n, BLOCK=triton.next_power_of_2(n))
-    expected = v.to(torch.float8_e4m3fn)
-    assert torch.equal(byte.cpu(), expected.view(torch.uint8).to(torch.int32))
-    assert torch.equal(value.cpu(), expected.float())
-    assert torch.equal(decoded.cpu(), expected.float())
-
-
-def test_e2m1_codes_match_the_reference_thresholds(kernel_device: str) -> None:
-    points = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 1e30])
-    v = _neighbours(torch.cat([points, -points, torch.tensor([-0.0])]))
-    v = torch.cat([v, torch.randn(500, generator=_gen(13)) * 4])
-    code = torch.full((v.numel(),), -1, dtype=torch.int32, device=kernel_device)
-    _e2m1_probe[(1,)](v.to(kernel_device), code, v.numel(), BLOCK=triton.next_power_of_2(v.numel()))
-    assert torch.equal(code.cpu(), round_to_e2m1_codes(v).to(torch.int32))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_quads.kernels.w4a16 import round_f32_to
+from megatron_quads.nvfp4.triton_codec import round_f32_to
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 

@@ -30,9 +30,9 @@ import triton
 import triton.language as tl
 
 from megatron_quads.nvfp4.tensor import NVFP4Tensor
+from megatron_quads.nvfp4.triton_codec import INTERPRET, e2m1_to_f32, e4m3_to_f32, round_f32_to
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-INTERPRET = tl.constexpr(_INTERPRET)
 _KERNEL_DTYPES = (torch.bfloat16,)
 """bf16 only: the dequantization builds bf16x2 operands. fp16 activations take the reference path (an
 earlier fp32-path kernel's fp16 variant failed 9 accumulation-error cases on the H200, 2026-11-29)."""
@@ -48,18 +48,6 @@ large and the token tiles give the parallelism, so larger inputs use the autotun
 # --------------------------------------------------------------------------------------------------
 # Device functions
 # --------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def e4m3_bytes_to_f32(scale_bytes, LOG2_FACTOR: tl.constexpr):
-    """E4M3 bytes (uint8 tensor) to fp32 ``value * 2^LOG2_FACTOR``, exactly (NaN is not special-cased).
-
-    The 7 magnitude bits become an fp16 exponent/mantissa (value ``* 2^-8``, E4M3 subnormals landing
-    on fp16 subnormals) that is widened to fp32 and rescaled: no fp8 cast, exact everywhere.
-    """
-    b = scale_bytes.to(tl.int16)
-    bits = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
-    return bits.to(tl.float16, bitcast=True).to(tl.float32) * (2.0 ** (LOG2_FACTOR + 8))
 
 
 OPERAND_LOG2_SCALE = tl.constexpr(-8)
@@ -127,7 +115,7 @@ _SCALE_PAIRS_PTX = tl.constexpr(
 def _scale_pairs(scale_bytes):
     """Block-scale bytes to int32 words holding the bf16 ``scale * 2^118`` in both halves (exact)."""
     if INTERPRET:
-        half = e4m3_bytes_to_f32(scale_bytes, 118).to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32)
+        half = e4m3_to_f32(scale_bytes, 118).to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32)
         pair = ((half << 16) | half).to(tl.int32, bitcast=True)
     else:
         pair = tl.inline_asm_elementwise(
@@ -138,11 +126,11 @@ def _scale_pairs(scale_bytes):
 
 @triton.jit
 def _code_value(words, pairs, NIBBLE: tl.constexpr):
-    """Interpreter stand-in for one output of :data:`_DEQUANT_WORD_PTX` (same values, fp32 math)."""
+    """Interpreter stand-in for one output of :data:`_DEQUANT_WORD_PTX` (same values, fp32 math:
+    ``(code * 2^-126) * (scale * 2^118)``, both products exact)."""
     code = (words >> (4 * NIBBLE)) & 0xF
-    bits = ((code & 0x8) << 28) | ((code & 0x7) << 22)  # fp32 code * 2^-126
     scale = (pairs & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True).to(tl.float32)
-    return (bits.to(tl.float32, bitcast=True) * scale).to(tl.bfloat16)
+    return ((e2m1_to_f32(code) * (2.0 ** -126)) * scale).to(tl.bfloat16)
 
 
 @triton.jit
@@ -258,22 +246,6 @@ def _accumulate(acc, x_rows, x_live, w_rows, s_rows, stride_xk, kt_lo, kt_hi, K,
         else:
             acc = tl.dot(w, xt, acc)
     return acc
-
-
-@triton.jit
-def round_f32_to(v, DTYPE: tl.constexpr):
-    """fp32 to ``DTYPE`` with round-to-nearest-even. Under the interpreter bf16 goes by bit arithmetic,
-    because its fp32 -> bf16 cast truncates; on the GPU the cast is one ``cvt.rn`` per two values
-    (the bit arithmetic cost ~7 instructions a value in every epilogue)."""
-    if INTERPRET and DTYPE == tl.bfloat16:
-        bits = v.to(tl.uint32, bitcast=True)
-        # NaN -> quiet NaN first: the NaN 0x7FFFFFFF would carry into the sign bit
-        bits = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FC00000, bits)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        out = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        out = v.to(DTYPE)
-    return out
 
 
 @triton.jit

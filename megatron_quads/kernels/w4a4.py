@@ -30,7 +30,17 @@ import triton.language as tl
 
 from megatron_quads.nvfp4 import BLOCK_SIZE, NVFP4Tensor
 from megatron_quads.nvfp4.format import SUPPORTED_DTYPES
-from megatron_quads.nvfp4.triton_codec import e2m1_to_f32, unpack_e2m1
+from megatron_quads.nvfp4.triton_codec import (
+    RCP_6,
+    block_scale,
+    e2m1_code,
+    e2m1_to_f32,
+    e4m3_to_f32,
+    element_encode_scale,
+    global_scales,
+    round_f32_to,
+    unpack_e2m1,
+)
 from megatron_quads.kernels.derived import derived_tensor
 from megatron_quads.kernels.w4a16 import (
     _X_ORDER_BLOCK,
@@ -39,72 +49,9 @@ from megatron_quads.kernels.w4a16 import (
 )
 from megatron_quads.nvfp4.activation import ActivationScale
 
-# constexpr: the only kind of global a compiled (non-interpreted) Triton function may read
-_FLT_MAX = tl.constexpr(3.4028234663852886e38)
-_GLOBAL_DIVISOR = tl.constexpr(2688.0)  # 448 * 6
-_E4M3_MAX = tl.constexpr(448.0)
-_E4M3_MIN_NORMAL = tl.constexpr(0.015625)  # 2^-6
-_E4M3_SUBNORMAL_STEP = tl.constexpr(0.001953125)  # 2^-9
-
-
 # ----------------------------------------------------------------------------------------------
 # Device functions
 # ----------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _round_e4m3(v):
-    """Round fp32 ``v`` in ``[0, 448]`` to E4M3 nearest-even: ``(value fp32, byte int32)``.
-
-    Normals keep 3 mantissa bits by integer rounding of the fp32 bits (a carry moves into the
-    exponent); subnormals (step 2^-9) are rounded to an integer count of steps by adding 2^23, where
-    the fp32 ulp is 1 (``v * 512`` is exact). A count of 8 is byte 0x08, the smallest normal.
-    """
-    bits = v.to(tl.int32, bitcast=True)
-    lsb = (bits >> 20) & 1
-    rbits = (bits + 0x7FFFF + lsb) & -1048576  # clear the 20 dropped mantissa bits
-    normal_value = rbits.to(tl.float32, bitcast=True)
-    normal_byte = (((rbits >> 23) - 120) << 3) | ((rbits >> 20) & 7)
-    steps = (v * 512.0 + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
-    sub_value = steps.to(tl.float32) * _E4M3_SUBNORMAL_STEP
-    is_normal = v >= _E4M3_MIN_NORMAL
-    return tl.where(is_normal, normal_value, sub_value), tl.where(is_normal, normal_byte, steps)
-
-
-@triton.jit
-def _e4m3_to_f32(byte):
-    """E4M3 bytes (int32, 0..255) to their exact fp32 values (the NaN encoding is not special-cased)."""
-    exp = (byte >> 3) & 15
-    mant = byte & 7
-    normal = (((exp + 120) << 23) | (mant << 20)).to(tl.float32, bitcast=True)
-    value = tl.where(exp > 0, normal, mant.to(tl.float32) * _E4M3_SUBNORMAL_STEP)
-    return tl.where((byte & 128) != 0, -value, value)
-
-
-@triton.jit
-def _e2m1_code(scaled):
-    """fp32 values to E2M1 codes (int32): nearest-even with the strict thresholds of ``format.py``.
-
-    Ties at 0.25, 1.25, 2.5 and 5 stay down (``>``), ties at 0.75, 1.75 and 3.5 go up (``>=``);
-    saturates at 6; the sign bit is set for ``scaled < 0`` (so ``-0.0`` gives code 0).
-    """
-    mag = tl.abs(scaled)
-    index = (mag > 0.25).to(tl.int32) + (mag >= 0.75).to(tl.int32) + (mag > 1.25).to(tl.int32)
-    index += (mag >= 1.75).to(tl.int32) + (mag > 2.5).to(tl.int32) + (mag >= 3.5).to(tl.int32)
-    index += (mag > 5.0).to(tl.int32)
-    return index | ((scaled < 0).to(tl.int32) << 3)
-
-
-@triton.jit
-def _block_scale(block_amax, encode_div6):
-    """Block scales from fp32 block amaxes: ``e4m3(clamp(amax * (S_enc / 6), 448))``, as (fp32, byte)."""
-    return _round_e4m3(tl.minimum(block_amax * encode_div6, _E4M3_MAX))
-
-
-@triton.jit
-def _element_encode(scale_f32, decode):
-    """Per-block element scale ``min(1 / (scale * S_dec), FLT_MAX)`` with an IEEE division."""
-    return tl.minimum(tl.math.div_rn(1.0, scale_f32 * decode), _FLT_MAX)
 
 
 @triton.jit
@@ -112,9 +59,9 @@ def _quantize_pairs(even, odd, encode_div6, decode):
     """Quantize fp32 blocks given as even/odd halves ``[NB, 8]``: ``(packed bytes, scale bytes [NB],
     fp32 scales [NB])``."""
     block_amax = tl.maximum(tl.max(tl.abs(even), axis=1), tl.max(tl.abs(odd), axis=1))
-    scale_f32, scale_byte = _block_scale(block_amax, encode_div6)
-    encode = _element_encode(scale_f32, decode)[:, None]
-    packed = _e2m1_code(even * encode) | (_e2m1_code(odd * encode) << 4)
+    scale_byte, scale_f32 = block_scale(block_amax, encode_div6)
+    encode = element_encode_scale(scale_f32, decode)[:, None]
+    packed = e2m1_code(even * encode) | (e2m1_code(odd * encode) << 4)
     return packed, scale_byte, scale_f32
 
 
@@ -144,8 +91,8 @@ def _residual_at(x_row, channel, mask, encode_div6, decode, ws2):
     x = tl.load(x_row + channel, mask=mask, other=0.0).to(tl.float32)
     first = (channel // 16) * 16
     block = tl.load(x_row + first[:, :, None] + tl.arange(0, 16)[None, None, :], mask=mask[:, :, None], other=0.0)
-    scale_f32, _ = _block_scale(tl.max(tl.abs(block.to(tl.float32)), axis=2), encode_div6)
-    code = _e2m1_code(x * _element_encode(scale_f32, decode))
+    _, scale_f32 = block_scale(tl.max(tl.abs(block.to(tl.float32)), axis=2), encode_div6)
+    code = e2m1_code(x * element_encode_scale(scale_f32, decode))
     dq = (e2m1_to_f32(code) * scale_f32) * ws2
     return tl.where(mask, x - dq, 0.0)
 
@@ -192,11 +139,8 @@ def _quantize_rows_kernel(
             amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
     else:
         amax = tl.load(amax_ptr + expert * stride_amax)
-    encode = tl.minimum(tl.math.div_rn(_GLOBAL_DIVISOR, amax), _FLT_MAX)
-    encode = tl.where(encode == 0.0, 1.0, encode)
-    decode = tl.math.div_rn(1.0, encode)
-    encode_div6 = encode * tl.math.div_rn(1.0, 6.0)
-    ws2 = tl.math.div_rn(amax, _GLOBAL_DIVISOR)
+    encode, decode, ws2 = global_scales(amax)
+    encode_div6 = encode * RCP_6
     tl.store(decode_ptr + row, ws2)
 
     pair = tl.arange(0, 8)[None, :]
@@ -248,7 +192,7 @@ def _dequant_tile(codes_ptr, scales_ptr, rows, row_mask, stride_c, stride_s, b0,
     block = b0 // 8 + tl.arange(0, BLOCK_K // 16)
     scale_mask = row_mask[:, None] & (block < num_bytes // 8)[None, :]
     scale_byte = tl.load(scales_ptr + rows[:, None] * stride_s + block[None, :], mask=scale_mask, other=0)
-    scale = _e4m3_to_f32(scale_byte.to(tl.int32))
+    scale = e4m3_to_f32(scale_byte)
     scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_R, BLOCK_K // 16, 8)), (BLOCK_R, BLOCK_K // 2))
     low, high = unpack_e2m1(packed)
     return (low * scale).to(tl.float16), (high * scale).to(tl.float16)
@@ -278,19 +222,6 @@ def _accumulate(acc, a_codes, a_scales, a_rows, a_mask, stride_am, stride_asm,
             acc = tl.dot(a_even, tl.trans(w_even), acc)
             acc = tl.dot(a_odd, tl.trans(w_odd), acc)
     return acc
-
-
-@triton.jit
-def _to_output(y, dtype: tl.constexpr):
-    """Cast fp32 ``y`` to the output dtype with round-to-nearest-even.
-
-    For bf16 the rounding is done on the fp32 bits first, so the cast itself is exact: Triton's
-    interpreter truncates fp32 -> bf16 (the GPU rounds to nearest even), and this way both agree.
-    """
-    if dtype == tl.bfloat16:
-        bits = y.to(tl.int32, bitcast=True)
-        y = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-    return y.to(dtype)
 
 
 @triton.jit
@@ -367,7 +298,7 @@ def _rac_gemm_kernel(
         y = acc * alpha[:, None]
         ptrs = out_ptr + rows64[:, None] * stride_om + cols64[None, :] * stride_on
         mask = row_mask[:, None] & col_mask[None, :]
-    tl.store(ptrs, _to_output(y, out_ptr.dtype.element_ty), mask=mask)
+    tl.store(ptrs, round_f32_to(y, out_ptr.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Triton NVFP4 quantize and fake-quant kernels, bit-identical to :mod:`megatron_quads.nvfp4.quantize`.
 
-Every kernel follows the reference's fp32 operation order (which is Transformer Engine's):
+Every kernel follows the reference's fp32 operation order (which is Transformer Engine's), through
+the format's device functions (:mod:`megatron_quads.nvfp4.triton_codec`):
 
 * ``S_enc = min(2688 / amax, FLT_MAX)`` (1 where it is 0) and ``S_dec = 1 / S_enc``, both IEEE
   divisions (``div_rn``: Triton's ``/`` is approximate on the GPU);
@@ -34,35 +35,23 @@ from megatron_quads.nvfp4.quantize import (
     validate_input,
 )
 from megatron_quads.nvfp4.tensor import NVFP4Tensor
+from megatron_quads.nvfp4.triton_codec import (
+    INTERPRET,
+    RCP_6,
+    block_scale,
+    e2m1_code,
+    e2m1_magnitude,
+    element_encode_scale,
+    global_scales,
+    round_f32_to,
+)
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_INTERPRETED: tl.constexpr = tl.constexpr(_INTERPRET)
-
-_FLT_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)
-_RCP_6: tl.constexpr = tl.constexpr(0.1666666716337204)  # fp32(1/6), what torch.reciprocal(6.0) gives
-_E4M3_MAX: tl.constexpr = tl.constexpr(448.0)
 _AMAX_BLOCK = 4096
 _M_BUCKET_CAP = 1 << 14
 
 
 # ----------------------------------------------------------------------------------------- device math
-
-
-@triton.jit
-def _encode_scale(amax):
-    """``S_enc``: ``min(2688 / amax, FLT_MAX)``, 1 where the quotient is 0 (amax = inf)."""
-    enc = tl.math.div_rn(tl.full(amax.shape, 2688.0, tl.float32), amax)
-    enc = tl.minimum(enc, _FLT_MAX)
-    return tl.where(enc == 0.0, 1.0, enc)
-
-
-@triton.jit
-def _global_scales(amax):
-    """``(S_enc, S_dec, weight_scale_2)`` of fp32 ``amax`` (a scalar or a tensor)."""
-    enc = _encode_scale(amax)
-    dec = tl.math.div_rn(tl.full(enc.shape, 1.0, tl.float32), enc)
-    decode = tl.math.div_rn(amax, tl.full(amax.shape, 2688.0, tl.float32))
-    return enc, dec, decode
 
 
 @triton.jit
@@ -79,7 +68,7 @@ def _table_scales(amax_ptr, rows, row_mask, amax_div):
         index = rows
     else:
         index = rows // amax_div
-    return _global_scales(tl.load(amax_ptr + index, mask=row_mask, other=1.0))
+    return global_scales(tl.load(amax_ptr + index, mask=row_mask, other=1.0))
 
 
 @triton.jit
@@ -96,60 +85,6 @@ def _tile_rows(row_tile, mat_rows, ROWS: tl.constexpr, BLOCK_2D: tl.constexpr):
         rows = row_tile * ROWS + tl.arange(0, ROWS)
         row_mask = rows < mat_rows
     return rows, row_mask
-
-
-@triton.jit
-def _e4m3_round(s):
-    """fp32 ``s`` in ``[0, 448]`` to float8_e4m3fn, round to nearest even: ``(byte int32, value fp32)``.
-
-    From 2^-6 up the fp32 mantissa is rounded to 3 bits on the bits (a carry may bump the exponent).
-    Below, values are ``k * 2^-9`` with ``k = rne(s * 2^9)`` in 0..8, read off the bits of
-    ``s * 2^9 + 2^23`` (exact product, one rounding); byte ``k`` encodes exactly that value.
-    """
-    b = s.to(tl.int32, bitcast=True)
-    normal_bits = (b + 0x7FFFF + ((b >> 20) & 1)) & -1048576  # clear the 20 dropped mantissa bits
-    magic = s * 512.0 + 8388608.0
-    is_normal = b >= 0x3C800000  # 2^-6
-    byte = tl.where(is_normal, (normal_bits >> 20) - 960, magic.to(tl.int32, bitcast=True) - 0x4B000000)
-    value = tl.where(is_normal, normal_bits.to(tl.float32, bitcast=True), (magic - 8388608.0) * 0.001953125)
-    return byte, value  # 960 = (127 - 7) << 3 rebiases the exponent
-
-
-@triton.jit
-def _e2m1_round(v):
-    """Round fp32 ``v`` to E2M1 (nearest even, saturating at 6): ``(t, negative)`` with
-    ``t = 2^23 + magnitude index`` (fp32) and ``negative = v < 0`` (the sign bit of the code).
-
-    On ``a = min(|v|, 6)`` the index is ``rne(f(a))`` for the concave piecewise-linear
-    ``f(a) = min(2a, a + 2, a/2 + 4)`` (the grid is evenly spaced below 2, from 2 to 4 and above 4);
-    index parity follows code parity, so half-even rounding reproduces the format's ties (0.25,
-    1.25, 2.5, 5 round down; 0.75, 1.75, 3.5 up). Each piece is rounded once, at 2^23 where the fp32
-    spacing is 1 (``a * m`` is exact, so fused or not the add rounds once); ``rne`` is monotone, so
-    it commutes with ``min``.
-    """
-    a = tl.minimum(tl.abs(v), 6.0)
-    t = tl.minimum(tl.minimum(a * 2.0 + 8388608.0, a + 8388610.0), a * 0.5 + 8388612.0)
-    return t, v < 0.0
-
-
-@triton.jit
-def _e2m1_code(v):
-    """E2M1 code (int32, 0..15, bit 3 = sign) of fp32 ``v``, as in :func:`_e2m1_round`."""
-    t, negative = _e2m1_round(v)
-    return t.to(tl.int32, bitcast=True) - tl.where(negative, 0x4B000000 - 8, 0x4B000000)  # 2^23's bits
-
-
-@triton.jit
-def _e2m1_magnitude(v):
-    """The E2M1 magnitude (fp32) that ``|v|`` rounds to (nearest even, saturating at 6).
-
-    On ``a = min(|v|, 6)`` the grid spacing is 0.5 below 2, 1 from 2 to 4 and 2 from 4, the fp32
-    spacing at ``M = 2^22, 2^23, 2^24``: ``(a + M) - M`` rounds ``a`` to the grid in one IEEE add,
-    half to even (the ties land as in :func:`_e2m1_round`): ``M = 2^22 * max(2^floor(log2 a), 1)``.
-    """
-    a = tl.minimum(tl.abs(v), 6.0)
-    m = (tl.maximum(a.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000) + (22 << 23)).to(tl.float32, bitcast=True)
-    return (a + m) - m
 
 
 @triton.jit
@@ -171,16 +106,8 @@ def _words_to_f32(w, IS_BF16: tl.constexpr):
 
 @triton.jit
 def _f32_bits16(v, IS_BF16: tl.constexpr):
-    """fp32 to bf16 / fp16 bits in the low half of an int32, round to nearest even (finite ``v``).
-
-    The interpreter's path: its bf16 conversion truncates, so bf16 rounds on the bits here.
-    """
-    if IS_BF16:
-        b = v.to(tl.int32, bitcast=True)
-        bits = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-    else:
-        bits = v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
-    return bits & 0xFFFF
+    """fp32 to bf16 / fp16 bits in the low half of an int32 (:func:`round_f32_to`: nearest even)."""
+    return round_f32_to(v, tl.bfloat16 if IS_BF16 else tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
 
 
 @triton.jit
@@ -189,7 +116,7 @@ def _f32_to_words(even, odd, WORD: tl.constexpr, IS_BF16: tl.constexpr):
     if WORD == tl.int64:
         lo = even.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
         words = lo | (odd.to(tl.int32, bitcast=True).to(tl.int64) << 32)
-    elif not _INTERPRETED:
+    elif not INTERPRET:
         # one packing conversion per word (Triton would emit a slower scalar cvt per element); the
         # first source goes to the high half
         cvt: tl.constexpr = "cvt.rn.bf16x2.f32 $0, $1, $2;" if IS_BF16 else "cvt.rn.f16x2.f32 $0, $1, $2;"
@@ -272,12 +199,8 @@ def _block_scales(block_amax, enc, dec, ROWS: tl.constexpr, NB: tl.constexpr, BL
     if BLOCK_2D:
         tile_amax = tl.max(tl.reshape(block_amax, [ROWS // 16, 16, NB]), axis=1)
         block_amax = tl.reshape(tl.broadcast_to(tile_amax[:, None, :], [ROWS // 16, 16, NB]), [ROWS, NB])
-    # block_amax >= 0 and S_enc > 0, so the reference's lower clamp at -448 never acts
-    scale_f32 = tl.minimum(block_amax * (enc * _RCP_6)[:, None], _E4M3_MAX)
-    byte, scale = _e4m3_round(scale_f32)
-    prod = scale * dec[:, None]
-    element_encode = tl.minimum(tl.math.div_rn(tl.full(prod.shape, 1.0, tl.float32), prod), _FLT_MAX)[:, :, None]
-    return element_encode, byte, scale
+    byte, scale = block_scale(block_amax, (enc * RCP_6)[:, None])
+    return element_encode_scale(scale, dec[:, None])[:, :, None], byte, scale
 
 
 @triton.jit
@@ -290,10 +213,8 @@ def _tile_scales(block_amax, enc, dec, ROWS: tl.constexpr, NB: tl.constexpr):
     first = (tl.arange(0, 16) == 0)[None, :]
     enc_t = tl.sum(tl.where(first, tl.reshape(enc, [R16, 16]), 0.0), axis=1)  # + zeros: the first row's bits
     dec_t = tl.sum(tl.where(first, tl.reshape(dec, [R16, 16]), 0.0), axis=1)
-    scale_f32 = tl.minimum(tile_amax * (enc_t * _RCP_6)[:, None], _E4M3_MAX)
-    byte, scale = _e4m3_round(scale_f32)
-    prod = scale * dec_t[:, None]
-    element_encode = tl.minimum(tl.math.div_rn(tl.full(prod.shape, 1.0, tl.float32), prod), _FLT_MAX)
+    byte, scale = block_scale(tile_amax, (enc_t * RCP_6)[:, None])
+    element_encode = element_encode_scale(scale, dec_t[:, None])
     return (_each_tile_row(element_encode, ROWS, NB)[:, :, None], _each_tile_row(byte, ROWS, NB),
             _each_tile_row(scale, ROWS, NB))
 
@@ -313,7 +234,7 @@ def _scale_pairs(even, odd, enc, dec, ROWS: tl.constexpr, NB: tl.constexpr, BLOC
 
 
 # One E2M1 code per element in fp32: ``2^23 + code`` (code 0..15) from ``v = x * encode``, as in
-# :func:`_e2m1_round` (three pieces, two mins, after the clamp at 6), plus 8 when ``v < 0`` (set gives 1.0).
+# :func:`~megatron_quads.nvfp4.triton_codec.e2m1_code` (three pieces, two mins, after the clamp at 6), plus 8 when ``v < 0`` (set gives 1.0).
 _CODE_PTX = """
 mul.rn.f32 v, {x}, {e};
 abs.f32 a, v;
@@ -360,8 +281,8 @@ def _pack_codes(even, odd, element_encode, ROWS: tl.constexpr, NB: tl.constexpr,
         first, _ = tl.split(tl.reshape(packed, [ROWS, NB, 2, 2]))
         word, _ = tl.split(first)
     else:
-        code_even = _e2m1_code(even * element_encode)
-        code_odd = _e2m1_code(odd * element_encode)
+        code_even = e2m1_code(even * element_encode)
+        code_odd = e2m1_code(odd * element_encode)
         shifts = (tl.arange(0, 4) * 8)[None, None, :]
         word = tl.sum((code_even | (code_odd << 4)) << shifts, axis=2)  # the bytes do not overlap: the sum is their OR
     return word
@@ -406,7 +327,7 @@ def _quantize_tile(code_words_ptr, scales_ptr, low, high, enc, dec, rows, row_ma
         element_encode, byte, _ = _tile_scales(block_amax, enc, dec, ROWS, NB)
     else:
         element_encode, byte, _ = _block_scales(block_amax, enc, dec, ROWS, NB, BLOCK_2D)
-    FAST: tl.constexpr = low.dtype == tl.int32 and not _INTERPRETED and ROWS <= FAST_MAX_ROWS
+    FAST: tl.constexpr = low.dtype == tl.int32 and not INTERPRET and ROWS <= FAST_MAX_ROWS
     code_words = tl.join(_pack_codes(low_even, low_odd, element_encode, ROWS, NB, FAST),
                          _pack_codes(high_even, high_odd, element_encode, ROWS, NB, FAST))
     _store_quantized(code_words_ptr, scales_ptr, code_words, byte, rows, row_mask, blocks, KB, FAST)
@@ -447,7 +368,7 @@ def _quantize_kernel(w_ptr, amax_ptr, codes_ptr, scales_ptr, R, mat_rows, amax_d
     row_tile = tl.program_id(0)
     blocks = k_tile * NB + tl.arange(0, NB)
     n_row_tiles = (R // mat_rows) * tl.cdiv(mat_rows, ROWS)  # mat_rows == R without BLOCK_2D
-    enc_s, dec_s, decode_s = _global_scales(tl.load(amax_ptr))  # used when one amax covers every row
+    enc_s, dec_s, decode_s = global_scales(tl.load(amax_ptr))  # used when one amax covers every row
     rows, row_mask = _tile_rows(row_tile, mat_rows, ROWS, BLOCK_2D)
     if amax_div == 0:
         enc, dec, _unused = _broadcast_rows(enc_s, dec_s, decode_s, ROWS)
@@ -478,7 +399,7 @@ def _fake_quant_kernel(w_ptr, amax_ptr, y_ptr, R, amax_div, KB, m_bucket,
     """``((e2m1 * scale) * (amax / 2688))`` in the input dtype, written as words like the input's;
     persistent over row tiles like :func:`_quantize_kernel`."""
     blocks = tl.program_id(1) * NB + tl.arange(0, NB)
-    enc_s, dec_s, decode_s = _global_scales(tl.load(amax_ptr))  # used when one amax covers every row
+    enc_s, dec_s, decode_s = global_scales(tl.load(amax_ptr))  # used when one amax covers every row
     for row_tile in tl.range(tl.program_id(0), tl.cdiv(R, ROWS), tl.num_programs(0), num_stages=STAGES):
         rows, row_mask = _tile_rows(row_tile, R, ROWS, False)
         words, offsets, mask = _load_words(w_ptr, rows, row_mask, blocks, KB, "evict_first")
@@ -493,8 +414,8 @@ def _fake_quant_kernel(w_ptr, amax_ptr, y_ptr, R, amax_div, KB, m_bucket,
         scale = scale[:, :, None]
         neg_scale = scale * -1.0  # Triton's unary minus is 0 - x, which gives +0 for x = 0
         decode = decode[:, None, None]
-        y_even = (_e2m1_magnitude(scaled_even) * tl.where(scaled_even < 0.0, neg_scale, scale)) * decode
-        y_odd = (_e2m1_magnitude(scaled_odd) * tl.where(scaled_odd < 0.0, neg_scale, scale)) * decode
+        y_even = (e2m1_magnitude(scaled_even) * tl.where(scaled_even < 0.0, neg_scale, scale)) * decode
+        y_odd = (e2m1_magnitude(scaled_odd) * tl.where(scaled_odd < 0.0, neg_scale, scale)) * decode
         tl.store(y_ptr + offsets, _f32_to_words(y_even, y_odd, words.dtype, IS_BF16), mask=mask)
 
 
@@ -509,7 +430,7 @@ def _row_amax_quantize_kernel(w_ptr, codes_ptr, scales_ptr, amax_ptr, decode_ptr
         low, high = _load_halves(w_ptr, rows, row_mask, b0 + tl.arange(0, NB), KB, "evict_last")
         block_amax = _halves_to_f32(low, high, IS_BF16)[4]
         amax = tl.maximum(amax, tl.max(block_amax, axis=1))
-    enc, dec, decode = _global_scales(amax)
+    enc, dec, decode = global_scales(amax)
     for b0 in range(0, KB, NB):
         blocks = b0 + tl.arange(0, NB)
         low, high = _load_halves(w_ptr, rows, row_mask, blocks, KB, "evict_first")
