@@ -142,8 +142,6 @@ def _rac_outputs(counts: list[int], n: int, k: int, k2: int, out_dtype: torch.dt
                  device: str) -> dict[str, torch.Tensor]:
     """One W4A4 + RAC grouped GEMM (a ``k2``-column tail, a row scale) by this kernel, by the Triton
     kernel on the same K-ordered x and on natural x, and through ``grouped_w4a16_into``'s dispatch."""
-    from unittest import mock
-
     weight = _gaussian_weight((len(counts), n, k), device)
     tail = _with_weight_scale(_gaussian_weight((len(counts), n, k2), device), weight)
     x = _activations((sum(counts), k + k2), torch.bfloat16, device)
@@ -153,11 +151,11 @@ def _rac_outputs(counts: list[int], n: int, k: int, k2: int, out_dtype: torch.dt
     outputs = {}
     for name, fn, rows, kwargs in (("ws", w4a16_ws.grouped_w4a16_ws_into, ordered, {}),
                                    ("dispatched", w4a16.grouped_w4a16_into, ordered, {"x_mma_order": True}),
-                                   ("triton_x_order", w4a16.grouped_w4a16_into, ordered, {"x_mma_order": True}),
+                                   ("triton_x_order", w4a16.grouped_w4a16_into, ordered,
+                                    {"x_mma_order": True, "kernel": "triton"}),
                                    ("natural", w4a16.grouped_w4a16_into, x, {})):
         out = torch.full((x.shape[0], n), float("nan"), dtype=out_dtype, device=device)
-        with mock.patch.object(w4a16, "_WS_DISPATCH", name in ("ws", "dispatched")):
-            fn(rows, weight, offsets, out, tail=tail, row_scale=row_scale, **kwargs)
+        fn(rows, weight, offsets, out, tail=tail, row_scale=row_scale, **kwargs)
         outputs[name] = out
     return outputs
 
@@ -216,7 +214,7 @@ def test_agrees_with_the_triton_grouped_kernel(kernel_device: str) -> None:
 def test_grouped_w4a16_into_dispatches_x_order_calls_here_bit_for_bit(kernel_device: str,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """On the H200 the engine's x-in-K-order grouped calls run this kernel, with the Triton kernel's
-    bits (same products, same K order of the fp32 accumulation); off switch: ``w4a16._WS_DISPATCH``."""
+    bits (same products, same K order of the fp32 accumulation); ``kernel="triton"`` runs that one."""
     counts, n, k = _cases()[3]
     weight = _gaussian_weight((len(counts), n, k), kernel_device)
     x = w4a16.mma_k_order_rows(_activations((sum(counts), k), torch.bfloat16, kernel_device), w4a16.X_ORDER_BLOCK_K)
@@ -225,16 +223,16 @@ def test_grouped_w4a16_into_dispatches_x_order_calls_here_bit_for_bit(kernel_dev
     real = w4a16_ws.grouped_w4a16_ws_into
     monkeypatch.setattr(w4a16_ws, "grouped_w4a16_ws_into", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     for y_mma_order in (False, True):
-        dispatched = w4a16.grouped_w4a16_kernel(x, weight, offsets, x_mma_order=True, y_mma_order=y_mma_order)
-        with monkeypatch.context() as off:
-            off.setattr(w4a16, "_WS_DISPATCH", False)
-            triton_only = w4a16.grouped_w4a16_kernel(x, weight, offsets, x_mma_order=True, y_mma_order=y_mma_order)
+        dispatched, triton_only = (torch.full((x.shape[0], n), float("nan"), dtype=x.dtype, device=x.device)
+                                   for _ in range(2))
+        w4a16.grouped_w4a16_into(x, weight, offsets, dispatched, x_mma_order=True, y_mma_order=y_mma_order)
+        w4a16.grouped_w4a16_into(x, weight, offsets, triton_only, x_mma_order=True, y_mma_order=y_mma_order,
+                                 kernel="triton")
         assert torch.equal(dispatched, triton_only)
     assert len(calls) == 2
 
 
-def test_dispatch_needs_a_hopper_gpu_and_whole_k_order_blocks() -> None:
-    assert w4a16.warp_specialized_grouped(torch.device("cpu"), 256) is None  # CPU
+def test_default_configs_follow_k() -> None:
     wide, wide_short, short, odd = (w4a16_ws.default_config(k) for k in (2048, 768, 640, 1152))
     for cfg in (wide, wide_short):
         assert (cfg["BLOCK_K"], cfg["BLOCK_N"]) == (256, 128) and w4a16_ws._scale_ring(cfg)

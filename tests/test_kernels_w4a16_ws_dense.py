@@ -32,7 +32,7 @@ from test_kernels_w4a16 import (
     poisoned_partials,  # noqa: F401 (a fixture: NaN in the split-K workspace)
 )
 
-from megatron_quads.kernels import w4a16, w4a16_ws_dense
+from megatron_quads.kernels import dispatch, w4a16, w4a16_ws_dense
 
 CONFIGS: list[dict[str, Any]] = [
     {},  # defaults: split from the shape, x reordered by the kernel's x warps
@@ -125,23 +125,31 @@ def test_triton_split_boundaries_give_the_triton_bits(kernel_device: str, m: int
 
 @_on_gpu
 def test_w4a16_linear_into_dispatches_decode_calls_here(kernel_device: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without a config, up to ``WS_DENSE_MAX_M`` rows with K a multiple of 256 go to this kernel
-    (its bits); more rows, or K that 256 does not divide, stay with the Triton kernel."""
+    """Without a config, up to ``dispatch.WS_DENSE_MAX_M`` rows with K a multiple of 256 go to this
+    kernel (its bits); more rows, or K that 256 does not divide, stay with the Triton kernel."""
     calls = []
     real = w4a16_ws_dense.w4a16_ws_linear_into
     monkeypatch.setattr(w4a16_ws_dense, "w4a16_ws_linear_into", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     weight = _gaussian_weight((512, 1024), kernel_device)
-    for m in (1, w4a16.WS_DENSE_MAX_M, w4a16.WS_DENSE_MAX_M + 1):
+    for m in (1, dispatch.WS_DENSE_MAX_M, dispatch.WS_DENSE_MAX_M + 1):
         x = _activations((m, 1024), torch.bfloat16, kernel_device)
         before = len(calls)
         dispatched = w4a16.w4a16_linear_kernel(x, weight)
-        assert len(calls) - before == (m <= w4a16.WS_DENSE_MAX_M)
-        if m <= w4a16.WS_DENSE_MAX_M:
+        assert len(calls) - before == (m <= dispatch.WS_DENSE_MAX_M)
+        if m <= dispatch.WS_DENSE_MAX_M:
             assert torch.equal(dispatched, real(x, weight, torch.empty_like(dispatched)))
     before = len(calls)
     w4a16.w4a16_linear_kernel(_activations((4, 640), torch.bfloat16, kernel_device),
                               _gaussian_weight((512, 640), kernel_device))
     assert len(calls) == before
+    x = _activations((40, 1024), torch.bfloat16, kernel_device)
+    w4a16.w4a16_linear_into(x[:4], weight, torch.empty(4, 512, dtype=torch.bfloat16, device=kernel_device),
+                            kernel="triton")
+    assert len(calls) == before
+    forced = w4a16.w4a16_linear_into(x, weight, torch.empty(40, 512, dtype=torch.bfloat16, device=kernel_device),
+                                     kernel="ws")  # more rows than the policy sends: several token tiles
+    assert len(calls) == before + 1
+    assert torch.equal(forced, real(x, weight, torch.empty_like(forced)))
 
 
 def test_split_rules() -> None:
@@ -186,7 +194,6 @@ def test_argument_errors() -> None:
         w4a16_ws_dense.w4a16_ws_linear_into(x, weight, torch.empty(4, 255, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"\[N, K\] weight"):
         w4a16_ws_dense.w4a16_ws_linear_into(x, _raw_weight((2, 256, 512), "cpu"), out)
-    assert not w4a16_ws_dense.supports(x, weight)  # CPU
 
 
 def _ops(sass: str) -> collections.Counter:

@@ -16,6 +16,7 @@ triton = pytest.importorskip("triton")
 from megatron_quads.nvfp4 import NVFP4Tensor, quantize
 from megatron_quads.kernels.w4a4 import (
     GemmConfig,
+    gemm_config,
     activation_block_values_kernel,
     grouped_rac_kernel,
     quantize_activations_kernel,
@@ -238,14 +239,11 @@ def _shapes(device: str) -> list[tuple[int, int, int]]:
     return [(1, 64, 72), (5, 80, 1000), (16, 256, 72), (33, 80, 1000), (33, 2048, 1000), (300, 256, 1000), (1, 2048, 1000)]
 
 
-@pytest.mark.parametrize("w4a16_rows", (1 << 62, 0), ids=("w4a16 path", "rac gemm path"))
+@pytest.mark.parametrize("rac_gemm", (False, True), ids=("w4a16 path", "rac gemm path"))
 @pytest.mark.parametrize("ratio", (0.0, 0.125, 0.5, 1.0))
-def test_rac_linear_matches_the_fp64_reference(
-    kernel_device: str, ratio: float, w4a16_rows: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import megatron_quads.kernels.w4a4 as w4a4_kernels
-
-    monkeypatch.setitem(w4a4_kernels.W4A16_PATH_ROWS, "dense", w4a16_rows)
+def test_rac_linear_matches_the_fp64_reference(kernel_device: str, ratio: float, rac_gemm: bool) -> None:
+    """The default path (the W4A16 kernels over the block values) and the RAC GEMM (a ``GemmConfig``:
+    the tiles of :func:`gemm_config` for the token count)."""
     for i, (m, k, n) in enumerate(_shapes(kernel_device)):
         seed = 1000 * i + int(ratio * 64)
         x = _activations(m, k, torch.float32, seed)  # fp32 output: the tolerance is fp32-tight
@@ -254,7 +252,8 @@ def test_rac_linear_matches_the_fp64_reference(
         residual = reblock_columns(weight, channels) if channels.numel() else None
         out = torch.full((m, n), float("nan"), dtype=x.dtype, device=kernel_device)
         dev_residual = residual.to(kernel_device) if residual is not None else None
-        y = rac_linear_kernel(x.to(kernel_device), weight.to(kernel_device), channels.to(kernel_device), dev_residual, out=out)
+        y = rac_linear_kernel(x.to(kernel_device), weight.to(kernel_device), channels.to(kernel_device), dev_residual, out=out,
+                              config=gemm_config(m) if rac_gemm else None)
         assert y is out
         a, a_decode, w = rac_operands(x, weight, channels, residual)
         ref, bound = _gemm_reference(a, a_decode, w, weight.weight_scale_2)
@@ -335,15 +334,14 @@ def _stacked_residual(weight: NVFP4Tensor, channels: torch.Tensor) -> NVFP4Tenso
     )
 
 
-@pytest.mark.parametrize("w4a16_rows", (1 << 62, 0), ids=("w4a16 path", "rac gemm path"))
+@pytest.mark.parametrize("rac_gemm", (False, True), ids=("w4a16 path", "rac gemm path"))
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("ratio", (0.0, 0.25, 0.5))  # on the H200 all run w4a16_ws (0.25: S 128 widened to 256)
 def test_grouped_rac_matches_the_per_expert_reference(
-    kernel_device: str, mode: ActivationScale, ratio: float, w4a16_rows: int, monkeypatch: pytest.MonkeyPatch
+    kernel_device: str, mode: ActivationScale, ratio: float, rac_gemm: bool
 ) -> None:
-    import megatron_quads.kernels.w4a4 as w4a4_kernels
-
-    monkeypatch.setitem(w4a4_kernels.W4A16_PATH_ROWS, "grouped", w4a16_rows)
+    """Both paths as in :func:`test_rac_linear_matches_the_fp64_reference` (the RAC GEMM with the tiles
+    of :func:`gemm_config` for the mean rows per expert)."""
     experts, k, n = (5, 64, 40) if kernel_device == "cpu" else (16, 512, 264)
     tokens_list = (1, 13) if kernel_device == "cpu" else (1, 13, 200, 3000)
     for j, tokens in enumerate(tokens_list):
@@ -373,7 +371,7 @@ def test_grouped_rac_matches_the_per_expert_reference(
         grouped_rac_kernel(
             x.to(dev), weight.to(dev), offsets.to(dev),
             None if channels is None else channels.to(dev), None if residual is None else residual.to(dev),
-            mode, static, out=y,
+            mode, static, out=y, config=gemm_config(-(-tokens // experts)) if rac_gemm else None,
         )
         y = y.cpu()
         for e in range(experts):
@@ -392,9 +390,9 @@ def test_grouped_rac_matches_the_per_expert_reference(
 
 def _ws_grouped_runs_here() -> bool:
     """Whether the grouped dispatch hands calls to the warp-specialized kernel here (an sm_90 GPU)."""
-    from megatron_quads.kernels import w4a16 as w4a16_kernels
+    from megatron_quads.kernels import dispatch
 
-    return torch.cuda.is_available() and w4a16_kernels.warp_specialized_grouped(torch.device("cuda"), 768) is not None
+    return torch.cuda.is_available() and dispatch.warp_specialized_grouped(torch.device("cuda"), 768) is not None
 
 
 @pytest.mark.skipif(not _ws_grouped_runs_here(), reason="the warp-specialized grouped kernel runs on sm_90 GPUs only")
@@ -405,10 +403,10 @@ def test_grouped_rac_down_projection_tails_run_widened_on_the_ws_kernel(
     """Qwen3-30B-A3B's down projection (K 768): RAC tails of 96, 192 and 384 channels are widened to
     whole 256-column ring steps (repeated channels, zero ``W_S`` columns) and run on the warp-specialized
     kernel; every expert's rows match the fp64 product of the reference operands."""
-    from megatron_quads.kernels import w4a16 as w4a16_kernels
+    from megatron_quads.kernels import dispatch
 
     experts, k, n = 8, 768, 256
-    ws = w4a16_kernels._gluon_module("w4a16_ws")
+    ws = dispatch.gluon_module("w4a16_ws")
     tails = []
     run = ws.grouped_w4a16_ws_into
 

@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("triton")
 
 from megatron_quads.nvfp4 import NVFP4Tensor, quantize
-from megatron_quads.kernels import w4a16
+from megatron_quads.kernels import dispatch
 from megatron_quads.kernels.w4a4 import padded_tail
 from megatron_quads.rollout.grouped import expert_offsets_from_counts, expert_weight
 from megatron_quads.rollout.rac import reblock_columns
@@ -66,12 +66,12 @@ def test_widening_rejects_narrower_or_unaligned_widths() -> None:
     assert padded_tail(channels, residual, 16) == (channels, residual)
 
 
-@pytest.mark.skipif(w4a16._gluon_module("w4a16_ws") is None, reason="this Triton has no Gluon warp specialization")
+@pytest.mark.skipif(dispatch.gluon_module("w4a16_ws") is None, reason="this Triton has no Gluon warp specialization")
 def test_tail_width_rounds_up_to_the_ring_step_where_the_ws_kernel_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    ws = w4a16._gluon_module("w4a16_ws")
+    ws = dispatch.gluon_module("w4a16_ws")
     cpu = torch.device("cpu")
-    assert w4a16.warp_specialized_tail_width(cpu, 768, 96) == 0  # not an sm_90 GPU
-    monkeypatch.setattr(ws, "runs_on", lambda device: True)
+    assert dispatch.warp_specialized_tail_width(cpu, 768, 96) == 0  # not an sm_90 GPU
+    monkeypatch.setattr(dispatch, "device_arch", lambda device: dispatch.SM90)
     assert ws.tail_step(768) == ws.tail_step(2048) == 256
-    assert [w4a16.warp_specialized_tail_width(cpu, 768, s) for s in (0, 96, 192, 256, 384)] == [0, 256, 256, 256, 512]
-    assert w4a16.warp_specialized_tail_width(cpu, 768 + 64, 96) == 0  # K not a multiple of 128: no ws kernel
+    assert [dispatch.warp_specialized_tail_width(cpu, 768, s) for s in (0, 96, 192, 256, 384)] == [0, 256, 256, 256, 512]
+    assert dispatch.warp_specialized_tail_width(cpu, 768 + 64, 96) == 0  # K not a multiple of 128: no ws kernel

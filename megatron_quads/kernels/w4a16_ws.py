@@ -34,7 +34,6 @@ and x in the K order of 128-blocks.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -51,7 +50,6 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from megatron_quads.kernels.w4a16 import (
     _DEQUANT_WORD_PTX,
-    _INTERPRET,
     _OUT_DTYPES,
     _SCALE_HALF_PTX,
     _X_ORDER_BLOCK,
@@ -652,16 +650,6 @@ def default_config(k: int) -> dict[str, int]:
     if k % 256 == 0:
         return {**DEFAULT_CONFIG, **(SHORT_WIDE_K_CONFIG if k <= 1024 else WIDE_K_CONFIG)}
     return {**DEFAULT_CONFIG, **(SHORT_K_CONFIG if k < 1024 else {})}
-
-
-@functools.cache
-def _hopper(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device) == (9, 0)
-
-
-def runs_on(device: torch.device) -> bool:
-    """Whether the kernel runs on ``device``: an sm_90 GPU (wgmma), not under the Triton interpreter."""
-    return device.type == "cuda" and not _INTERPRET and _hopper(device)
 
 
 def check_config(cfg: dict[str, Any], n: int, k: int) -> None:

@@ -54,7 +54,6 @@ from megatron_quads.kernels.w4a16_ws import (
     _launch_options,
     _store_rows,
     compile_for_sm90,
-    runs_on,
     scales_ring_layout,
     wgmma_layout,
     words_ring_layout,
@@ -304,13 +303,6 @@ def check_config(cfg: dict[str, Any], n: int, k: int) -> None:
     if cfg["STAGES"] * stage_bytes > 200 * 1024:
         raise ValueError(f"{cfg['STAGES']} ring stages of {stage_bytes} bytes do not fit in shared memory; lower "
                          "STAGES, BLOCK_N or BLOCK_M")
-
-
-def supports(x: torch.Tensor, weight: NVFP4Tensor) -> bool:
-    """Whether :func:`w4a16_ws_linear_into` can run this call: bf16 x on an sm_90 GPU, an ``[N, K]``
-    weight with ``K % 256 == 0``."""
-    return (x.dtype == torch.bfloat16 and len(weight.shape) == 2 and weight.shape[1] % BLOCK_K == 0
-            and runs_on(x.device))
 
 
 def resolve_config(m: int, n: int, k: int, device: torch.device, config: dict[str, Any] | None) -> dict[str, Any]:

@@ -10,9 +10,12 @@ Two kernels per linear, matching :mod:`megatron_quads.rollout.rac` / :mod:`megat
   tile into fp16 (``e2m1 * e4m3`` is exact in fp16), accumulates ``tl.dot`` in fp32 over the
   augmented K (the weight's K columns, then W_S's |S| columns) and applies
   ``alpha = a_decode[row] * w_decode`` in the epilogue;
-* or, for the sizes in :data:`W4A16_PATH_ROWS`, the prologue (:func:`activation_block_values_kernel`)
-  writes each row's bf16 block values (``e2m1 * e4m3``, exact) instead, and the W4A16 kernels (:func:`~megatron_quads.kernels.w4a16.w4a16_augmented_into`,
-  ``grouped_w4a16_into``) reduce them against ``[W, W_S]`` in one pass with ``alpha`` per row.
+* or, the default (no ``GemmConfig``), the prologue (:func:`activation_block_values_kernel`) writes
+  each row's bf16 block values (``e2m1 * e4m3``, exact) instead, and the W4A16 kernels
+  (:func:`~megatron_quads.kernels.w4a16.w4a16_augmented_into`, ``grouped_w4a16_into``) reduce them
+  against ``[W, W_S]`` in one pass with ``alpha`` per row: faster than the RAC GEMM at every size
+  measured (``benchmarks/bench_kernels.py --only rac``; the rule is in
+  :mod:`~megatron_quads.kernels.dispatch`).
 
 Hopper has no FP4 tensor cores, so this emulation is the W4A4 path there. All exactness-critical
 arithmetic uses IEEE divisions (``div_rn``) and bit manipulation, never fp8 casts, so the
@@ -318,17 +321,6 @@ class GemmConfig:
     num_stages: int
 
 
-W4A16_PATH_ROWS = {"dense": 1 << 62, "grouped": 1 << 62}
-"""RAC linears of at most this many tokens (grouped: on average per expert) and no explicit
-``config`` run on the W4A16 kernels over :func:`activation_block_values_kernel`'s bf16 block values,
-``alpha`` per row in their epilogue; larger ones on :func:`_rac_gemm_kernel`. Every size by default:
-the W4A16 path was the faster one at every size measured on the H200 (``python
-benchmarks/bench_kernels.py --quick --only rac grouped``, 2026-11-30T04:24, plain W4A4): dense
-4096^2 16.8 against 69.8 us at M = 16 and 283.3 against 643.5 us at M = 2048, grouped gate/up 169.0
-against 680.8 us at 256 tokens and 1203.8 against 2362.2 us at 4096 (docs/kernels.md). Set a
-threshold (or 0) to send larger GEMMs, or all, to the RAC GEMM."""
-
-
 def gemm_config(rows_per_group: int) -> GemmConfig:
     """Tiles for ``rows_per_group`` tokens per GEMM (per expert when grouped; an average there).
 
@@ -537,7 +529,7 @@ def _launch_gemm(
     residual_weight: NVFP4Tensor | None,
     out: torch.Tensor,
     expert_offsets: torch.Tensor | None,
-    config: GemmConfig | None = None,
+    config: GemmConfig,
 ) -> None:
     """Run the augmented-K GEMM on prologue outputs ``act`` into ``out [T, N]`` (2-D or 3-D weights)."""
     codes, scales, decode = act
@@ -555,7 +547,7 @@ def _launch_gemm(
     w_decode = weight.weight_scale_2.to(device=codes.device, dtype=torch.float32).reshape(-1)
     if w_decode.numel() not in (1, num_experts):
         raise ValueError(f"weight_scale_2 must hold 1 or {num_experts} values, got shape {tuple(weight.weight_scale_2.shape)}")
-    cfg = config or gemm_config(triton.cdiv(rows, num_experts))
+    cfg = config
     m_tiles = triton.cdiv(rows, cfg.block_m) + (min(rows, num_experts) if grouped else 0)
     grid = (m_tiles, triton.cdiv(n, cfg.block_n))
 
@@ -610,8 +602,9 @@ def rac_linear_kernel(
 
     ``x [..., K]``, ``weight [N, K]``, ``channels`` int ``[S]`` (empty or None: plain W4A4, then
     ``residual_weight`` may be None), ``residual_weight [N, S]`` sharing the weight's decode scale.
-    Returns ``[..., N]`` in ``x.dtype`` (written into ``out`` when given); ``config`` overrides the
-    GEMM tiles (default :func:`gemm_config`).
+    Returns ``[..., N]`` in ``x.dtype`` (written into ``out`` when given). Without ``config`` the
+    W4A16 kernels run over the prologue's block values; a ``config`` (e.g. :func:`gemm_config`) runs
+    the RAC GEMM with those tiles.
     """
     n, k = weight.shape
     if x.shape[-1] != k:
@@ -623,7 +616,7 @@ def rac_linear_kernel(
     rows = x2d.shape[0]
     if rows == 0:
         return y
-    if config is None and rows <= W4A16_PATH_ROWS["dense"]:
+    if config is None:
         # the prologue writes the bf16 block values of [q(x), q(r_S)] and the W4A16 split-K
         # kernel reduces them against [W, W_S] in one pass, alpha per row in its epilogue
         from megatron_quads.kernels.w4a16 import w4a16_augmented_into
@@ -684,7 +677,8 @@ def grouped_rac_kernel(
     ``expert_offsets`` int ``[E + 1]`` on x's device, ``channels [E, S]`` and ``residual_weight
     [E, N, S]`` (both or neither). No host sync: the grid depends on T and E only, and tiles past
     the routed tokens exit at once. Returns ``[T, N]`` in ``x.dtype``; ``config`` as in
-    :func:`rac_linear_kernel` (the default picks tiles from the mean rows per expert).
+    :func:`rac_linear_kernel` (``gemm_config`` of the mean rows per expert gives the RAC GEMM's
+    usual tiles).
     """
     from megatron_quads.nvfp4.stacked import check_grouped_shapes
 
@@ -698,13 +692,10 @@ def grouped_rac_kernel(
     if x.shape[0] == 0:
         return y
     offsets = expert_offsets.to(device=x.device, dtype=torch.int32).contiguous()
-    if config is None and triton.cdiv(x.shape[0], num_experts) <= W4A16_PATH_ROWS["grouped"]:
+    if config is None:
         # the grouped W4A16 kernel over the prologue's bf16 block values
-        from megatron_quads.kernels.w4a16 import (
-            grouped_w4a16_into,
-            warp_specialized_grouped,
-            warp_specialized_tail_width,
-        )
+        from megatron_quads.kernels.dispatch import warp_specialized_grouped, warp_specialized_tail_width
+        from megatron_quads.kernels.w4a16 import grouped_w4a16_into
 
         # the block values in the warp-specialized kernel's K order where it takes the call (after
         # widening the tail to its ring step where that costs little)

@@ -27,8 +27,6 @@ by bit arithmetic with the same results."""
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 E4M3_MAX = tl.constexpr(448.0)
-GLOBAL_DIVISOR = tl.constexpr(2688.0)
-"""``448 * 6``: ``S_enc = 2688 / amax``."""
 RCP_6 = tl.constexpr(0.1666666716337204)
 """fp32(1/6), what ``torch.reciprocal(6.0)`` gives: ``S_enc / 6`` is ``S_enc * RCP_6``."""
 
