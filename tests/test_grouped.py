@@ -114,7 +114,7 @@ def test_grouped_experts_with_x_in_the_kernel_order_match_the_natural_order(monk
     """On CUDA with bf16 activations the W4A16 layer puts the tokens' rows in the kernel's K order
     before the gather, and gate/up writes the down projection's input in it; its output is the
     natural-order kernels' within fp32 summation order (the autotuners may pick different tiles)."""
-    import megatron_quads.rollout.grouped as grouped_module
+    from megatron_quads.kernels import dispatch
 
     torch.manual_seed(0)
     layer = _grouped_experts("aqat", hidden=256, ffn=128, experts=8, device="cuda")
@@ -124,7 +124,7 @@ def test_grouped_experts_with_x_in_the_kernel_order_match_the_natural_order(monk
     assert layer.gate_up.input_order(hidden, 20) == 128 and layer.gate_up.input_order(hidden, 4) is None
     assert layer._down_input_in_kernel_order(hidden, 20) and not layer._down_input_in_kernel_order(hidden, 4)
     ordered = layer(hidden, top_k_index, top_k_weights, torch.nn.functional.silu)
-    monkeypatch.setattr(grouped_module, "X_ORDER_MIN_ROWS_PER_EXPERT", 1 << 30)
+    monkeypatch.setattr(dispatch, "X_ORDER_MIN_ROWS_PER_EXPERT", 1 << 30)
     assert layer.gate_up.input_order(hidden, 20) is None and not layer._down_input_in_kernel_order(hidden, 20)
     natural = layer(hidden, top_k_index, top_k_weights, torch.nn.functional.silu)
     torch.testing.assert_close(ordered.float(), natural.float(), rtol=2e-2, atol=2e-2 * float(natural.abs().max()))

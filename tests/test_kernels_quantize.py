@@ -12,11 +12,13 @@ import os
 import pytest
 import torch
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
+import triton.language as tl
 from test_nvfp4_golden import CASES, TENSORS
 
 import megatron_quads.nvfp4.quantize_kernel as kq
+from megatron_quads.nvfp4.format import round_to_e2m1_codes
 from megatron_quads.nvfp4.fused import fake_quant_values
 from megatron_quads.nvfp4.quantize_kernel import (
     amax_kernel,
@@ -26,6 +28,7 @@ from megatron_quads.nvfp4.quantize_kernel import (
 )
 from megatron_quads.nvfp4.quantize import quantize
 from megatron_quads.nvfp4.tensor import NVFP4Tensor
+from megatron_quads.nvfp4.triton_codec import e2m1_code, e4m3_round, e4m3_to_f32
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -197,13 +200,10 @@ def test_quantize_amax_modes(dtype: torch.dtype, kernel_device: str) -> None:
     _check_quantize(x[0, 0], torch.tensor(true_amax, device=kernel_device))  # 1D input
 
 
-@pytest.mark.parametrize("tile_scales", [True, False], ids=["scales once a tile", "scales once a row"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_quantize_2d_blocks(dtype: torch.dtype, tile_scales: bool, kernel_device: str,
-                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """16x16 tiles with one amax, per-row amax (always scaled row by row) and per-matrix amax, each
-    tile's scale computed once (where its rows share their amax) or once per row: the same bytes."""
-    monkeypatch.setattr(kq, "_tile_scales_enabled", lambda: tile_scales)
+def test_quantize_2d_blocks(dtype: torch.dtype, kernel_device: str) -> None:
+    """16x16 tiles with one amax and per-matrix amax (each tile's scale computed once: its rows share
+    their amax) and with per-row amax (scaled row by row): the reference bytes."""
     big = _big(kernel_device)
     shapes = [(1000, 512), (4, 129, 256), (2, 3, 40, 128)] if big else [(20, 64), (3, 21, 48), (2, 2, 16, 32), (1, 32), (7, 16)]
     for shape in shapes:
@@ -432,6 +432,59 @@ def test_row_amax_quantize(dtype: torch.dtype, kernel_device: str) -> None:
     _check_row_amax(torch.zeros(0, 32, dtype=dtype, device=kernel_device))
 
 
+# ----------------------------------------------------------------------------------------- format device functions
+
+
+@triton.jit
+def _e4m3_round_probe(v_ptr, value_ptr, byte_ptr, decoded_ptr, n, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    v = tl.load(v_ptr + i, mask=i < n, other=0.0)
+    byte, value = e4m3_round(v)
+    tl.store(value_ptr + i, value, mask=i < n)
+    tl.store(byte_ptr + i, byte, mask=i < n)
+    tl.store(decoded_ptr + i, e4m3_to_f32(byte), mask=i < n)
+
+
+@triton.jit
+def _e2m1_probe(v_ptr, code_ptr, n, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    v = tl.load(v_ptr + i, mask=i < n, other=0.0)
+    tl.store(code_ptr + i, e2m1_code(v), mask=i < n)
+
+
+def _neighbours(v: torch.Tensor) -> torch.Tensor:
+    up = torch.nextafter(v, torch.full_like(v, float("inf")))
+    down = torch.nextafter(v, torch.full_like(v, float("-inf")))
+    return torch.cat([v, up, down])
+
+
+def test_e4m3_rounding_matches_torch_at_every_boundary(kernel_device: str) -> None:
+    """:func:`triton_codec.e4m3_round` and :func:`e4m3_to_f32` against torch's float8_e4m3fn cast."""
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448
+    mids = (grid[1:] + grid[:-1]) / 2  # exact in fp32: the round-half-even ties
+    rand = torch.rand(3000, generator=torch.Generator().manual_seed(11)) * 10.0 ** (-4 * torch.rand(3000, generator=torch.Generator().manual_seed(12))) * 448
+    v = torch.cat([_neighbours(grid), _neighbours(mids), rand]).clamp(0, 448)
+    n = v.numel()
+    value = torch.full((n,), float("nan"), device=kernel_device)
+    byte = torch.full((n,), -1, dtype=torch.int32, device=kernel_device)
+    decoded = torch.full((n,), float("nan"), device=kernel_device)
+    _e4m3_round_probe[(1,)](v.to(kernel_device), value, byte, decoded, n, BLOCK=triton.next_power_of_2(n))
+    expected = v.to(torch.float8_e4m3fn)
+    assert torch.equal(byte.cpu(), expected.view(torch.uint8).to(torch.int32))
+    assert torch.equal(value.cpu(), expected.float())
+    assert torch.equal(decoded.cpu(), expected.float())
+
+
+def test_e2m1_codes_match_the_reference_thresholds(kernel_device: str) -> None:
+    """:func:`triton_codec.e2m1_code` against the reference's thresholds (ties, saturation, -0.0)."""
+    points = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 1e30])
+    v = _neighbours(torch.cat([points, -points, torch.tensor([-0.0])]))
+    v = torch.cat([v, torch.randn(500, generator=torch.Generator().manual_seed(13)) * 4])
+    code = torch.full((v.numel(),), -1, dtype=torch.int32, device=kernel_device)
+    _e2m1_probe[(1,)](v.to(kernel_device), code, v.numel(), BLOCK=triton.next_power_of_2(v.numel()))
+    assert torch.equal(code.cpu(), round_to_e2m1_codes(v).to(torch.int32))
+
+
 # ----------------------------------------------------------------------------------------- every config
 
 
@@ -460,26 +513,13 @@ def test_every_row_config(config: tuple[int, int, int], kernel_device: str, monk
     _check_row_amax(_randn((m, k), 1.0, torch.bfloat16, kernel_device))
 
 
-@pytest.mark.parametrize("loop", [(1, 1), (kq._ONE_PER_TILE, 0)], ids=["persistent", "one per tile"])
-def test_k_major_launch_order(loop: tuple[int, int], kernel_device: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """K-major program order (``_program_tile``): the same tiles, so the same bytes, whether each
-    program has one tile or walks several (1x16 and 16x16, a stack of matrices, partial tiles)."""
-    monkeypatch.setattr(kq, "_k_major", lambda block_2d=False: True)
-    monkeypatch.setattr(kq, "_loop_config", lambda block_2d=False: loop)
-    x = _randn((3, 40, 2064), 1.0, torch.bfloat16, kernel_device)
-    x[2, 33, 2050] = 300.0
-    _check_quantize(x)
-    _check_quantize(x, x.abs().amax(-1).float() * 0.9)
-    _check_quantize(x, block_2d=True)
-
-
-@pytest.mark.parametrize("prefetch", [0, 1])
-def test_persistent_programs_loop_over_tiles(prefetch: int, kernel_device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("stages", [1, 3])
+def test_persistent_programs_loop_over_tiles(stages: int, kernel_device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """One program per SM and K tile walks many row tiles (then matrices of a stack), loading the
-    next tile ahead or not (fake quant: 1 or 3 async-copy stages); every tile, partial and per-row
-    amax included, stays exact."""
-    monkeypatch.setattr(kq, "_loop_config", lambda block_2d=False: (1, prefetch))
-    monkeypatch.setattr(kq, "_FAKE_QUANT_LOOP", (1, 1 + 2 * prefetch))
+    next tile ahead (fake quant: 1 or 3 async-copy stages); every tile, partial and per-row amax
+    included, stays exact."""
+    monkeypatch.setattr(kq, "_loop_config", lambda block_2d=False: 1)
+    monkeypatch.setattr(kq, "_FAKE_QUANT_LOOP", (1, stages))
     x = _randn((3, 40, 2064), 1.0, torch.bfloat16, kernel_device)  # partial K and row tiles in every matrix
     x[1, 7, 5] = -250.0
     _check_quantize(x)

@@ -428,10 +428,11 @@ def test_grouped_agrees_with_reference(
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_m", [32, 64])
-def test_grouped_half_tile_gives_the_full_tiles_bits(kernel_device: str, block_m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_grouped_half_tile_gives_the_full_tiles_bits(kernel_device: str, block_m: int) -> None:
     """Experts with at most ``BLOCK_M / 2`` rows run the half-width token tile: the same products in
-    the same order as the full tile, so the same bits; the rows past half a tile and the tail (RAC)
-    take the same branch."""
+    the same order as a full-width tile, so the same bits. With ``BLOCK_M`` doubled every expert of
+    this routing takes a tile of ``block_m`` or more columns instead; the rows past half a tile and
+    the tail (RAC) give the same bits too."""
     half = block_m // 2
     counts = [half, 0, half + 1, 1, block_m + 3, 2]
     n, k, k2 = 48, 128, 64
@@ -440,19 +441,17 @@ def test_grouped_half_tile_gives_the_full_tiles_bits(kernel_device: str, block_m
     x = _activations((sum(counts), k + k2), torch.bfloat16, kernel_device)
     row_scale = torch.rand(sum(counts), device=kernel_device) + 0.5
     offsets = expert_offsets_from_counts(torch.tensor(counts)).to(kernel_device)
-    config = {"BLOCK_N": 32 if kernel_device == "cpu" else 64, "BLOCK_K": 64, "BLOCK_M": block_m}
     outputs = {}
-    for half_tile in (True, False):
-        monkeypatch.setattr(w4a16, "_HALF_TILE", half_tile)
+    for tile in (block_m, 2 * block_m):
+        config = {"BLOCK_N": 32 if kernel_device == "cpu" else 64, "BLOCK_K": 64, "BLOCK_M": tile}
         plain = torch.full((x.shape[0], n), float("nan"), dtype=torch.bfloat16, device=kernel_device)
         rac = torch.full_like(plain, float("nan"))
         w4a16.grouped_w4a16_into(x[:, :k], weight, offsets, plain, config)
         w4a16.grouped_w4a16_into(x, weight, offsets, rac, config, tail=tail, row_scale=row_scale)
-        outputs[half_tile] = (plain, rac)
-    for on, off in zip(outputs[True], outputs[False]):
-        assert not on.isnan().any()
-        assert _same_bits(on, off)
-    monkeypatch.setattr(w4a16, "_HALF_TILE", True)
+        outputs[tile] = (plain, rac)
+    for narrow, wide in zip(outputs[block_m], outputs[2 * block_m]):
+        assert not narrow.isnan().any()
+        assert _same_bits(narrow, wide)
     assert w4a16._half_tile({"BLOCK_M": block_m}) and not w4a16._half_tile({"BLOCK_M": 16})
 
 

@@ -1,8 +1,7 @@
 """The warp-specialized Gluon grouped W4A16 kernel (``w4a16_ws``) against the fp64 oracle.
 
-The checks of the other grouped kernels (tests/test_kernels_w4a16_mma.py): bit for bit on inputs
-whose fp32 sums are exact, within the fp32 accumulation bound on realistic and raw weights, outputs
-NaN-poisoned; here x goes in already in the kernel's K order, as the engine passes it. Persistent
+Bit for bit on inputs whose fp32 sums are exact, within the fp32 accumulation bound on realistic
+and raw weights, outputs NaN-poisoned; here x goes in already in the kernel's K order, as the engine passes it. Persistent
 programs walk many (expert, N tile) pairs through one ring, so a config with 3 programs makes every
 program wrap the ring at uneven points. Gluon kernels need the GPU; the argument checks and the
 offline sm_90 compile of each config run on CPU.
@@ -12,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import re
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -21,13 +21,14 @@ pytest.importorskip("triton.experimental.gluon")
 
 from test_kernels_w4a16 import (
     _activations,
+    _assert_within,
     _gaussian_weight,
+    _grid_activations,
+    _grouped_oracle,
     _raw_weight,
-)
-from test_kernels_w4a16_mma import (
-    check_grouped_exact,
-    check_grouped_within_fp32_bound,
-    grouped_cases,
+    _tolerance,
+    _with_ws2,
+    assert_grouped_exact,
 )
 
 from megatron_quads.nvfp4 import NVFP4Tensor
@@ -35,22 +36,57 @@ from megatron_quads.kernels import w4a16, w4a16_ws
 from megatron_quads.rollout.grouped import expert_offsets_from_counts
 
 CONFIGS: list[dict[str, Any]] = [
-    {},  # the defaults: 2 MMA warpgroups, two 128-wide sub-steps a ring stage, 2 CTAs an SM, half tile on
+    {},  # the defaults: 2 MMA warpgroups, two 128-wide sub-steps a ring stage, 2 CTAs an SM
     {"BLOCK_K": 128},  # one sub-step a stage (K not a multiple of 256)
     {"BLOCK_N": 64, "num_warps": 4, "BLOCK_M": 16, "STAGES": 2, "CTAS_PER_SM": 2, "maxnreg": 128},
     {"BLOCK_N": 256, "num_warps": 16, "BLOCK_K": 128, "BLOCK_M": 32, "STAGES": 3, "CTAS_PER_SM": 1, "maxnreg": 0},
-    {"BLOCK_K": 128, "BLOCK_M": 64, "HALF_TILE": 0, "STAGES": 6, "PROGRAMS": 3, "maxnreg": 0},
+    {"BLOCK_K": 128, "BLOCK_M": 64, "STAGES": 6, "PROGRAMS": 3, "maxnreg": 0},
     {"BLOCK_K": 128, "BLOCK_M": 128, "STAGES": 2, "PROGRAMS": 5, "maxnreg": 0},
     {"BLOCK_N": 64, "num_warps": 4, "BLOCK_K": 128, "STAGES": 3, "CTAS_PER_SM": 3, "maxnreg": 80},
     {"BLOCK_N": 64, "num_warps": 4, "BLOCK_K": 256, "BLOCK_M": 32, "STAGES": 3, "PROGRAMS": 7},
-    {"ROTATED": 1, "SCALE_RING": 1, "BLOCK_K": 256},  # rotated code words; scale bytes through the ring
-    {"SCALE_RING": 1, "BLOCK_K": 256, "BLOCK_N": 128, "num_warps": 8, "BLOCK_M": 32, "STAGES": 2, "PROGRAMS": 3},
-    {"ROTATED": 1, "BLOCK_K": 128, "BLOCK_M": 64, "STAGES": 5, "PROGRAMS": 3, "maxnreg": 0},
+    {"BLOCK_K": 256, "BLOCK_N": 128, "num_warps": 8, "BLOCK_M": 32, "STAGES": 2, "PROGRAMS": 3},
+    {"BLOCK_K": 128, "BLOCK_M": 64, "STAGES": 5, "PROGRAMS": 3, "maxnreg": 0},
     {"DYNAMIC": 1},  # tiles handed out by the shared counter
     {"DYNAMIC": 1, "BLOCK_K": 128, "BLOCK_M": 64, "STAGES": 3, "PROGRAMS": 3, "maxnreg": 0},
-    {"DYNAMIC": 1, "ROTATED": 1},
     {"DYNAMIC": 1, "BLOCK_N": 64, "num_warps": 4, "BLOCK_K": 256, "BLOCK_M": 32, "STAGES": 3, "PROGRAMS": 7},
 ]
+
+
+def _grouped_cases(big_expert_rows: int = 70) -> list[tuple[list[int], int, int]]:
+    """(tokens per expert, N, K): empty experts, one expert with everything (``big_expert_rows``:
+    several token tiles), E = 1, N not a multiple of the tile, and Qwen3-30B-A3B gate/up routing of
+    512 tokens (top-8 of 128 experts, skewed)."""
+    routed = torch.distributions.Categorical(logits=torch.randn(128) * 1.5).sample((512 * 8,))
+    return [([3, 0, 17, 5], 40, 256), ([0, 0, big_expert_rows, 0], 24, 512), ([7], 72, 256),
+            (torch.bincount(routed, minlength=128).tolist(), 1536, 2048), ([0] * 15 + [200], 768 + 40, 2048)]
+
+
+def _check_grouped_exact(run: Callable[[torch.Tensor, object, list[int]], torch.Tensor],
+                        cases: list[tuple[list[int], int, int]], device: str) -> None:
+    """``run(x, weight, counts)`` bit for bit on every case, inputs whose fp32 sums are exact."""
+    for counts, n, k in cases:
+        weight = _raw_weight((len(counts), n, k), device, scale_bytes=(0x28, 0x4F))
+        x = _grid_activations((sum(counts), k), torch.bfloat16, device, bound=1)
+        assert_grouped_exact(run(x, weight, counts), x, weight, counts)
+
+
+def _check_grouped_within_fp32_bound(run: Callable[[torch.Tensor, object, list[int]], torch.Tensor],
+                                    cases: list[tuple[list[int], int, int]], device: str, ws2_layout: str) -> None:
+    """``run(x, weight, counts)`` within the fp32 accumulation bound on every case, Gaussian and raw
+    weights with ``weight_scale_2`` laid out as ``ws2_layout``."""
+    for counts, n, k in cases:
+        for weight in (_gaussian_weight((len(counts), n, k), device), _raw_weight((len(counts), n, k), device)):
+            weight = _with_ws2(weight, ws2_layout)
+            x = _activations((sum(counts), k), torch.bfloat16, device)
+            exact, magnitude = _grouped_oracle(x, weight, counts)
+            _assert_within(run(x, weight, counts), exact, _tolerance(exact, magnitude, k, torch.bfloat16))
+
+
+def _on_gpu(test: Callable) -> Callable:
+    """A GPU test of a Gluon kernel: the Triton interpreter cannot run Gluon, so it is skipped
+    without a CUDA device even under ``TRITON_INTERPRET=1``."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(),
+                                              reason="Gluon kernels need a CUDA GPU")(test))
 
 
 def _config_id(config: dict[str, Any]) -> str:
@@ -59,7 +95,7 @@ def _config_id(config: dict[str, Any]) -> str:
 
 def _cases() -> list[tuple[list[int], int, int]]:
     """The Gluon grouped kernels' cases, the big expert with 300 rows: several tiles of 128 tokens."""
-    return grouped_cases(big_expert_rows=300)
+    return _grouped_cases(big_expert_rows=300)
 
 
 def _run(x: torch.Tensor, weight, counts: list[int], config: dict[str, Any], y_mma_order: bool = False) -> torch.Tensor:
@@ -71,21 +107,21 @@ def _run(x: torch.Tensor, weight, counts: list[int], config: dict[str, Any], y_m
     return out
 
 
-@pytest.mark.gpu
+@_on_gpu
 @pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
 def test_exact_on_exactly_summable_inputs(kernel_device: str, config: dict[str, Any]) -> None:
-    check_grouped_exact(lambda x, weight, counts: _run(x, weight, counts, config), _cases(), kernel_device)
+    _check_grouped_exact(lambda x, weight, counts: _run(x, weight, counts, config), _cases(), kernel_device)
 
 
-@pytest.mark.gpu
+@_on_gpu
 @pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
 @pytest.mark.parametrize("ws2_layout", ["E1", "shared"])
 def test_within_fp32_accumulation_error(kernel_device: str, config: dict[str, Any], ws2_layout: str) -> None:
-    check_grouped_within_fp32_bound(lambda x, weight, counts: _run(x, weight, counts, config), _cases(), kernel_device,
+    _check_grouped_within_fp32_bound(lambda x, weight, counts: _run(x, weight, counts, config), _cases(), kernel_device,
                                     ws2_layout)
 
 
-@pytest.mark.gpu
+@_on_gpu
 @pytest.mark.parametrize("config", CONFIGS[:3], ids=_config_id)
 def test_y_mma_order_stores_each_row_in_the_k_order(kernel_device: str, config: dict[str, Any]) -> None:
     for counts, n, k in [([5, 0, 40, 9], 256, 256), _cases()[3]]:
@@ -106,8 +142,6 @@ def _rac_outputs(counts: list[int], n: int, k: int, k2: int, out_dtype: torch.dt
                  device: str) -> dict[str, torch.Tensor]:
     """One W4A4 + RAC grouped GEMM (a ``k2``-column tail, a row scale) by this kernel, by the Triton
     kernel on the same K-ordered x and on natural x, and through ``grouped_w4a16_into``'s dispatch."""
-    from unittest import mock
-
     weight = _gaussian_weight((len(counts), n, k), device)
     tail = _with_weight_scale(_gaussian_weight((len(counts), n, k2), device), weight)
     x = _activations((sum(counts), k + k2), torch.bfloat16, device)
@@ -117,16 +151,16 @@ def _rac_outputs(counts: list[int], n: int, k: int, k2: int, out_dtype: torch.dt
     outputs = {}
     for name, fn, rows, kwargs in (("ws", w4a16_ws.grouped_w4a16_ws_into, ordered, {}),
                                    ("dispatched", w4a16.grouped_w4a16_into, ordered, {"x_mma_order": True}),
-                                   ("triton_x_order", w4a16.grouped_w4a16_into, ordered, {"x_mma_order": True}),
+                                   ("triton_x_order", w4a16.grouped_w4a16_into, ordered,
+                                    {"x_mma_order": True, "kernel": "triton"}),
                                    ("natural", w4a16.grouped_w4a16_into, x, {})):
         out = torch.full((x.shape[0], n), float("nan"), dtype=out_dtype, device=device)
-        with mock.patch.object(w4a16, "_WS_DISPATCH", name in ("ws", "dispatched")):
-            fn(rows, weight, offsets, out, tail=tail, row_scale=row_scale, **kwargs)
+        fn(rows, weight, offsets, out, tail=tail, row_scale=row_scale, **kwargs)
         outputs[name] = out
     return outputs
 
 
-@pytest.mark.gpu
+@_on_gpu
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_tail_and_row_scale_give_the_triton_x_order_bits(kernel_device: str, out_dtype: torch.dtype) -> None:
     """W4A4 + RAC on this kernel (a tail weight over ``K2`` more columns of x, ``alpha`` a row in the
@@ -141,7 +175,7 @@ def test_tail_and_row_scale_give_the_triton_x_order_bits(kernel_device: str, out
         assert torch.allclose(out["ws"].float(), out["natural"].float(), rtol=2**-7, atol=1e-3 * scale), (n, k)
 
 
-@pytest.mark.gpu
+@_on_gpu
 def test_64_bit_output_offsets_store_the_same_bits(kernel_device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Outputs of 2^31 elements or more are addressed in 64 bits (forced here on a small one)."""
     counts, n, k = _cases()[3]
@@ -152,7 +186,7 @@ def test_64_bit_output_offsets_store_the_same_bits(kernel_device: str, monkeypat
     assert torch.equal(_run(x, weight, counts, {}), narrow)
 
 
-@pytest.mark.gpu
+@_on_gpu
 def test_dynamic_schedule_gives_the_static_bits_and_leaves_its_counters_zero(kernel_device: str) -> None:
     """Which program takes a tile does not change its products; each launch puts the shared counters
     back to zero (a stale count would make the next launch skip tiles), at any program count."""
@@ -165,7 +199,7 @@ def test_dynamic_schedule_gives_the_static_bits_and_leaves_its_counters_zero(ker
         assert w4a16._split_counters(x.device, 2)[:2].tolist() == [0, 0]
 
 
-@pytest.mark.gpu
+@_on_gpu
 def test_agrees_with_the_triton_grouped_kernel(kernel_device: str) -> None:
     counts, n, k = _cases()[3]
     weight = _gaussian_weight((len(counts), n, k), kernel_device)
@@ -176,11 +210,11 @@ def test_agrees_with_the_triton_grouped_kernel(kernel_device: str) -> None:
     assert torch.allclose(y.float(), reference.float(), rtol=2**-7, atol=1e-3 * float(reference.float().abs().max()))
 
 
-@pytest.mark.gpu
+@_on_gpu
 def test_grouped_w4a16_into_dispatches_x_order_calls_here_bit_for_bit(kernel_device: str,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """On the H200 the engine's x-in-K-order grouped calls run this kernel, with the Triton kernel's
-    bits (same products, same K order of the fp32 accumulation); off switch: ``w4a16._WS_DISPATCH``."""
+    """On sm_90 the engine's x-in-K-order grouped calls run this kernel, with the Triton kernel's
+    bits (same products, same K order of the fp32 accumulation); ``kernel="triton"`` runs that one."""
     counts, n, k = _cases()[3]
     weight = _gaussian_weight((len(counts), n, k), kernel_device)
     x = w4a16.mma_k_order_rows(_activations((sum(counts), k), torch.bfloat16, kernel_device), w4a16.X_ORDER_BLOCK_K)
@@ -189,22 +223,22 @@ def test_grouped_w4a16_into_dispatches_x_order_calls_here_bit_for_bit(kernel_dev
     real = w4a16_ws.grouped_w4a16_ws_into
     monkeypatch.setattr(w4a16_ws, "grouped_w4a16_ws_into", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     for y_mma_order in (False, True):
-        dispatched = w4a16.grouped_w4a16_kernel(x, weight, offsets, x_mma_order=True, y_mma_order=y_mma_order)
-        with monkeypatch.context() as off:
-            off.setattr(w4a16, "_WS_DISPATCH", False)
-            triton_only = w4a16.grouped_w4a16_kernel(x, weight, offsets, x_mma_order=True, y_mma_order=y_mma_order)
+        dispatched, triton_only = (torch.full((x.shape[0], n), float("nan"), dtype=x.dtype, device=x.device)
+                                   for _ in range(2))
+        w4a16.grouped_w4a16_into(x, weight, offsets, dispatched, x_mma_order=True, y_mma_order=y_mma_order)
+        w4a16.grouped_w4a16_into(x, weight, offsets, triton_only, x_mma_order=True, y_mma_order=y_mma_order,
+                                 kernel="triton")
         assert torch.equal(dispatched, triton_only)
     assert len(calls) == 2
 
 
-def test_dispatch_needs_a_hopper_gpu_and_whole_k_order_blocks() -> None:
-    assert w4a16.warp_specialized_grouped(torch.device("cpu"), 256) is None  # CPU
+def test_default_configs_follow_k() -> None:
     wide, wide_short, short, odd = (w4a16_ws.default_config(k) for k in (2048, 768, 640, 1152))
     for cfg in (wide, wide_short):
-        assert (cfg["BLOCK_K"], cfg["BLOCK_N"], cfg["SCALE_RING"]) == (256, 128, 1)
+        assert (cfg["BLOCK_K"], cfg["BLOCK_N"]) == (256, 128) and w4a16_ws._scale_ring(cfg)
     assert wide_short["DYNAMIC"] and not wide.get("DYNAMIC")  # the shared tile counter where K is short
-    assert (odd["BLOCK_K"], odd["BLOCK_N"]) == (128, 128) and not odd.get("SCALE_RING")
-    assert (short["BLOCK_K"], short["BLOCK_N"], short["num_warps"]) == (128, 64, 4) and not short.get("SCALE_RING")
+    assert (odd["BLOCK_K"], odd["BLOCK_N"]) == (128, 128) and not w4a16_ws._scale_ring(odd)
+    assert (short["BLOCK_K"], short["BLOCK_N"], short["num_warps"]) == (128, 64, 4) and not w4a16_ws._scale_ring(short)
     for k, cfg in ((2048, wide), (768, wide_short), (640, short), (1152, odd)):
         w4a16_ws.check_config({**cfg, "BLOCK_M": 64}, 2048, k)
 
@@ -249,17 +283,6 @@ def test_every_config_compiles_for_sm90(config: dict[str, Any]) -> None:
 def _sass_ops(config: dict[str, Any]) -> collections.Counter:
     sass = w4a16_ws.compile_offline({**w4a16_ws.default_config(2048), "BLOCK_M": 64, **config}, n=1536, k=2048)
     return collections.Counter(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9]+)", sass, re.MULTILINE))
-
-
-def test_scale_ring_and_rotated_words_change_what_the_sass_does() -> None:
-    """Offline sm_90 SASS: with the scale ring the loader's TMA brings the scale bytes (one more
-    UTMALDG, the MMA warps' scale LDGs gone); the rotated words decode with fewer integer operations
-    (9 instead of 13 a word: 64 fewer a 256-wide stage in each of the two token-tile loops)."""
-    ring, no_ring, rotated = _sass_ops({}), _sass_ops({"SCALE_RING": 0}), _sass_ops({"ROTATED": 1})
-    assert ring["UTMALDG"] == no_ring["UTMALDG"] + 1
-    assert ring["LDG"] < no_ring["LDG"] and ring["LDS"] > no_ring["LDS"]
-    integer = ("LOP3", "IMAD", "SHF")
-    assert sum(ring[op] for op in integer) - sum(rotated[op] for op in integer) == 2 * 64
 
 
 def test_a_tail_adds_its_tma_copies_and_a_row_scale_its_loads() -> None:

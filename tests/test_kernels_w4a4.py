@@ -13,15 +13,10 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-import triton.language as tl
-
 from megatron_quads.nvfp4 import NVFP4Tensor, quantize
-from megatron_quads.nvfp4.format import round_to_e2m1_codes
 from megatron_quads.kernels.w4a4 import (
     GemmConfig,
-    _e2m1_code,
-    _e4m3_to_f32,
-    _round_e4m3,
+    gemm_config,
     activation_block_values_kernel,
     grouped_rac_kernel,
     prepare_rac_tail,
@@ -140,59 +135,6 @@ def _bytes_to_values(codes: torch.Tensor, scales: torch.Tensor, width: int) -> t
 
 
 # ----------------------------------------------------------------------------------------------
-# Device functions
-# ----------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _round_e4m3_probe(v_ptr, value_ptr, byte_ptr, decoded_ptr, n, BLOCK: tl.constexpr):
-    i = tl.arange(0, BLOCK)
-    v = tl.load(v_ptr + i, mask=i < n, other=0.0)
-    value, byte = _round_e4m3(v)
-    tl.store(value_ptr + i, value, mask=i < n)
-    tl.store(byte_ptr + i, byte, mask=i < n)
-    tl.store(decoded_ptr + i, _e4m3_to_f32(byte), mask=i < n)
-
-
-@triton.jit
-def _e2m1_probe(v_ptr, code_ptr, n, BLOCK: tl.constexpr):
-    i = tl.arange(0, BLOCK)
-    v = tl.load(v_ptr + i, mask=i < n, other=0.0)
-    tl.store(code_ptr + i, _e2m1_code(v), mask=i < n)
-
-
-def _neighbours(v: torch.Tensor) -> torch.Tensor:
-    up = torch.nextafter(v, torch.full_like(v, float("inf")))
-    down = torch.nextafter(v, torch.full_like(v, float("-inf")))
-    return torch.cat([v, up, down])
-
-
-def test_e4m3_rounding_matches_torch_at_every_boundary(kernel_device: str) -> None:
-    grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448
-    mids = (grid[1:] + grid[:-1]) / 2  # exact in fp32: the round-half-even ties
-    rand = torch.rand(3000, generator=_gen(11)) * 10.0 ** (-4 * torch.rand(3000, generator=_gen(12))) * 448
-    v = torch.cat([_neighbours(grid), _neighbours(mids), rand]).clamp(0, 448)
-    n = v.numel()
-    value = torch.full((n,), float("nan"), device=kernel_device)
-    byte = torch.full((n,), -1, dtype=torch.int32, device=kernel_device)
-    decoded = torch.full((n,), float("nan"), device=kernel_device)
-    _round_e4m3_probe[(1,)](v.to(kernel_device), value, byte, decoded, n, BLOCK=triton.next_power_of_2(n))
-    expected = v.to(torch.float8_e4m3fn)
-    assert torch.equal(byte.cpu(), expected.view(torch.uint8).to(torch.int32))
-    assert torch.equal(value.cpu(), expected.float())
-    assert torch.equal(decoded.cpu(), expected.float())
-
-
-def test_e2m1_codes_match_the_reference_thresholds(kernel_device: str) -> None:
-    points = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 1e30])
-    v = _neighbours(torch.cat([points, -points, torch.tensor([-0.0])]))
-    v = torch.cat([v, torch.randn(500, generator=_gen(13)) * 4])
-    code = torch.full((v.numel(),), -1, dtype=torch.int32, device=kernel_device)
-    _e2m1_probe[(1,)](v.to(kernel_device), code, v.numel(), BLOCK=triton.next_power_of_2(v.numel()))
-    assert torch.equal(code.cpu(), round_to_e2m1_codes(v).to(torch.int32))
-
-
-# ----------------------------------------------------------------------------------------------
 # Prologue: byte-exact activation + residual quantization
 # ----------------------------------------------------------------------------------------------
 
@@ -298,14 +240,11 @@ def _shapes(device: str) -> list[tuple[int, int, int]]:
     return [(1, 64, 72), (5, 80, 1000), (16, 256, 72), (33, 80, 1000), (33, 2048, 1000), (300, 256, 1000), (1, 2048, 1000)]
 
 
-@pytest.mark.parametrize("w4a16_rows", (1 << 62, 0), ids=("w4a16 path", "rac gemm path"))
+@pytest.mark.parametrize("rac_gemm", (False, True), ids=("w4a16 path", "rac gemm path"))
 @pytest.mark.parametrize("ratio", (0.0, 0.125, 0.5, 1.0))
-def test_rac_linear_matches_the_fp64_reference(
-    kernel_device: str, ratio: float, w4a16_rows: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import megatron_quads.kernels.w4a4 as w4a4_kernels
-
-    monkeypatch.setitem(w4a4_kernels.W4A16_PATH_ROWS, "dense", w4a16_rows)
+def test_rac_linear_matches_the_fp64_reference(kernel_device: str, ratio: float, rac_gemm: bool) -> None:
+    """The default path (the W4A16 kernels over the block values) and the RAC GEMM (a ``GemmConfig``:
+    the tiles of :func:`gemm_config` for the token count)."""
     for i, (m, k, n) in enumerate(_shapes(kernel_device)):
         seed = 1000 * i + int(ratio * 64)
         x = _activations(m, k, torch.float32, seed)  # fp32 output: the tolerance is fp32-tight
@@ -314,7 +253,8 @@ def test_rac_linear_matches_the_fp64_reference(
         residual = reblock_columns(weight, channels) if channels.numel() else None
         out = torch.full((m, n), float("nan"), dtype=x.dtype, device=kernel_device)
         dev_residual = residual.to(kernel_device) if residual is not None else None
-        y = rac_linear_kernel(x.to(kernel_device), weight.to(kernel_device), channels.to(kernel_device), dev_residual, out=out)
+        y = rac_linear_kernel(x.to(kernel_device), weight.to(kernel_device), channels.to(kernel_device), dev_residual, out=out,
+                              config=gemm_config(m) if rac_gemm else None)
         assert y is out
         a, a_decode, w = rac_operands(x, weight, channels, residual)
         ref, bound = _gemm_reference(a, a_decode, w, weight.weight_scale_2)
@@ -395,15 +335,14 @@ def _stacked_residual(weight: NVFP4Tensor, channels: torch.Tensor) -> NVFP4Tenso
     )
 
 
-@pytest.mark.parametrize("w4a16_rows", (1 << 62, 0), ids=("w4a16 path", "rac gemm path"))
+@pytest.mark.parametrize("rac_gemm", (False, True), ids=("w4a16 path", "rac gemm path"))
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("ratio", (0.0, 0.25, 0.5))  # on the H200 all run w4a16_ws (0.25: S 128 prepared as 256)
+@pytest.mark.parametrize("ratio", (0.0, 0.25, 0.5))  # on sm_90 all run w4a16_ws (0.25: S 128 prepared as 256)
 def test_grouped_rac_matches_the_per_expert_reference(
-    kernel_device: str, mode: ActivationScale, ratio: float, w4a16_rows: int, monkeypatch: pytest.MonkeyPatch
+    kernel_device: str, mode: ActivationScale, ratio: float, rac_gemm: bool
 ) -> None:
-    import megatron_quads.kernels.w4a4 as w4a4_kernels
-
-    monkeypatch.setitem(w4a4_kernels.W4A16_PATH_ROWS, "grouped", w4a16_rows)
+    """Both paths as in :func:`test_rac_linear_matches_the_fp64_reference` (the RAC GEMM with the tiles
+    of :func:`gemm_config` for the mean rows per expert)."""
     experts, k, n = (5, 64, 40) if kernel_device == "cpu" else (16, 512, 264)
     tokens_list = (1, 13) if kernel_device == "cpu" else (1, 13, 200, 3000)
     for j, tokens in enumerate(tokens_list):
@@ -431,7 +370,8 @@ def test_grouped_rac_matches_the_per_expert_reference(
 
         y = torch.full((tokens, n), float("nan"), dtype=x.dtype, device=dev)
         tail = (None, None) if channels is None else prepare_rac_tail(channels.to(dev), residual.to(dev), k, torch.device(dev))
-        grouped_rac_kernel(x.to(dev), weight.to(dev), offsets.to(dev), *tail, mode, static, out=y)
+        grouped_rac_kernel(x.to(dev), weight.to(dev), offsets.to(dev), *tail, mode, static, out=y,
+                           config=gemm_config(-(-tokens // experts)) if rac_gemm else None)
         y = y.cpu()
         for e in range(experts):
             lo, hi = int(offsets[e]), int(offsets[e + 1])
@@ -449,9 +389,9 @@ def test_grouped_rac_matches_the_per_expert_reference(
 
 def _ws_grouped_runs_here() -> bool:
     """Whether the grouped dispatch hands calls to the warp-specialized kernel here (an sm_90 GPU)."""
-    from megatron_quads.kernels import w4a16 as w4a16_kernels
+    from megatron_quads.kernels import dispatch
 
-    return torch.cuda.is_available() and w4a16_kernels.warp_specialized_grouped(torch.device("cuda"), 768) is not None
+    return torch.cuda.is_available() and dispatch.warp_specialized_grouped(torch.device("cuda"), 768) is not None
 
 
 @pytest.mark.skipif(not _ws_grouped_runs_here(), reason="the warp-specialized grouped kernel runs on sm_90 GPUs only")
@@ -463,10 +403,10 @@ def test_grouped_rac_down_projection_tails_run_widened_on_the_ws_kernel(
     (``prepare_rac_tail``) as whole 256-column ring steps (repeated channels, zero ``W_S`` columns)
     and run on the warp-specialized kernel; every expert's rows match the fp64 product of the
     reference operands of the narrow tail."""
-    from megatron_quads.kernels import w4a16 as w4a16_kernels
+    from megatron_quads.kernels import dispatch
 
     experts, k, n = 8, 768, 256
-    ws = w4a16_kernels._gluon_module("w4a16_ws")
+    ws = dispatch.gluon_module("w4a16_ws")
     tails = []
     run = ws.grouped_w4a16_ws_into
 
@@ -499,14 +439,12 @@ def test_grouped_rac_down_projection_tails_run_widened_on_the_ws_kernel(
             _assert_close(y[lo:hi], ref, bound)
 
 
-@pytest.mark.parametrize("w4a16_rows", (1 << 62, 0), ids=("w4a16 path", "rac gemm path"))
-def test_grouped_rac_takes_a_widened_tail_as_given(kernel_device: str, w4a16_rows: int,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("rac_gemm", (False, True), ids=("w4a16 path", "rac gemm path"))
+def test_grouped_rac_takes_a_widened_tail_as_given(kernel_device: str, rac_gemm: bool) -> None:
     """A tail widened by ``padded_tail`` (repeated channels, zero ``W_S`` columns) runs as given on
     either GEMM path, and every expert's rows match the fp64 product of the narrow tail's operands."""
     import megatron_quads.kernels.w4a4 as w4a4_kernels
 
-    monkeypatch.setitem(w4a4_kernels.W4A16_PATH_ROWS, "grouped", w4a16_rows)
     experts, k, n, tokens = 3, 64, 24, 11
     counts = _routing(experts, tokens, 31)
     offsets = expert_offsets_from_counts(counts)
@@ -517,7 +455,8 @@ def test_grouped_rac_takes_a_widened_tail_as_given(kernel_device: str, w4a16_row
     wide_channels, wide_residual = w4a4_kernels.padded_tail(channels, residual, 48)
     dev = torch.device(kernel_device)
     y = torch.full((tokens, n), float("nan"), dtype=x.dtype, device=dev)
-    grouped_rac_kernel(x.to(dev), weight.to(dev), offsets.to(dev), wide_channels.to(dev), wide_residual.to(dev), out=y)
+    grouped_rac_kernel(x.to(dev), weight.to(dev), offsets.to(dev), wide_channels.to(dev), wide_residual.to(dev), out=y,
+                       config=gemm_config(-(-tokens // experts)) if rac_gemm else None)
     y = y.cpu()
     for e in range(experts):
         lo, hi = int(offsets[e]), int(offsets[e + 1])

@@ -14,12 +14,12 @@ import torch
 pytest.importorskip("triton")
 
 from megatron_quads.nvfp4 import NVFP4Tensor, quantize
-from megatron_quads.kernels import w4a16
+from megatron_quads.kernels import dispatch
 from megatron_quads.kernels.w4a4 import TAIL_PAD_MAX_GROWTH, padded_tail, prepare_rac_tail
 from megatron_quads.rollout.grouped import expert_offsets_from_counts, expert_weight, grouped_rac_linear
 from megatron_quads.rollout.rac import rac_linear, reblock_columns
 
-_GLUON_WS = w4a16._gluon_module("w4a16_ws")
+_GLUON_WS = dispatch.gluon_module("w4a16_ws")
 
 
 def _case(experts: int = 3, n: int = 24, k: int = 64, s: int = 16, seed: int = 0):
@@ -98,7 +98,7 @@ def test_preparation_widens_where_the_ws_kernel_runs_and_growth_is_small(monkeyp
     """With the ws kernel taking calls on the device (faked), down-projection tails (K 768) of 96
     and 192 channels come out 256 wide, 384 as 512; 16 channels (growth 1.30 > TAIL_PAD_MAX_GROWTH)
     and a tail already whole steps come back as given, and preparing a prepared tail changes nothing."""
-    monkeypatch.setattr(_GLUON_WS, "runs_on", lambda device: True)
+    monkeypatch.setattr(dispatch, "device_arch", lambda device: dispatch.SM90)
     cpu = torch.device("cpu")
     for s, width in ((16, 16), (96, 256), (192, 256), (256, 256), (384, 512)):
         _, _, _, channels, residual = _case(experts=2, n=16, k=768, s=s, seed=s)
@@ -125,8 +125,8 @@ def test_widening_rejects_narrower_or_unaligned_widths() -> None:
 def test_tail_width_rounds_up_to_the_ring_step_where_the_ws_kernel_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     ws = _GLUON_WS
     cpu = torch.device("cpu")
-    assert w4a16.warp_specialized_tail_width(cpu, 768, 96) == 0  # not an sm_90 GPU
-    monkeypatch.setattr(ws, "runs_on", lambda device: True)
+    assert dispatch.warp_specialized_tail_width(cpu, 768, 96) == 0  # not an sm_90 GPU
+    monkeypatch.setattr(dispatch, "device_arch", lambda device: dispatch.SM90)
     assert ws.tail_step(768) == ws.tail_step(2048) == 256
-    assert [w4a16.warp_specialized_tail_width(cpu, 768, s) for s in (0, 96, 192, 256, 384)] == [0, 256, 256, 256, 512]
-    assert w4a16.warp_specialized_tail_width(cpu, 768 + 64, 96) == 0  # K not a multiple of 128: no ws kernel
+    assert [dispatch.warp_specialized_tail_width(cpu, 768, s) for s in (0, 96, 192, 256, 384)] == [0, 256, 256, 256, 512]
+    assert dispatch.warp_specialized_tail_width(cpu, 768 + 64, 96) == 0  # K not a multiple of 128: no ws kernel

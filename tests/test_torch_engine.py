@@ -351,10 +351,9 @@ def test_grouped_tails_are_prepared_at_load_and_a_forward_builds_none(monkeypatc
     pytest.importorskip("triton")
     import megatron_quads.kernels.w4a4 as w4a4_kernels
     import megatron_quads.rollout.grouped as grouped_module
-    from megatron_quads.kernels import w4a16
+    from megatron_quads.kernels import dispatch
 
-    ws = w4a16._gluon_module("w4a16_ws")
-    if ws is None:
+    if dispatch.gluon_module("w4a16_ws") is None:
         pytest.skip("this Triton has no Gluon warp specialization")
     weights, picked = _wide_tail_weights()
 
@@ -362,7 +361,7 @@ def test_grouped_tails_are_prepared_at_load_and_a_forward_builds_none(monkeypatc
         engine = TorchRolloutEngine(qwen3_moe_config(WIDE_CFG), precision="quads", ratio=0.125, dtype=torch.float32)
         with monkeypatch.context() as m:
             if widen:
-                m.setattr(ws, "runs_on", lambda device: True)
+                m.setattr(dispatch, "device_arch", lambda device: dispatch.SM90)
                 m.setattr(grouped_module, "use_kernels", lambda *tensors: True)  # preparation only: no forward runs here
             engine.load_weights(weights, version=1)
         return engine
@@ -390,9 +389,9 @@ def _ws_grouped_runs_on_cuda() -> bool:
     """Whether the grouped dispatch hands K-768 calls to the warp-specialized kernel (an sm_90 GPU)."""
     if not torch.cuda.is_available():
         return False
-    from megatron_quads.kernels import w4a16
+    from megatron_quads.kernels import dispatch
 
-    return w4a16.warp_specialized_grouped(torch.device("cuda"), 768) is not None
+    return dispatch.warp_specialized_grouped(torch.device("cuda"), 768) is not None
 
 
 @pytest.mark.gpu

@@ -15,13 +15,16 @@ dense kernel splits K over ``SPLIT_K`` programs per output tile; each writes an 
 partial tile and bumps a per-tile arrival counter, and the last one to arrive sums the partials in
 split order (deterministic), applies the epilogue and resets the counter to 0 for the next launch
 (one launch, no memset). The grouped kernel runs one program per (N tile, expert) that walks the
-expert's rows in chunks of ``BLOCK_M``; experts without rows exit after two loads.
+expert's rows in chunks of ``BLOCK_M`` (half as wide for an expert of at most ``BLOCK_M / 2`` rows);
+experts without rows exit after two loads.
+
+:func:`w4a16_linear_into` and :func:`grouped_w4a16_into` run these kernels or, on sm_90, the
+warp-specialized Gluon ones, by the rule of :mod:`~megatron_quads.kernels.dispatch`.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 import os
 from typing import Any
 
@@ -29,13 +32,13 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_quads.kernels.dispatch import gluon_module, resolve_dense_w4a16, resolve_grouped_w4a16
 from megatron_quads.nvfp4.tensor import NVFP4Tensor
+from megatron_quads.nvfp4.triton_codec import INTERPRET, e2m1_to_f32, e4m3_to_f32, round_f32_to
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-INTERPRET = tl.constexpr(_INTERPRET)
 _KERNEL_DTYPES = (torch.bfloat16,)
-"""bf16 only: the dequantization builds bf16x2 operands. fp16 activations take the reference path (an
-earlier fp32-path kernel's fp16 variant failed 9 accumulation-error cases on the H200, 2026-11-29)."""
+"""bf16 only: the dequantization builds bf16x2 operands; fp16 activations take the reference path."""
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 """Output dtypes of the W4A4 + RAC path through these kernels (the epilogue rounds fp32 to any of them)."""
 _SPLIT_WINDOW = (0.9, 6.0)
@@ -48,18 +51,6 @@ large and the token tiles give the parallelism, so larger inputs use the autotun
 # --------------------------------------------------------------------------------------------------
 # Device functions
 # --------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def e4m3_bytes_to_f32(scale_bytes, LOG2_FACTOR: tl.constexpr):
-    """E4M3 bytes (uint8 tensor) to fp32 ``value * 2^LOG2_FACTOR``, exactly (NaN is not special-cased).
-
-    The 7 magnitude bits become an fp16 exponent/mantissa (value ``* 2^-8``, E4M3 subnormals landing
-    on fp16 subnormals) that is widened to fp32 and rescaled: no fp8 cast, exact everywhere.
-    """
-    b = scale_bytes.to(tl.int16)
-    bits = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
-    return bits.to(tl.float16, bitcast=True).to(tl.float32) * (2.0 ** (LOG2_FACTOR + 8))
 
 
 OPERAND_LOG2_SCALE = tl.constexpr(-8)
@@ -127,7 +118,7 @@ _SCALE_PAIRS_PTX = tl.constexpr(
 def _scale_pairs(scale_bytes):
     """Block-scale bytes to int32 words holding the bf16 ``scale * 2^118`` in both halves (exact)."""
     if INTERPRET:
-        half = e4m3_bytes_to_f32(scale_bytes, 118).to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32)
+        half = e4m3_to_f32(scale_bytes, 118).to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32)
         pair = ((half << 16) | half).to(tl.int32, bitcast=True)
     else:
         pair = tl.inline_asm_elementwise(
@@ -138,11 +129,11 @@ def _scale_pairs(scale_bytes):
 
 @triton.jit
 def _code_value(words, pairs, NIBBLE: tl.constexpr):
-    """Interpreter stand-in for one output of :data:`_DEQUANT_WORD_PTX` (same values, fp32 math)."""
+    """Interpreter stand-in for one output of :data:`_DEQUANT_WORD_PTX` (same values, fp32 math:
+    ``(code * 2^-126) * (scale * 2^118)``, both products exact)."""
     code = (words >> (4 * NIBBLE)) & 0xF
-    bits = ((code & 0x8) << 28) | ((code & 0x7) << 22)  # fp32 code * 2^-126
     scale = (pairs & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True).to(tl.float32)
-    return (bits.to(tl.float32, bitcast=True) * scale).to(tl.bfloat16)
+    return ((e2m1_to_f32(code) * (2.0 ** -126)) * scale).to(tl.bfloat16)
 
 
 @triton.jit
@@ -258,22 +249,6 @@ def _accumulate(acc, x_rows, x_live, w_rows, s_rows, stride_xk, kt_lo, kt_hi, K,
         else:
             acc = tl.dot(w, xt, acc)
     return acc
-
-
-@triton.jit
-def round_f32_to(v, DTYPE: tl.constexpr):
-    """fp32 to ``DTYPE`` with round-to-nearest-even. Under the interpreter bf16 goes by bit arithmetic,
-    because its fp32 -> bf16 cast truncates; on the GPU the cast is one ``cvt.rn`` per two values
-    (the bit arithmetic cost ~7 instructions a value in every epilogue)."""
-    if INTERPRET and DTYPE == tl.bfloat16:
-        bits = v.to(tl.uint32, bitcast=True)
-        # NaN -> quiet NaN first: the NaN 0x7FFFFFFF would carry into the sign bit
-        bits = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FC00000, bits)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        out = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        out = v.to(DTYPE)
-    return out
 
 
 @triton.jit
@@ -453,18 +428,15 @@ def _config(block_n: int, block_k: int, split_k: int | None, num_warps: int, num
 def _dense_configs(splits: tuple[int, ...]) -> list[triton.Config]:
     if _INTERPRET:
         return [_config(32, 64, max(splits[:2]), 4, 1)]
-    # (BLOCK_N, BLOCK_K, warps, stages); 3 stages at 128 x 128: 18.7 us against 20.2 us with 4 for
-    # 8192 x 8192, M = 16 at split 8 (H200, 2026-11-30, a one-off config sweep not kept in the repo;
-    # bench_kernels' w4a16 section measures what the autotuner then picks)
+    # (BLOCK_N, BLOCK_K, warps, stages); benchmarks/bench_kernels.py --only w4a16 times what the
+    # autotuner picks among them
     tiles = ((64, 128, 4, 4), (64, 256, 4, 4), (128, 128, 4, 4), (128, 128, 4, 3), (128, 128, 8, 4), (128, 256, 8, 4), (256, 128, 8, 4))
     return [_config(bn, bk, s, w, st) for bn, bk, w, st in tiles for s in splits]
 
 
 def _grouped_configs(block_k: int | None = None) -> list[triton.Config]:
     """The grouped kernel's autotune candidates; with ``block_k`` (the ``x_mma_order`` path) those
-    of that BLOCK_K. 128 x 128 and 64 x 128 on 4 warps with 3 stages: the best at 512 tokens with x
-    in the MMA order (H200, 2026-11-30: 139 us for gate/up at 128 x 128; 64 x 128 with the half
-    token tile 134 us in a one-off sweep)."""
+    of that BLOCK_K (``benchmarks/bench_kernels.py --only grouped`` times what the autotuner picks)."""
     if _INTERPRET:
         return [_config(32, block_k or 64, None, 4, 1)]
     tiles = ((64, 128, 4, 4), (64, 128, 4, 3), (128, 128, 4, 4), (128, 128, 4, 3), (128, 128, 8, 4), (128, 256, 8, 3),
@@ -531,66 +503,9 @@ _dense_tuned_large = triton.autotune(
     key=["BLOCK_M", "N", "K", "K2"],
     prune_configs_by={"early_config_prune": _prune_dense},
 )(_dense_heuristic)
-_HALF_TILE = True
-"""Whether experts with at most half a token tile of rows run the half-width tile (``HALF_TILE``).
-H200, ``bench_kernels.py --quick --only grouped`` (2026-11-30T10:10, its ``full_tile_us`` columns time
-it off): 512 tokens gate/up 157.5 -> 151.1 us, 143.1 -> 129.0 us with x in the kernel's K order."""
-
-
-_WS_DISPATCH = True
-"""Whether :func:`grouped_w4a16_into` hands x-in-K-order calls without a config (a W4A4 + RAC tail
-where :func:`~megatron_quads.kernels.w4a16_ws.takes_tail` says so) to the warp-specialized
-Gluon kernel (:mod:`~megatron_quads.kernels.w4a16_ws`) where it runs (sm_90): H200,
-``bench_kernels.py --quick --only grouped_ws`` (2026-11-30 15:15 run, its defaults), gate/up at 512
-tokens 103.4 against 123.5 us, down 58.0 against 69.2 us; at 64 tokens gate/up 73.6 against 87.2,
-down 41.4 against 54.9 (the engine orders x, and so takes this path, only from 16 rows an expert).
-Benchmarks switch it off to time the Triton kernel."""
-
-
-_WS_DENSE_DISPATCH = True
-"""Whether :func:`w4a16_linear_into` hands decode calls (at most :data:`WS_DENSE_MAX_M` rows, no
-config) to the warp-specialized dense kernel (:mod:`~megatron_quads.kernels.w4a16_ws_dense`)
-where it runs (sm_90, K a multiple of 256). Benchmarks switch it off to time the Triton kernel."""
-
-WS_DENSE_MAX_M = 16
-"""The most rows the dense dispatch sends to the warp-specialized kernel: its 16-row token tile with
-x reordered by its x warps. Beyond, the Triton kernel stays (H200, 2026-11-30: at 4096^2 and M = 64
-the warp-specialized kernel took 19.2 us against 14.1 in the 16:49 run, 15.7 against 14.8 at 16:55)."""
-
-
-@functools.cache
-def _gluon_module(name: str) -> Any:
-    """The Gluon kernel module ``megatron_quads.kernels.<name>`` (``w4a16_ws``, ``w4a16_ws_dense``),
-    or None where this Triton lacks what it needs (Gluon's warp specialization, Hopper wgmma and
-    TMA: Triton 3.6 has them)."""
-    try:
-        return importlib.import_module(f"megatron_quads.kernels.{name}")
-    except (ImportError, AttributeError):
-        return None
-
-
-def warp_specialized_grouped(device: torch.device, k: int, k2: int = 0) -> Any:
-    """The ``w4a16_ws`` module where the grouped dispatch hands it an x-in-K-order call without a
-    config (sm_90, :data:`_WS_DISPATCH` on, K a multiple of 128, a tail of ``k2`` columns it takes:
-    ``w4a16_ws.takes_tail``), else None. The W4A4 + RAC prologue asks it too, to write its values in
-    that kernel's K order."""
-    ws = _gluon_module("w4a16_ws") if _WS_DISPATCH else None
-    if ws is None or k % X_ORDER_BLOCK_K or not ws.runs_on(device) or (k2 and not ws.takes_tail(k, k2)):
-        return None
-    return ws
-
-
-def warp_specialized_tail_width(device: torch.device, k: int, k2: int) -> int:
-    """The narrowest tail width of at least ``k2`` columns that the warp-specialized grouped kernel
-    takes (``k2`` rounded up to its ring step) where the grouped dispatch hands it calls, else 0."""
-    ws = warp_specialized_grouped(device, k)
-    step = ws.tail_step(k) if ws is not None and k2 else 0
-    return triton.cdiv(k2, step) * step if step else 0
-
-
 def _half_tile(args: dict[str, Any]) -> bool:
-    # a dot needs at least 16 columns
-    return _HALF_TILE and args["BLOCK_M"] >= 32
+    """The half-width token tile applies from ``BLOCK_M`` 32 on (a dot needs at least 16 columns)."""
+    return args["BLOCK_M"] >= 32
 
 
 _grouped_heuristic = triton.heuristics(
@@ -715,29 +630,32 @@ def _launch_dense(x2: torch.Tensor, weight: NVFP4Tensor, y2: torch.Tensor, confi
 
 
 def w4a16_linear_into(
-    x: torch.Tensor, weight: NVFP4Tensor, out: torch.Tensor, config: dict[str, int] | None = None
+    x: torch.Tensor, weight: NVFP4Tensor, out: torch.Tensor, config: dict[str, Any] | None = None,
+    kernel: str | None = None,
 ) -> torch.Tensor:
     """Write ``x @ dq(W).T`` into ``out [..., N]`` (``x.dtype``) and return it.
 
-    ``config`` (``BLOCK_N``, ``BLOCK_K``, ``SPLIT_K``, optional ``num_warps``/``num_stages``) skips the
-    autotuner; the default autotunes per (token bucket, N, K, dtype), or on sm_90 sends decode calls
-    (up to :data:`WS_DENSE_MAX_M` rows, K a multiple of 256) to the warp-specialized dense kernel.
+    ``kernel``: None follows :mod:`~megatron_quads.kernels.dispatch` (on sm_90 up to 16 rows with K a
+    multiple of 256 the warp-specialized dense kernel, else the Triton one), ``"triton"`` or ``"ws"``
+    picks one (``"ws"`` raises ``ValueError`` where it cannot run). ``config`` is the chosen kernel's:
+    for Triton ``BLOCK_N``, ``BLOCK_K``, ``SPLIT_K``, optional ``num_warps``/``num_stages`` (skipping
+    its autotuner, which keys on token bucket, N and K), for ``"ws"`` see
+    :func:`~megatron_quads.kernels.w4a16_ws_dense.w4a16_ws_linear_into`; a config without ``kernel``
+    runs the Triton kernel.
     """
     if len(weight.shape) != 2:
         raise ValueError(f"w4a16_linear_kernel needs an [N, K] weight, got shape {tuple(weight.shape)}")
     n, k = weight.shape
     _check_weight_parts(x, weight, k)
     _check_out(out, (*x.shape[:-1], n), (x.dtype,), x.device)
-    _check_config(config)
-    if out.numel() == 0:
-        return out
     x2 = _rows_contiguous(x.reshape(-1, k))
     y2 = out.view(-1, n)
-    ws_dense = _gluon_module("w4a16_ws_dense") if config is None and _WS_DENSE_DISPATCH else None
-    if ws_dense is not None and x2.shape[0] <= WS_DENSE_MAX_M and y2.stride(1) == 1 and ws_dense.supports(x2, weight):
-        ws_dense.w4a16_ws_linear_into(x2, weight, y2)
+    if resolve_dense_w4a16(kernel, config, x2, k, y2) == "ws":
+        gluon_module("w4a16_ws_dense").w4a16_ws_linear_into(x2, weight, y2, config)
         return out
-    _launch_dense(x2, weight, y2, config)
+    _check_config(config)
+    if out.numel():
+        _launch_dense(x2, weight, y2, config)
     return out
 
 
@@ -814,11 +732,18 @@ def grouped_w4a16_into(
     row_scale: torch.Tensor | None = None,
     x_mma_order: bool = False,
     y_mma_order: bool = False,
+    kernel: str | None = None,
 ) -> torch.Tensor:
     """Write the grouped W4A16 product into ``out [T, N]`` and return it (see :func:`grouped_w4a16_kernel`).
 
     Only shapes are checked (no host synchronisation): ``expert_offsets`` must rise from 0 to ``T``.
-    ``config`` (``BLOCK_N``, ``BLOCK_K``, optional ``BLOCK_M``/``num_warps``/``num_stages``) skips the autotuner.
+    ``kernel``: None follows :mod:`~megatron_quads.kernels.dispatch` (on sm_90 x-in-K-order calls, a
+    tail permitting, run the warp-specialized grouped kernel, others the Triton one), ``"triton"``
+    or ``"ws"`` picks one (``"ws"`` raises ``ValueError`` where it cannot run). ``config`` is the
+    chosen kernel's: for Triton ``BLOCK_N``, ``BLOCK_K``, optional ``BLOCK_M``/``num_warps``/
+    ``num_stages`` (skipping its autotuner), for ``"ws"`` see
+    :func:`~megatron_quads.kernels.w4a16_ws.grouped_w4a16_ws_into`; a config without ``kernel`` runs
+    the Triton kernel.
     ``x_mma_order`` says x's rows are already in the kernel's K order for :data:`X_ORDER_BLOCK_K`
     (:func:`mma_k_order_rows`): x tiles then go from shared memory to the MMA as loaded, and every
     config (autotuned or given) uses that ``BLOCK_K``. ``y_mma_order`` writes each row of ``out`` in
@@ -845,19 +770,21 @@ def grouped_w4a16_into(
         raise ValueError(f"weight_scale_2 must hold 1 or {num_experts} values, got shape {tuple(weight.weight_scale_2.shape)}")
     # the RAC path (row_scale) writes the caller's dtype; plain W4A16 writes x's
     _check_out(out, (x.shape[0], n), (x.dtype,) if row_scale is None else _OUT_DTYPES, x.device)
-    _check_config(config)
-    if x_mma_order and (k % X_ORDER_BLOCK_K or k2 % X_ORDER_BLOCK_K
-                        or (config is not None and config["BLOCK_K"] != X_ORDER_BLOCK_K)):
+    if x_mma_order and (k % X_ORDER_BLOCK_K or k2 % X_ORDER_BLOCK_K):
         raise ValueError(f"x_mma_order needs K % {X_ORDER_BLOCK_K} == 0 and the tail's K2 % {X_ORDER_BLOCK_K} == 0 "
-                         f"(got K={k}, K2={k2}) and BLOCK_K {X_ORDER_BLOCK_K} in a given config")
+                         f"(got K={k}, K2={k2})")
     if y_mma_order and n % X_ORDER_BLOCK_K:
         raise ValueError(f"y_mma_order needs N % {X_ORDER_BLOCK_K} == 0 (whole K-order blocks), got N={n}")
+    if resolve_grouped_w4a16(kernel, config, x, k, k2, x_mma_order) == "ws":
+        if out.numel() == 0:
+            return out
+        return gluon_module("w4a16_ws").grouped_w4a16_ws_into(x, weight, expert_offsets.to(x.device), out, config,
+                                                              y_mma_order=y_mma_order, tail=tail, row_scale=row_scale)
+    _check_config(config)
+    if x_mma_order and config is not None and config["BLOCK_K"] != X_ORDER_BLOCK_K:
+        raise ValueError(f"x_mma_order needs BLOCK_K {X_ORDER_BLOCK_K} in a given config, got {config['BLOCK_K']}")
     if out.numel() == 0:
         return out
-    ws = warp_specialized_grouped(x.device, k, k2) if x_mma_order and config is None else None
-    if ws is not None and x.dtype == torch.bfloat16:
-        return ws.grouped_w4a16_ws_into(x, weight, expert_offsets.to(x.device), out, y_mma_order=y_mma_order,
-                                            tail=tail, row_scale=row_scale)
     x = _rows_contiguous(x)
     codes, scales = _operands(weight)
     tail_codes, tail_scales = (codes, scales) if tail is None else _operands(tail)  # never read without a tail

@@ -1,44 +1,35 @@
 """Grouped (MoE) W4A16 in Gluon with warp specialization: a loader warp streams, the MMA warps compute.
 
 The Triton grouped kernel (:func:`~megatron_quads.kernels.w4a16.grouped_w4a16_into`) issues its
-loads, the dequantization and the wgmma from the same warps; at 512 tokens its profile shows 40% of
-the issue slots busy with ~2 warps a scheduler, and a copy of it without the dequantization still
-takes 111 us of the 125 (docs/kernels.md): the warps wait on their own pipeline. Here the work is split
-the way Hopper GEMMs are (``gl.warp_specialize``):
+loads, the dequantization and the wgmma from the same warps, which then wait on their own pipeline
+(its profile is in docs/kernels.md). Here the work is split the way Hopper GEMMs are
+(``gl.warp_specialize``):
 
 * persistent programs (``CTAS_PER_SM`` an SM) take the ``E * N / BN`` (expert, N tile) pairs
   ``p, p + P, ...`` expert-major, or (``DYNAMIC``, the default up to K 1024) pair ``p`` and then the
   next one a shared counter hands out, each over its expert's rows in token tiles of ``BM`` (a
   half-width tile for the last ``BM / 2`` rows or fewer, as the Triton kernel does);
 * one loader warp (:func:`_load_partition`) walks them and puts each K step's code words
-  ``[BN, BK/8]`` (int32), with ``SCALE_RING`` their scale bytes ``[BN, BK/16]``, and x (bf16,
-  already in the MMA K order of :func:`~megatron_quads.kernels.w4a16.mma_k_order_rows`;
+  ``[BN, BK/8]`` (int32), at ``BLOCK_K`` 256 their scale bytes ``[BN, BK/16]`` (``SCALE_RING``), and
+  x (bf16, already in the MMA K order of :func:`~megatron_quads.kernels.w4a16.mma_k_order_rows`;
   ``BK / 64`` tiles of ``[BM, 64]`` by half-height boxes) into a ring of ``STAGES`` shared-memory
   stages by TMA, each stage completing a ``ready`` mbarrier;
 * the MMA warps (the default partition, ``BN / 64`` warpgroups, :func:`_mma_partition`) wait on it,
   read a 128-wide sub-step's words into the registers of the wgmma A operand (the K permutation of
-  :func:`~megatron_quads.kernels.w4a16_mma._dequant_a`: no data moves between threads),
+  :func:`_dequant_a`: no data moves between threads),
   dequantize them and issue register-A wgmma against the x tiles in shared memory; the next
   sub-step's words are read while they run, and a stage goes back to the loader (its ``empty``
-  mbarrier) once the wgmma that read it have retired. Without ``SCALE_RING`` (``BLOCK_K`` 128) the
-  MMA warps load the scale bytes (1/9 of the weight bytes) themselves, one sub-step ahead; the scale
-  ring took 6% off the gate/up time at 512 tokens (docs/kernels.md).
+  mbarrier) once the wgmma that read it have retired. At ``BLOCK_K`` 128 (K not a multiple of 256)
+  the MMA warps load the scale bytes (1/9 of the weight bytes) themselves, one sub-step ahead.
 
-``ROTATED`` decodes code words rewritten into the layout of
-:mod:`~megatron_quads.kernels.word_layout` (9 integer instructions a word instead of 13),
-built once per weight and kept beside it: a second copy of the code words, so it is not a default.
-
-Same operands, products and K order of the fp32 accumulation as the Triton kernel (bit for bit its
-output in every benchmark and GPU test so far). Dispatched by
-:func:`~megatron_quads.kernels.w4a16.grouped_w4a16_into` for x in K order on sm_90 (1.19-1.20x
-the Triton kernel's speed at 512 tokens, 2.54x / 2.56x BF16 ``grouped_mm`` for gate/up / down,
-docs/kernels.md); ``bench_kernels.py --only grouped_ws`` times its configs. Needs ``K % BLOCK_K == 0``
-and x in the K order of 128-blocks.
+Same operands, products and K order of the fp32 accumulation as the Triton kernel, so the same bits
+(GPU-tested). Which calls run here is :mod:`~megatron_quads.kernels.dispatch`'s rule (sm_90, x in
+K order); ``benchmarks/bench_kernels.py --only grouped_ws`` times its configs against the Triton
+kernel and BF16 ``grouped_mm``. Needs ``K % BLOCK_K == 0`` and x in the K order of 128-blocks.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -55,8 +46,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from megatron_quads.kernels.w4a16 import (
     _DEQUANT_WORD_PTX,
-    _INTERPRET,
     _OUT_DTYPES,
+    _SCALE_HALF_PTX,
     _X_ORDER_BLOCK,
     OPERAND_LOG2_SCALE,
     X_ORDER_BLOCK_K,
@@ -66,21 +57,125 @@ from megatron_quads.kernels.w4a16 import (
     _split_counters,
     check_grouped_bf16_call,
 )
-from megatron_quads.kernels.w4a16_mma import (
-    _dequant_a,
-    _row_bases,
-    _scale_pointers,
-    scale_bytes_layout,
-    words_layout,
-)
-from megatron_quads.kernels.w4a16_tma import words_ring_layout, words_tile_layout
-from megatron_quads.kernels.word_layout import (
-    ROTATED_DEQUANT_WORD_PTX,
-    rotated_code_words,
-)
 from megatron_quads.nvfp4.tensor import NVFP4Tensor
 
-_ROTATED_WORD_PTX = gl.constexpr(ROTATED_DEQUANT_WORD_PTX)
+# --------------------------------------------------------------------------------------------------
+# Register and shared-memory layouts of the weight operand (shared with w4a16_ws_dense)
+# --------------------------------------------------------------------------------------------------
+
+_SCALE_PAIRS_2_PTX = gl.constexpr(
+    "{\n.reg .b32 w, v, t, u, c;\nmov.b32 c, 0x7B007B00;\ncvt.u32.u16 w, $2;"
+    + _SCALE_HALF_PTX.replace("$4", "w").format(select="0x4140", lo=0, hi=1)
+    + "}\n"
+)
+"""Two E4M3 scale bytes (one 16-bit register) to two bf16x2 pairs ``(s, s)``, ``s = scale * 2^118``:
+the scale conversion of the Triton kernels (:data:`~megatron_quads.kernels.w4a16._SCALE_PAIRS_PTX`)
+for the 2-byte runs a thread holds of a 128-wide K step."""
+
+
+@gluon.constexpr_function
+def _bits(n: int) -> list[int]:
+    return [1 << b for b in range(n.bit_length() - 1)]
+
+
+@gluon.constexpr_function
+def _basis(rank: int, dim: int, value: int) -> list[int]:
+    out = [0] * rank
+    out[dim] = value
+    return out
+
+
+@gluon.constexpr_function
+def _row_bases(block_n: int, num_warps: int, rank: int) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+    """How the A fragments spread ``block_n`` weight rows: (lane, register, warp) bases.
+
+    Lanes 2-4 take rows 1, 2, 4 (the fragment's group id), one register row 8, the warps rows 16,
+    32, ..., and the remaining register bits the repeats of ``16 * num_warps`` rows.
+    """
+    lanes = [_basis(rank, 0, r) for r in (1, 2, 4)]
+    regs = [_basis(rank, 0, 8)]
+    warps = [_basis(rank, 0, 16 << w) for w in range(num_warps.bit_length() - 1)]
+    regs_rep = [_basis(rank, 0, 16 * num_warps * r) for r in _bits(block_n // (16 * num_warps))]
+    return lanes, regs + regs_rep, warps
+
+
+@gluon.constexpr_function
+def words_layout(block_n: int, block_k: int, num_warps: int) -> gl.DistributedLinearLayout:
+    """int32 code words ``[BN, 4, I]`` (row, thread-in-quad ``t``, word ``i``): thread ``t`` of a
+    quad holds words ``I t .. I t + I - 1`` of its rows, consecutive registers (16-byte loads)."""
+    i_words = block_k // 32
+    lanes, regs, warps = _row_bases(block_n, num_warps, 3)
+    return gl.DistributedLinearLayout(
+        reg_bases=[_basis(3, 2, b) for b in _bits(i_words)] + regs,
+        lane_bases=[_basis(3, 1, 1), _basis(3, 1, 2)] + lanes,
+        warp_bases=warps, block_bases=[], shape=[block_n, 4, i_words],
+    )
+
+
+@gluon.constexpr_function
+def scale_bytes_layout(block_n: int, block_k: int, num_warps: int) -> gl.DistributedLinearLayout:
+    """uint8 block scales ``[BN, 4, I/2]``: the ``I/2`` scales of a thread's ``I`` words (two words
+    a 16-block), consecutive registers."""
+    i_words = block_k // 32
+    lanes, regs, warps = _row_bases(block_n, num_warps, 3)
+    return gl.DistributedLinearLayout(
+        reg_bases=[_basis(3, 2, b) for b in _bits(i_words // 2)] + regs,
+        lane_bases=[_basis(3, 1, 1), _basis(3, 1, 2)] + lanes,
+        warp_bases=warps, block_bases=[], shape=[block_n, 4, i_words // 2],
+    )
+
+
+@gluon.constexpr_function
+def words_tile_layout(block_n: int, block_k: int, num_warps: int) -> gl.DistributedLinearLayout:
+    """int32 code words ``[BN, BK / 8]`` of one ring stage as :func:`words_layout` holds them
+    (thread ``t`` of a quad: words ``I t .. I t + I - 1`` of its rows), before the reshape to
+    ``[BN, 4, I]``."""
+    i_words = block_k // 32
+    lanes, regs, warps = _row_bases(block_n, num_warps, 2)
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, b] for b in _bits(i_words)] + regs, lane_bases=[[0, i_words], [0, 2 * i_words]] + lanes,
+        warp_bases=warps, block_bases=[], shape=[block_n, block_k // 8],
+    )
+
+
+@gluon.constexpr_function
+def words_ring_layout() -> gl.NVMMASharedLayout:
+    """The code-word ring's shared layout (also the TMA descriptor's): unswizzled rows of ``BK / 2``
+    bytes; at ``BK = 128`` the 8 lanes of a quarter warp read 4 x 16 bytes of two consecutive rows,
+    128 contiguous bytes (no bank conflict)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+
+
+@gluon.jit
+def _dequant_a(words, scale_bytes, A_LAYOUT: gl.constexpr, WORDS: gl.constexpr):
+    """Words ``[BN, 4, 4]`` and scale bytes ``[BN, 4, 2]`` of a 128-wide K step to the A operand
+    ``[BN, 128]`` (bf16 ``e2m1 * e4m3 * 2^-8``) in MMA K order: word ``4 t + i``'s nibbles ``q`` and
+    ``q + 4`` (``q = 2 q1 + q0``) become logical columns ``32 i + 16 q1 + 8 q0 + 2 t + (0, 1)``."""
+    BN: gl.constexpr = words.shape[0]
+    I: gl.constexpr = words.shape[2]
+    gl.static_assert(I == 4, "_dequant_a takes the words of a 128-wide K step")
+    pairs = gl.inline_asm_elementwise(_SCALE_PAIRS_2_PTX, "=r,=r,h", [scale_bytes], dtype=gl.int32,
+                                      is_pure=True, pack=2)
+    pairs = gl.convert_layout(gl.reshape(gl.join(pairs, pairs), (BN, 4, I)), WORDS, assert_trivial=True)
+    o = gl.inline_asm_elementwise(_DEQUANT_WORD_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, pairs],
+                                  dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
+    # dims after the joins: (BN, t, i, h, q0, q1)
+    v = gl.join(gl.join(gl.join(o[0], o[1]), gl.join(o[2], o[3])), gl.join(gl.join(o[4], o[5]), gl.join(o[6], o[7])))
+    v = gl.permute(v, (0, 2, 5, 4, 1, 3))  # (BN, i, q1, q0, t, h)
+    return gl.convert_layout(gl.reshape(v, (BN, 32 * I)), A_LAYOUT, assert_trivial=True)
+
+
+@gluon.jit
+def _scale_pointers(scales_ptr, row0, N, stride_sn, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                    SCALES: gl.constexpr):
+    """Pointers to the first K step's scale bytes ``[BN, 4, I/2]`` of rows ``row0 ..`` (rows past N
+    clamped), in :func:`scale_bytes_layout`."""
+    I: gl.constexpr = BLOCK_K // 32
+    sr = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, SCALES)))
+    st = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, SCALES)))
+    si = gl.arange(0, I // 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, SCALES)))
+    s_rows = gl.minimum(row0 + sr, N - 1).to(gl.int64)
+    return scales_ptr + (s_rows * stride_sn)[:, None, None] + (st * (I // 2))[None, :, None] + si[None, None, :]
 
 
 @gluon.constexpr_function
@@ -111,7 +206,7 @@ def scales_ring_layout() -> gl.NVMMASharedLayout:
 @gluon.constexpr_function
 def scales_tile_layout(block_n: int, num_warps: int) -> gl.DistributedLinearLayout:
     """uint8 scale bytes ``[BN, 8]`` of one 128-wide sub-step as
-    :func:`~megatron_quads.kernels.w4a16_mma.scale_bytes_layout` holds them (thread ``t`` of a
+    :func:`scale_bytes_layout` holds them (thread ``t`` of a
     quad: bytes ``2 t, 2 t + 1`` of its rows), before the reshape to ``[BN, 4, 2]``."""
     lanes, regs, warps = _row_bases(block_n, num_warps, 2)
     return gl.DistributedLinearLayout(reg_bases=[[0, 1]] + regs, lane_bases=[[0, 2], [0, 4]] + lanes,
@@ -132,7 +227,7 @@ def _k_order_position(cols, BLOCK_K: gl.constexpr):
 @gluon.jit
 def _load_tile(tile, lo, hi, step, w_desc, x_desc, s_desc, t_desc, ts_desc, ring_w, ring_x, ring_s, ready, empty, N,
                k_main, k_steps, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-               STAGES: gl.constexpr, HALF_TILE: gl.constexpr, SCALE_RING: gl.constexpr, HAS_TAIL: gl.constexpr):
+               STAGES: gl.constexpr, SCALE_RING: gl.constexpr, HAS_TAIL: gl.constexpr):
     """Every (token tile, K step) of (expert, N tile) pair ``tile`` (its expert's rows ``lo:hi``)
     into the ring from ring step ``step`` on: the weight rows' code words (and scale bytes), from
     the tail's descriptors ``t_desc`` / ``ts_desc`` for the steps past ``k_main`` (``HAS_TAIL``: x
@@ -144,7 +239,7 @@ def _load_tile(tile, lo, hi, step, w_desc, x_desc, s_desc, t_desc, ts_desc, ring
     expert = tile // n_tiles
     row0 = expert * N + (tile % n_tiles) * BLOCK_N
     for m0 in range(lo, hi, BLOCK_M):
-        half = (hi - m0 <= BLOCK_M // 2).to(gl.int32) * HALF_TILE  # as the MMA warps decide
+        half = (hi - m0 <= BLOCK_M // 2).to(gl.int32)  # as the MMA warps decide
         for kt in range(k_steps):
             stage = step % STAGES
             # a fresh mbarrier counts as having completed the phase before 0: the first lap waits on nothing
@@ -228,8 +323,8 @@ def _take_tile(count, queue, taken, NUM_WARPS: gl.constexpr):
 @gluon.jit
 def _load_partition(w_desc, x_desc, s_desc, t_desc, ts_desc, ring_w, ring_x, ring_s, ready, empty, queue, queued, taken,
                     offsets_ptr, ws2_ptr, sched_ptr, N, K, K2, num_tiles, n_tiles, stride_w2, BLOCK_M: gl.constexpr,
-                    BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, HALF_TILE: gl.constexpr,
-                    SCALE_RING: gl.constexpr, DYNAMIC: gl.constexpr, HAS_TAIL: gl.constexpr):
+                    BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, SCALE_RING: gl.constexpr,
+                    DYNAMIC: gl.constexpr, HAS_TAIL: gl.constexpr):
     """The loader warp: the program's tiles (:func:`_load_tile`) in the MMA warps' order. Static:
     tiles ``p, p + P, ...``. ``DYNAMIC``: tile ``p``, then whichever tile the shared counter at
     ``sched_ptr`` hands out next (taken one tile ahead, so its latency hides behind the loads), each
@@ -248,8 +343,8 @@ def _load_partition(w_desc, x_desc, s_desc, t_desc, ts_desc, ring_w, ring_x, rin
             lo, hi, weight_scale_2 = _expert_params(tile, n_tiles, offsets_ptr, ws2_ptr, stride_w2)
             _publish_tile(count, tile, lo, hi, weight_scale_2.to(gl.int32, bitcast=True), queue, queued, taken)
             step = _load_tile(tile, lo, hi, step, w_desc, x_desc, s_desc, t_desc, ts_desc, ring_w, ring_x, ring_s,
-                              ready, empty, N, k_main, k_steps, n_tiles, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, HALF_TILE,
-                              SCALE_RING, HAS_TAIL)
+                              ready, empty, N, k_main, k_steps, n_tiles, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, SCALE_RING,
+                              HAS_TAIL)
             count += 1
             tile = next_tile
         _publish_tile(count, tile, 0, 0, 0, queue, queued, taken)  # past the last pair: the MMA warps stop
@@ -262,8 +357,8 @@ def _load_partition(w_desc, x_desc, s_desc, t_desc, ts_desc, ring_w, ring_x, rin
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             lo, hi, _ = _expert_params(tile, n_tiles, offsets_ptr, ws2_ptr, stride_w2)
             step = _load_tile(tile, lo, hi, step, w_desc, x_desc, s_desc, t_desc, ts_desc, ring_w, ring_x, ring_s,
-                              ready, empty, N, k_main, k_steps, n_tiles, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, HALF_TILE,
-                              SCALE_RING, HAS_TAIL)
+                              ready, empty, N, k_main, k_steps, n_tiles, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, SCALE_RING,
+                              HAS_TAIL)
 
 
 @gluon.jit
@@ -310,8 +405,7 @@ def _x_operand(ring_x, index, TILE_M: gl.constexpr):
 
 @gluon.jit
 def _k_loop(acc, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps,
-            BLOCK_K: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, ROTATED: gl.constexpr,
-            SCALE_RING: gl.constexpr):
+            BLOCK_K: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, SCALE_RING: gl.constexpr):
     """``acc [BN, BM'] += dq(W) @ x^T`` over all K steps of one token tile (``BM'`` the first rows of
     each x stage), ring steps ``step ..``; returns ``(acc, next step)``. A step of ``BLOCK_K`` 256
     is two 128-wide sub-steps (x's K order is per 128 columns) behind one ring wait and release.
@@ -329,7 +423,6 @@ def _k_loop(acc, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps,
     A_HALF: gl.constexpr = A_LAYOUT  # the same register map on a [BN, 64] operand
     WORDS: gl.constexpr = words_layout(BLOCK_N, _X_ORDER_BLOCK, NUM_WARPS)
     WTILE: gl.constexpr = words_tile_layout(BLOCK_N, _X_ORDER_BLOCK, NUM_WARPS)
-    WORD_PTX: gl.constexpr = _ROTATED_WORD_PTX if ROTATED else _DEQUANT_WORD_PTX
     SCALES: gl.constexpr = scale_bytes_layout(BLOCK_N, _X_ORDER_BLOCK, NUM_WARPS)
     STILE: gl.constexpr = scales_tile_layout(BLOCK_N, NUM_WARPS)
     last = k_steps * SUBS - 1
@@ -343,7 +436,7 @@ def _k_loop(acc, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps,
         for j in gl.static_range(SUBS):
             if not SCALE_RING:  # the next sub-step's scale bytes from global memory, one sub-step ahead
                 s1 = gl.load(s_ptrs + gl.minimum(kt * SUBS + j + 1, last) * (_X_ORDER_BLOCK // 16))
-            a_lo, a_hi = _k_halves(_dequant_a(words, s0, A_LAYOUT, WORDS, WORD_PTX), A_HALF)
+            a_lo, a_hi = _k_halves(_dequant_a(words, s0, A_LAYOUT, WORDS), A_HALF)
             x0 = (stage * SUBS + j) * 2
             acc = warpgroup_mma(a_lo, _x_operand(ring_x, x0, TILE_M), acc, is_async=True)
             acc = warpgroup_mma(a_hi, _x_operand(ring_x, x0 + 1, TILE_M), acc, is_async=True)
@@ -396,12 +489,12 @@ def _store_rows(acc, y_ptr, weight_scale_2, row_scale_ptr, row0, N, m0, hi, stri
 def _token_tile(TILE_M: gl.constexpr, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps, y_ptr,
                 weight_scale_2, row_scale_ptr, n0, N, m0, hi, stride_ym, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                 STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, Y_MMA_ORDER: gl.constexpr, EVEN_N: gl.constexpr,
-                Y_I32: gl.constexpr, ROTATED: gl.constexpr, SCALE_RING: gl.constexpr, ROW_SCALE: gl.constexpr):
+                Y_I32: gl.constexpr, SCALE_RING: gl.constexpr, ROW_SCALE: gl.constexpr):
     """Rows ``m0 .. hi`` (at most ``TILE_M``: the first rows of each x tile) times the N tile
     (output columns ``n0 ..``) over the whole K, stored; returns the next ring step."""
     acc = gl.zeros((BLOCK_N, TILE_M), gl.float32, layout=wgmma_layout(TILE_M, NUM_WARPS))
     acc, step = _k_loop(acc, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps, BLOCK_K, STAGES, NUM_WARPS,
-                        ROTATED, SCALE_RING)
+                        SCALE_RING)
     _store_rows(acc, y_ptr, weight_scale_2, row_scale_ptr, n0, N, m0, hi, stride_ym, NUM_WARPS, Y_MMA_ORDER, EVEN_N,
                 Y_I32, ROW_SCALE)
     return step
@@ -411,8 +504,8 @@ def _token_tile(TILE_M: gl.constexpr, ring_w, ring_x, ring_s, ready, empty, s_pt
 def _mma_tile(tile, lo, hi, weight_scale_2, step, ring_w, ring_x, ring_s, ready, empty, scales_ptr, y_ptr, row_scale_ptr,
               N, k_steps, n_tiles, stride_se, stride_sn, stride_ym,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-              NUM_WARPS: gl.constexpr, HALF_TILE: gl.constexpr, Y_MMA_ORDER: gl.constexpr, EVEN_N: gl.constexpr,
-              Y_I32: gl.constexpr, ROTATED: gl.constexpr, SCALE_RING: gl.constexpr, ROW_SCALE: gl.constexpr):
+              NUM_WARPS: gl.constexpr, Y_MMA_ORDER: gl.constexpr, EVEN_N: gl.constexpr, Y_I32: gl.constexpr,
+              SCALE_RING: gl.constexpr, ROW_SCALE: gl.constexpr):
     """(expert, N tile) pair ``tile`` (its expert's rows ``lo:hi``): its token tiles in the loader's
     order, each over the whole K from ring step ``step`` on, then stored; returns the next ring step."""
     SCALES: gl.constexpr = scale_bytes_layout(BLOCK_N, _X_ORDER_BLOCK, NUM_WARPS)  # a 128-wide sub-step's
@@ -421,14 +514,14 @@ def _mma_tile(tile, lo, hi, weight_scale_2, step, ring_w, ring_x, ring_s, ready,
     s_ptrs = _scale_pointers(scales_ptr + expert.to(gl.int64) * stride_se, n0, N, stride_sn, BLOCK_N,
                              _X_ORDER_BLOCK, SCALES)
     for m0 in range(lo, hi, BLOCK_M):
-        if HALF_TILE and hi - m0 <= BLOCK_M // 2:  # the last (often only) tile of a small expert
+        if hi - m0 <= BLOCK_M // 2:  # the last (often only) tile of a small expert: a half-width tile
             step = _token_tile(BLOCK_M // 2, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps, y_ptr,
                                weight_scale_2, row_scale_ptr, n0, N, m0, hi, stride_ym, BLOCK_N, BLOCK_K, STAGES,
-                               NUM_WARPS, Y_MMA_ORDER, EVEN_N, Y_I32, ROTATED, SCALE_RING, ROW_SCALE)
+                               NUM_WARPS, Y_MMA_ORDER, EVEN_N, Y_I32, SCALE_RING, ROW_SCALE)
         else:
             step = _token_tile(BLOCK_M, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps, y_ptr,
                                weight_scale_2, row_scale_ptr, n0, N, m0, hi, stride_ym, BLOCK_N, BLOCK_K, STAGES,
-                               NUM_WARPS, Y_MMA_ORDER, EVEN_N, Y_I32, ROTATED, SCALE_RING, ROW_SCALE)
+                               NUM_WARPS, Y_MMA_ORDER, EVEN_N, Y_I32, SCALE_RING, ROW_SCALE)
     return step
 
 
@@ -436,8 +529,8 @@ def _mma_tile(tile, lo, hi, weight_scale_2, step, ring_w, ring_x, ring_s, ready,
 def _mma_partition(ring_w, ring_x, ring_s, ready, empty, queue, queued, taken, scales_ptr, ws2_ptr, offsets_ptr, y_ptr,
                    row_scale_ptr, N, K, K2, num_tiles, n_tiles, stride_se, stride_sn, stride_w2, stride_ym,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                   NUM_WARPS: gl.constexpr, HALF_TILE: gl.constexpr, Y_MMA_ORDER: gl.constexpr, EVEN_N: gl.constexpr,
-                   Y_I32: gl.constexpr, ROTATED: gl.constexpr, SCALE_RING: gl.constexpr, DYNAMIC: gl.constexpr,
+                   NUM_WARPS: gl.constexpr, Y_MMA_ORDER: gl.constexpr, EVEN_N: gl.constexpr,
+                   Y_I32: gl.constexpr, SCALE_RING: gl.constexpr, DYNAMIC: gl.constexpr,
                    ROW_SCALE: gl.constexpr):
     """The MMA warps: the program's tiles in the loader's order (``DYNAMIC``: as the tile queue
     gives them), each stored while the loader already fills the ring for the next."""
@@ -450,8 +543,8 @@ def _mma_partition(ring_w, ring_x, ring_s, ready, empty, queue, queued, taken, s
             lo, hi, weight_scale_2 = _take_tile(count, queue, taken, NUM_WARPS)
             step = _mma_tile(tile, lo, hi, weight_scale_2, step, ring_w, ring_x, ring_s, ready, empty, scales_ptr,
                              y_ptr, row_scale_ptr, N, k_steps, n_tiles, stride_se, stride_sn, stride_ym, BLOCK_M,
-                             BLOCK_N, BLOCK_K, STAGES, NUM_WARPS, HALF_TILE, Y_MMA_ORDER, EVEN_N, Y_I32, ROTATED,
-                             SCALE_RING, ROW_SCALE)
+                             BLOCK_N, BLOCK_K, STAGES, NUM_WARPS, Y_MMA_ORDER, EVEN_N, Y_I32, SCALE_RING,
+                             ROW_SCALE)
             count += 1
             tile = _peek_tile(count, queue, queued, NUM_WARPS)
     else:
@@ -459,8 +552,8 @@ def _mma_partition(ring_w, ring_x, ring_s, ready, empty, queue, queued, taken, s
             lo, hi, weight_scale_2 = _expert_params(tile, n_tiles, offsets_ptr, ws2_ptr, stride_w2)
             step = _mma_tile(tile, lo, hi, weight_scale_2, step, ring_w, ring_x, ring_s, ready, empty, scales_ptr,
                              y_ptr, row_scale_ptr, N, k_steps, n_tiles, stride_se, stride_sn, stride_ym, BLOCK_M,
-                             BLOCK_N, BLOCK_K, STAGES, NUM_WARPS, HALF_TILE, Y_MMA_ORDER, EVEN_N, Y_I32, ROTATED,
-                             SCALE_RING, ROW_SCALE)
+                             BLOCK_N, BLOCK_K, STAGES, NUM_WARPS, Y_MMA_ORDER, EVEN_N, Y_I32, SCALE_RING,
+                             ROW_SCALE)
 
 
 TILE_QUEUE_SLOTS = 4
@@ -474,8 +567,8 @@ def _grouped_ws_kernel(
     w_desc, x_desc, s_desc, t_desc, ts_desc, scales_ptr, ws2_ptr, offsets_ptr, sched_ptr, y_ptr, row_scale_ptr,
     N, K, K2, num_tiles, n_tiles, stride_se, stride_sn, stride_w2, stride_ym,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-    NUM_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, HALF_TILE: gl.constexpr, Y_MMA_ORDER: gl.constexpr,
-    EVEN_N: gl.constexpr, Y_I32: gl.constexpr, ROTATED: gl.constexpr, SCALE_RING: gl.constexpr, DYNAMIC: gl.constexpr,
+    NUM_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, Y_MMA_ORDER: gl.constexpr,
+    EVEN_N: gl.constexpr, Y_I32: gl.constexpr, SCALE_RING: gl.constexpr, DYNAMIC: gl.constexpr,
     HAS_TAIL: gl.constexpr, ROW_SCALE: gl.constexpr,
 ):
     """Persistent: the ``E * n_tiles`` (expert, N tile) pairs, expert-major (programs running together
@@ -509,44 +602,37 @@ def _grouped_ws_kernel(
     gl.warp_specialize([
         (_mma_partition, (ring_w, ring_x, ring_s, ready, empty, queue, queued, taken, scales_ptr, ws2_ptr, offsets_ptr,
                           y_ptr, row_scale_ptr, N, K, K2, num_tiles, n_tiles, stride_se, stride_sn, stride_w2,
-                          stride_ym, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, NUM_WARPS, HALF_TILE, Y_MMA_ORDER, EVEN_N,
-                          Y_I32, ROTATED, SCALE_RING, DYNAMIC, ROW_SCALE)),
+                          stride_ym, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, NUM_WARPS, Y_MMA_ORDER, EVEN_N, Y_I32,
+                          SCALE_RING, DYNAMIC, ROW_SCALE)),
         (_load_partition, (w_desc, x_desc, s_desc, t_desc, ts_desc, ring_w, ring_x, ring_s, ready, empty, queue, queued,
                            taken, offsets_ptr, ws2_ptr, sched_ptr, N, K, K2, num_tiles, n_tiles, stride_w2, BLOCK_M,
-                           BLOCK_N, BLOCK_K, STAGES, HALF_TILE, SCALE_RING, DYNAMIC, HAS_TAIL)),
+                           BLOCK_N, BLOCK_K, STAGES, SCALE_RING, DYNAMIC, HAS_TAIL)),
     ], [1], [LOADER_REGS])
 
 
-DEFAULT_CONFIG = {"BLOCK_N": 128, "BLOCK_K": 128, "STAGES": 3, "num_warps": 8, "LOADER_REGS": 40, "HALF_TILE": 1,
-                  "CTAS_PER_SM": 2, "maxnreg": 80}
+DEFAULT_CONFIG = {"BLOCK_N": 128, "BLOCK_K": 128, "STAGES": 3, "num_warps": 8, "LOADER_REGS": 40, "CTAS_PER_SM": 2,
+                  "maxnreg": 80}
 """``num_warps`` (the MMA warps) must be ``BLOCK_N / 16``: one warpgroup a 64 weight rows. The grid is
 ``CTAS_PER_SM`` programs an SM (persistent), or ``PROGRAMS`` when the config gives it; ``maxnreg``
 the register budget the partitions split (0: the compiler's; two CTAs of 12 warps an SM need 80 or
-fewer). ``SCALE_RING``: the scale bytes by TMA in the ring (``BLOCK_K`` 256 only: TMA rows of 16
-bytes or more; ignored otherwise); ``ROTATED``: code words in the rotated layout (a cached second
-copy); ``DYNAMIC``: tiles handed out by a shared counter as programs free up instead of ``p, p + P,
-...`` (a token tile of 33-64 rows costs about twice one of 32 or fewer, inferred from the 64- and
-512-token times in docs/kernels.md, so the static split ends unevenly). :func:`default_config` puts :data:`WIDE_K_CONFIG`, :data:`SHORT_WIDE_K_CONFIG` or
-:data:`SHORT_K_CONFIG` over it: the fastest measured at Qwen3-30B-A3B expert shapes
-(``bench_kernels.py --quick --only grouped_ws``, H200, docs/kernels.md)."""
+fewer). ``BLOCK_K`` 256 brings the scale bytes through the ring (TMA rows of 16 bytes or more);
+``DYNAMIC``: tiles handed out by a shared counter as programs free up instead of ``p, p + P, ...``
+(a token tile of 33-64 rows costs about twice one of 32 or fewer, so the static split ends
+unevenly). :func:`default_config` puts :data:`WIDE_K_CONFIG`, :data:`SHORT_WIDE_K_CONFIG` or
+:data:`SHORT_K_CONFIG` over it: the fastest at Qwen3-30B-A3B expert shapes in
+``benchmarks/bench_kernels.py --only grouped_ws`` (docs/kernels.md)."""
 
-WIDE_K_CONFIG = {"BLOCK_K": 256, "STAGES": 2, "SCALE_RING": 1}
+WIDE_K_CONFIG = {"BLOCK_K": 256, "STAGES": 2}
 """Where 256 divides K: two 128-wide sub-steps a ring stage (one ring wait and release, and their CTA
 barriers, a 256 K) and the scale bytes in the ring (instead of the MMA warps' global loads one
-sub-step ahead, which nothing hid at a tile's first step). Qwen3-30B-A3B, H200, 2026-11-30
-13:45 run: gate/up (K 2048) at 512 tokens 101.2 us against 108.0 without the scale ring; down (K 768)
-62.4 us against 63.9 for :data:`SHORT_K_CONFIG` (its default until then), and 41.1 against 49.6 at
-64 tokens."""
+sub-step ahead, which nothing hides at a tile's first step)."""
 
 SHORT_WIDE_K_CONFIG = {**WIDE_K_CONFIG, "DYNAMIC": 1}
 """:data:`WIDE_K_CONFIG` with the ``DYNAMIC`` schedule, for K up to 1024 (four 256-wide steps a
-tile). Qwen3-30B-A3B down (K 768), H200, 2026-11-30 session 13, four runs at 512 tokens: 58.7-60.1 us
-against 61.3-62.9 static (4-5%); at 64 tokens within 1% of static. Gate/up (K 2048) did not gain
-(-0.6% to +1.3% over the same runs), so wider K keeps the static split."""
+tile): faster at the down projection (K 768); at K 2048 the static split is as fast."""
 
 SHORT_K_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "STAGES": 3, "CTAS_PER_SM": 3}
-"""One warpgroup, three CTAs an SM, for K below 1024 that 256 does not divide: at K 768 with
-``BLOCK_K`` 128 it was the fastest (62.5-63.5 us at 512 tokens against 65.9-66.6 with two warpgroups)."""
+"""One warpgroup, three CTAs an SM, for K below 1024 that 256 does not divide (``BLOCK_K`` 128)."""
 
 
 def default_config(k: int) -> dict[str, int]:
@@ -554,16 +640,6 @@ def default_config(k: int) -> dict[str, int]:
     if k % 256 == 0:
         return {**DEFAULT_CONFIG, **(SHORT_WIDE_K_CONFIG if k <= 1024 else WIDE_K_CONFIG)}
     return {**DEFAULT_CONFIG, **(SHORT_K_CONFIG if k < 1024 else {})}
-
-
-@functools.cache
-def _hopper(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device) == (9, 0)
-
-
-def runs_on(device: torch.device) -> bool:
-    """Whether the kernel runs on ``device``: an sm_90 GPU (wgmma), not under the Triton interpreter."""
-    return device.type == "cuda" and not _INTERPRET and _hopper(device)
 
 
 def check_config(cfg: dict[str, Any], n: int, k: int) -> None:
@@ -617,7 +693,7 @@ def grouped_w4a16_ws_into(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets: 
         if tuple(tail.shape) != (num_experts, n, k2) or k2 == 0:
             raise ValueError(f"the tail weight must be [{num_experts}, {n}, K2] with K2 > 0, got {tuple(tail.shape)}")
         if not _scale_ring(cfg) or k2 % cfg["BLOCK_K"]:
-            raise ValueError(f"a tail runs on the scale ring: BLOCK_K 256 with SCALE_RING and K2 a multiple of it; "
+            raise ValueError(f"a tail runs on the scale ring: BLOCK_K 256 and K2 a multiple of it; "
                              f"got K2={k2} and {cfg} (pad the tail, or use grouped_w4a16_into's Triton kernel)")
     if row_scale is not None and (row_scale.shape != (x.shape[0],) or row_scale.dtype != torch.float32):
         raise ValueError(f"row_scale must be float32 [{x.shape[0]}], got {row_scale.dtype} {tuple(row_scale.shape)}")
@@ -626,15 +702,11 @@ def grouped_w4a16_ws_into(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets: 
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:  # TMA: 16-byte aligned rows
         x = x.contiguous()
     codes, scales = _operands(weight)
-    if cfg.get("ROTATED"):
-        codes = rotated_code_words(weight.codes, codes)
     stacked_scales = scales.reshape(num_experts * n, k // 16) if _scale_ring(cfg) else None
     w_desc, x_desc, s_desc = _descriptors(codes.reshape(num_experts * n, k // 8), x, stacked_scales, cfg)
     t_desc, ts_desc = w_desc, s_desc  # stand-ins the kernel does not read without a tail
     if tail is not None:
         tail_codes, tail_scales = _operands(tail)
-        if cfg.get("ROTATED"):
-            tail_codes = rotated_code_words(tail.codes, tail_codes)
         t_desc, _, ts_desc = _descriptors(tail_codes.reshape(num_experts * n, k2 // 8), x,
                                           tail_scales.reshape(num_experts * n, k2 // 16), cfg)
     ws2 = weight.weight_scale_2.reshape(-1).to(torch.float32)
@@ -672,8 +744,9 @@ def _descriptors(codes: torch.Tensor, x: torch.Tensor, scales: torch.Tensor | No
 
 
 def _scale_ring(cfg: dict[str, Any]) -> bool:
-    """``SCALE_RING`` takes effect at ``BLOCK_K`` 256 only: TMA rows need at least 16 scale bytes."""
-    return bool(cfg.get("SCALE_RING")) and cfg["BLOCK_K"] == 2 * X_ORDER_BLOCK_K
+    """Whether the scale bytes come through the ring (``SCALE_RING``): at ``BLOCK_K`` 256, where a
+    TMA row holds 16 scale bytes (the least TMA copies); at 128 the MMA warps load them."""
+    return cfg["BLOCK_K"] == 2 * X_ORDER_BLOCK_K
 
 
 Y_I32_LIMIT = 2**31
@@ -684,9 +757,9 @@ def _meta(cfg: dict[str, Any], y_mma_order: bool, n: int, y_elements: int, has_t
           row_scale: bool = False) -> dict[str, int]:
     """The kernel's compile-time arguments (``y_elements``: the span of the output's rows)."""
     return {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"], "STAGES": cfg["STAGES"],
-            "NUM_WARPS": cfg["num_warps"], "LOADER_REGS": cfg["LOADER_REGS"], "HALF_TILE": cfg["HALF_TILE"],
+            "NUM_WARPS": cfg["num_warps"], "LOADER_REGS": cfg["LOADER_REGS"],
             "Y_MMA_ORDER": int(y_mma_order), "EVEN_N": int(n % cfg["BLOCK_N"] == 0),
-            "Y_I32": int(y_elements < Y_I32_LIMIT), "ROTATED": cfg.get("ROTATED", 0),
+            "Y_I32": int(y_elements < Y_I32_LIMIT),
             "SCALE_RING": int(_scale_ring(cfg)), "DYNAMIC": cfg.get("DYNAMIC", 0), "HAS_TAIL": int(has_tail),
             "ROW_SCALE": int(row_scale)}
 

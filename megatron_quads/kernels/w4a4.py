@@ -10,9 +10,12 @@ Two kernels per linear, matching :mod:`megatron_quads.rollout.rac` / :mod:`megat
   tile into fp16 (``e2m1 * e4m3`` is exact in fp16), accumulates ``tl.dot`` in fp32 over the
   augmented K (the weight's K columns, then W_S's |S| columns) and applies
   ``alpha = a_decode[row] * w_decode`` in the epilogue;
-* or, for the sizes in :data:`W4A16_PATH_ROWS`, the prologue (:func:`activation_block_values_kernel`)
-  writes each row's bf16 block values (``e2m1 * e4m3``, exact) instead, and the W4A16 kernels (:func:`~megatron_quads.kernels.w4a16.w4a16_augmented_into`,
-  ``grouped_w4a16_into``) reduce them against ``[W, W_S]`` in one pass with ``alpha`` per row.
+* or, the default (no ``GemmConfig``), the prologue (:func:`activation_block_values_kernel`) writes
+  each row's bf16 block values (``e2m1 * e4m3``, exact) instead, and the W4A16 kernels
+  (:func:`~megatron_quads.kernels.w4a16.w4a16_augmented_into`, ``grouped_w4a16_into``) reduce them
+  against ``[W, W_S]`` in one pass with ``alpha`` per row: faster than the RAC GEMM at every size
+  measured (``benchmarks/bench_kernels.py --only rac``; the rule is in
+  :mod:`~megatron_quads.kernels.dispatch`).
 
 Hopper has no FP4 tensor cores, so this emulation is the W4A4 path there. All exactness-critical
 arithmetic uses IEEE divisions (``div_rn``) and bit manipulation, never fp8 casts, so the
@@ -30,7 +33,17 @@ import triton.language as tl
 
 from megatron_quads.nvfp4 import BLOCK_SIZE, NVFP4Tensor
 from megatron_quads.nvfp4.format import SUPPORTED_DTYPES
-from megatron_quads.nvfp4.triton_codec import e2m1_to_f32, unpack_e2m1
+from megatron_quads.nvfp4.triton_codec import (
+    RCP_6,
+    block_scale,
+    e2m1_code,
+    e2m1_to_f32,
+    e4m3_to_f32,
+    element_encode_scale,
+    global_scales,
+    round_f32_to,
+    unpack_e2m1,
+)
 from megatron_quads.kernels.w4a16 import (
     _X_ORDER_BLOCK,
     X_ORDER_BLOCK_K,
@@ -38,72 +51,9 @@ from megatron_quads.kernels.w4a16 import (
 )
 from megatron_quads.nvfp4.activation import ActivationScale
 
-# constexpr: the only kind of global a compiled (non-interpreted) Triton function may read
-_FLT_MAX = tl.constexpr(3.4028234663852886e38)
-_GLOBAL_DIVISOR = tl.constexpr(2688.0)  # 448 * 6
-_E4M3_MAX = tl.constexpr(448.0)
-_E4M3_MIN_NORMAL = tl.constexpr(0.015625)  # 2^-6
-_E4M3_SUBNORMAL_STEP = tl.constexpr(0.001953125)  # 2^-9
-
-
 # ----------------------------------------------------------------------------------------------
 # Device functions
 # ----------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _round_e4m3(v):
-    """Round fp32 ``v`` in ``[0, 448]`` to E4M3 nearest-even: ``(value fp32, byte int32)``.
-
-    Normals keep 3 mantissa bits by integer rounding of the fp32 bits (a carry moves into the
-    exponent); subnormals (step 2^-9) are rounded to an integer count of steps by adding 2^23, where
-    the fp32 ulp is 1 (``v * 512`` is exact). A count of 8 is byte 0x08, the smallest normal.
-    """
-    bits = v.to(tl.int32, bitcast=True)
-    lsb = (bits >> 20) & 1
-    rbits = (bits + 0x7FFFF + lsb) & -1048576  # clear the 20 dropped mantissa bits
-    normal_value = rbits.to(tl.float32, bitcast=True)
-    normal_byte = (((rbits >> 23) - 120) << 3) | ((rbits >> 20) & 7)
-    steps = (v * 512.0 + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
-    sub_value = steps.to(tl.float32) * _E4M3_SUBNORMAL_STEP
-    is_normal = v >= _E4M3_MIN_NORMAL
-    return tl.where(is_normal, normal_value, sub_value), tl.where(is_normal, normal_byte, steps)
-
-
-@triton.jit
-def _e4m3_to_f32(byte):
-    """E4M3 bytes (int32, 0..255) to their exact fp32 values (the NaN encoding is not special-cased)."""
-    exp = (byte >> 3) & 15
-    mant = byte & 7
-    normal = (((exp + 120) << 23) | (mant << 20)).to(tl.float32, bitcast=True)
-    value = tl.where(exp > 0, normal, mant.to(tl.float32) * _E4M3_SUBNORMAL_STEP)
-    return tl.where((byte & 128) != 0, -value, value)
-
-
-@triton.jit
-def _e2m1_code(scaled):
-    """fp32 values to E2M1 codes (int32): nearest-even with the strict thresholds of ``format.py``.
-
-    Ties at 0.25, 1.25, 2.5 and 5 stay down (``>``), ties at 0.75, 1.75 and 3.5 go up (``>=``);
-    saturates at 6; the sign bit is set for ``scaled < 0`` (so ``-0.0`` gives code 0).
-    """
-    mag = tl.abs(scaled)
-    index = (mag > 0.25).to(tl.int32) + (mag >= 0.75).to(tl.int32) + (mag > 1.25).to(tl.int32)
-    index += (mag >= 1.75).to(tl.int32) + (mag > 2.5).to(tl.int32) + (mag >= 3.5).to(tl.int32)
-    index += (mag > 5.0).to(tl.int32)
-    return index | ((scaled < 0).to(tl.int32) << 3)
-
-
-@triton.jit
-def _block_scale(block_amax, encode_div6):
-    """Block scales from fp32 block amaxes: ``e4m3(clamp(amax * (S_enc / 6), 448))``, as (fp32, byte)."""
-    return _round_e4m3(tl.minimum(block_amax * encode_div6, _E4M3_MAX))
-
-
-@triton.jit
-def _element_encode(scale_f32, decode):
-    """Per-block element scale ``min(1 / (scale * S_dec), FLT_MAX)`` with an IEEE division."""
-    return tl.minimum(tl.math.div_rn(1.0, scale_f32 * decode), _FLT_MAX)
 
 
 @triton.jit
@@ -111,9 +61,9 @@ def _quantize_pairs(even, odd, encode_div6, decode):
     """Quantize fp32 blocks given as even/odd halves ``[NB, 8]``: ``(packed bytes, scale bytes [NB],
     fp32 scales [NB])``."""
     block_amax = tl.maximum(tl.max(tl.abs(even), axis=1), tl.max(tl.abs(odd), axis=1))
-    scale_f32, scale_byte = _block_scale(block_amax, encode_div6)
-    encode = _element_encode(scale_f32, decode)[:, None]
-    packed = _e2m1_code(even * encode) | (_e2m1_code(odd * encode) << 4)
+    scale_byte, scale_f32 = block_scale(block_amax, encode_div6)
+    encode = element_encode_scale(scale_f32, decode)[:, None]
+    packed = e2m1_code(even * encode) | (e2m1_code(odd * encode) << 4)
     return packed, scale_byte, scale_f32
 
 
@@ -143,8 +93,8 @@ def _residual_at(x_row, channel, mask, encode_div6, decode, ws2):
     x = tl.load(x_row + channel, mask=mask, other=0.0).to(tl.float32)
     first = (channel // 16) * 16
     block = tl.load(x_row + first[:, :, None] + tl.arange(0, 16)[None, None, :], mask=mask[:, :, None], other=0.0)
-    scale_f32, _ = _block_scale(tl.max(tl.abs(block.to(tl.float32)), axis=2), encode_div6)
-    code = _e2m1_code(x * _element_encode(scale_f32, decode))
+    _, scale_f32 = block_scale(tl.max(tl.abs(block.to(tl.float32)), axis=2), encode_div6)
+    code = e2m1_code(x * element_encode_scale(scale_f32, decode))
     dq = (e2m1_to_f32(code) * scale_f32) * ws2
     return tl.where(mask, x - dq, 0.0)
 
@@ -191,11 +141,8 @@ def _quantize_rows_kernel(
             amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
     else:
         amax = tl.load(amax_ptr + expert * stride_amax)
-    encode = tl.minimum(tl.math.div_rn(_GLOBAL_DIVISOR, amax), _FLT_MAX)
-    encode = tl.where(encode == 0.0, 1.0, encode)
-    decode = tl.math.div_rn(1.0, encode)
-    encode_div6 = encode * tl.math.div_rn(1.0, 6.0)
-    ws2 = tl.math.div_rn(amax, _GLOBAL_DIVISOR)
+    encode, decode, ws2 = global_scales(amax)
+    encode_div6 = encode * RCP_6
     tl.store(decode_ptr + row, ws2)
 
     pair = tl.arange(0, 8)[None, :]
@@ -247,7 +194,7 @@ def _dequant_tile(codes_ptr, scales_ptr, rows, row_mask, stride_c, stride_s, b0,
     block = b0 // 8 + tl.arange(0, BLOCK_K // 16)
     scale_mask = row_mask[:, None] & (block < num_bytes // 8)[None, :]
     scale_byte = tl.load(scales_ptr + rows[:, None] * stride_s + block[None, :], mask=scale_mask, other=0)
-    scale = _e4m3_to_f32(scale_byte.to(tl.int32))
+    scale = e4m3_to_f32(scale_byte)
     scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_R, BLOCK_K // 16, 8)), (BLOCK_R, BLOCK_K // 2))
     low, high = unpack_e2m1(packed)
     return (low * scale).to(tl.float16), (high * scale).to(tl.float16)
@@ -277,19 +224,6 @@ def _accumulate(acc, a_codes, a_scales, a_rows, a_mask, stride_am, stride_asm,
             acc = tl.dot(a_even, tl.trans(w_even), acc)
             acc = tl.dot(a_odd, tl.trans(w_odd), acc)
     return acc
-
-
-@triton.jit
-def _to_output(y, dtype: tl.constexpr):
-    """Cast fp32 ``y`` to the output dtype with round-to-nearest-even.
-
-    For bf16 the rounding is done on the fp32 bits first, so the cast itself is exact: Triton's
-    interpreter truncates fp32 -> bf16 (the GPU rounds to nearest even), and this way both agree.
-    """
-    if dtype == tl.bfloat16:
-        bits = y.to(tl.int32, bitcast=True)
-        y = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-    return y.to(dtype)
 
 
 @triton.jit
@@ -366,7 +300,7 @@ def _rac_gemm_kernel(
         y = acc * alpha[:, None]
         ptrs = out_ptr + rows64[:, None] * stride_om + cols64[None, :] * stride_on
         mask = row_mask[:, None] & col_mask[None, :]
-    tl.store(ptrs, _to_output(y, out_ptr.dtype.element_ty), mask=mask)
+    tl.store(ptrs, round_f32_to(y, out_ptr.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -384,17 +318,6 @@ class GemmConfig:
     swap_ab: bool
     num_warps: int
     num_stages: int
-
-
-W4A16_PATH_ROWS = {"dense": 1 << 62, "grouped": 1 << 62}
-"""RAC linears of at most this many tokens (grouped: on average per expert) and no explicit
-``config`` run on the W4A16 kernels over :func:`activation_block_values_kernel`'s bf16 block values,
-``alpha`` per row in their epilogue; larger ones on :func:`_rac_gemm_kernel`. Every size by default:
-the W4A16 path was the faster one at every size measured on the H200 (``python
-benchmarks/bench_kernels.py --quick --only rac grouped``, 2026-11-30T04:24, plain W4A4): dense
-4096^2 16.8 against 69.8 us at M = 16 and 283.3 against 643.5 us at M = 2048, grouped gate/up 169.0
-against 680.8 us at 256 tokens and 1203.8 against 2362.2 us at 4096 (docs/kernels.md). Set a
-threshold (or 0) to send larger GEMMs, or all, to the RAC GEMM."""
 
 
 def gemm_config(rows_per_group: int) -> GemmConfig:
@@ -605,7 +528,7 @@ def _launch_gemm(
     residual_weight: NVFP4Tensor | None,
     out: torch.Tensor,
     expert_offsets: torch.Tensor | None,
-    config: GemmConfig | None = None,
+    config: GemmConfig,
 ) -> None:
     """Run the augmented-K GEMM on prologue outputs ``act`` into ``out [T, N]`` (2-D or 3-D weights)."""
     codes, scales, decode = act
@@ -623,7 +546,7 @@ def _launch_gemm(
     w_decode = weight.weight_scale_2.to(device=codes.device, dtype=torch.float32).reshape(-1)
     if w_decode.numel() not in (1, num_experts):
         raise ValueError(f"weight_scale_2 must hold 1 or {num_experts} values, got shape {tuple(weight.weight_scale_2.shape)}")
-    cfg = config or gemm_config(triton.cdiv(rows, num_experts))
+    cfg = config
     m_tiles = triton.cdiv(rows, cfg.block_m) + (min(rows, num_experts) if grouped else 0)
     grid = (m_tiles, triton.cdiv(n, cfg.block_n))
 
@@ -678,8 +601,9 @@ def rac_linear_kernel(
 
     ``x [..., K]``, ``weight [N, K]``, ``channels`` int ``[S]`` (empty or None: plain W4A4, then
     ``residual_weight`` may be None), ``residual_weight [N, S]`` sharing the weight's decode scale.
-    Returns ``[..., N]`` in ``x.dtype`` (written into ``out`` when given); ``config`` overrides the
-    GEMM tiles (default :func:`gemm_config`).
+    Returns ``[..., N]`` in ``x.dtype`` (written into ``out`` when given). Without ``config`` the
+    W4A16 kernels run over the prologue's block values; a ``config`` (e.g. :func:`gemm_config`) runs
+    the RAC GEMM with those tiles.
     """
     n, k = weight.shape
     if x.shape[-1] != k:
@@ -691,7 +615,7 @@ def rac_linear_kernel(
     rows = x2d.shape[0]
     if rows == 0:
         return y
-    if config is None and rows <= W4A16_PATH_ROWS["dense"]:
+    if config is None:
         # the prologue writes the bf16 block values of [q(x), q(r_S)] and the W4A16 split-K
         # kernel reduces them against [W, W_S] in one pass, alpha per row in its epilogue
         from megatron_quads.kernels.w4a16 import w4a16_augmented_into
@@ -740,7 +664,7 @@ def prepare_rac_tail(channels: torch.Tensor, residual_weight: NVFP4Tensor, in_fe
     the call there and the reduction ``K + S`` grows by at most :data:`TAIL_PAD_MAX_GROWTH`; otherwise
     (another device, no tail, a tail already whole steps) the inputs themselves. Run once when the
     weights load or move, not per call: the widened ``W_S`` is a copy."""
-    from megatron_quads.kernels.w4a16 import warp_specialized_tail_width
+    from megatron_quads.kernels.dispatch import warp_specialized_tail_width
 
     s = channels.shape[-1]
     width = warp_specialized_tail_width(torch.device(device), in_features, s) if s else 0
@@ -766,8 +690,9 @@ def grouped_rac_kernel(
     ``expert_offsets`` int ``[E + 1]`` on x's device, ``channels [E, S]`` and ``residual_weight
     [E, N, S]`` (both or neither). No host sync: the grid depends on T and E only, and tiles past
     the routed tokens exit at once. Returns ``[T, N]`` in ``x.dtype``; ``config`` as in
-    :func:`rac_linear_kernel` (the default picks tiles from the mean rows per expert). The tail is
-    used as given: :func:`prepare_rac_tail` puts it in the width this device runs best.
+    :func:`rac_linear_kernel` (``gemm_config`` of the mean rows per expert gives the RAC GEMM's
+    usual tiles). The tail is used as given: :func:`prepare_rac_tail` puts it in the width this
+    device runs best.
     """
     from megatron_quads.nvfp4.stacked import check_grouped_shapes
 
@@ -781,12 +706,10 @@ def grouped_rac_kernel(
     if x.shape[0] == 0:
         return y
     offsets = expert_offsets.to(device=x.device, dtype=torch.int32).contiguous()
-    if config is None and triton.cdiv(x.shape[0], num_experts) <= W4A16_PATH_ROWS["grouped"]:
+    if config is None:
         # the grouped W4A16 kernel over the prologue's bf16 block values
-        from megatron_quads.kernels.w4a16 import (
-            grouped_w4a16_into,
-            warp_specialized_grouped,
-        )
+        from megatron_quads.kernels.dispatch import warp_specialized_grouped
+        from megatron_quads.kernels.w4a16 import grouped_w4a16_into
 
         # the block values in the warp-specialized kernel's K order where it takes the call (a tail
         # from prepare_rac_tail is whole ring steps there wherever widening it costs little)

@@ -1,6 +1,7 @@
 """Triton NVFP4 quantize and fake-quant kernels, bit-identical to :mod:`megatron_quads.nvfp4.quantize`.
 
-Every kernel follows the reference's fp32 operation order (which is Transformer Engine's):
+Every kernel follows the reference's fp32 operation order (which is Transformer Engine's), through
+the format's device functions (:mod:`megatron_quads.nvfp4.triton_codec`):
 
 * ``S_enc = min(2688 / amax, FLT_MAX)`` (1 where it is 0) and ``S_dec = 1 / S_enc``, both IEEE
   divisions (``div_rn``: Triton's ``/`` is approximate on the GPU);
@@ -34,35 +35,23 @@ from megatron_quads.nvfp4.quantize import (
     validate_input,
 )
 from megatron_quads.nvfp4.tensor import NVFP4Tensor
+from megatron_quads.nvfp4.triton_codec import (
+    INTERPRET,
+    RCP_6,
+    block_scale,
+    e2m1_code,
+    e2m1_magnitude,
+    element_encode_scale,
+    global_scales,
+    round_f32_to,
+)
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_INTERPRETED: tl.constexpr = tl.constexpr(_INTERPRET)
-
-_FLT_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)
-_RCP_6: tl.constexpr = tl.constexpr(0.1666666716337204)  # fp32(1/6), what torch.reciprocal(6.0) gives
-_E4M3_MAX: tl.constexpr = tl.constexpr(448.0)
 _AMAX_BLOCK = 4096
 _M_BUCKET_CAP = 1 << 14
 
 
 # ----------------------------------------------------------------------------------------- device math
-
-
-@triton.jit
-def _encode_scale(amax):
-    """``S_enc``: ``min(2688 / amax, FLT_MAX)``, 1 where the quotient is 0 (amax = inf)."""
-    enc = tl.math.div_rn(tl.full(amax.shape, 2688.0, tl.float32), amax)
-    enc = tl.minimum(enc, _FLT_MAX)
-    return tl.where(enc == 0.0, 1.0, enc)
-
-
-@triton.jit
-def _global_scales(amax):
-    """``(S_enc, S_dec, weight_scale_2)`` of fp32 ``amax`` (a scalar or a tensor)."""
-    enc = _encode_scale(amax)
-    dec = tl.math.div_rn(tl.full(enc.shape, 1.0, tl.float32), enc)
-    decode = tl.math.div_rn(amax, tl.full(amax.shape, 2688.0, tl.float32))
-    return enc, dec, decode
 
 
 @triton.jit
@@ -79,7 +68,7 @@ def _table_scales(amax_ptr, rows, row_mask, amax_div):
         index = rows
     else:
         index = rows // amax_div
-    return _global_scales(tl.load(amax_ptr + index, mask=row_mask, other=1.0))
+    return global_scales(tl.load(amax_ptr + index, mask=row_mask, other=1.0))
 
 
 @triton.jit
@@ -96,71 +85,6 @@ def _tile_rows(row_tile, mat_rows, ROWS: tl.constexpr, BLOCK_2D: tl.constexpr):
         rows = row_tile * ROWS + tl.arange(0, ROWS)
         row_mask = rows < mat_rows
     return rows, row_mask
-
-
-@triton.jit
-def _program_tile(K_MAJOR: tl.constexpr):
-    """``(K tile, first row tile)`` of this program in a ``(P, K tiles)`` grid: the grid's own axes,
-    or with ``K_MAJOR`` the program's launch rank split K tile first (ranks ``r`` and ``r + 1`` take
-    neighbouring K tiles of one row tile)."""
-    if K_MAJOR:
-        rank = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)  # launch order: axis 0 fastest
-        return rank % tl.num_programs(1), rank // tl.num_programs(1)
-    return tl.program_id(1), tl.program_id(0)
-
-
-@triton.jit
-def _e4m3_round(s):
-    """fp32 ``s`` in ``[0, 448]`` to float8_e4m3fn, round to nearest even: ``(byte int32, value fp32)``.
-
-    From 2^-6 up the fp32 mantissa is rounded to 3 bits on the bits (a carry may bump the exponent).
-    Below, values are ``k * 2^-9`` with ``k = rne(s * 2^9)`` in 0..8, read off the bits of
-    ``s * 2^9 + 2^23`` (exact product, one rounding); byte ``k`` encodes exactly that value.
-    """
-    b = s.to(tl.int32, bitcast=True)
-    normal_bits = (b + 0x7FFFF + ((b >> 20) & 1)) & -1048576  # clear the 20 dropped mantissa bits
-    magic = s * 512.0 + 8388608.0
-    is_normal = b >= 0x3C800000  # 2^-6
-    byte = tl.where(is_normal, (normal_bits >> 20) - 960, magic.to(tl.int32, bitcast=True) - 0x4B000000)
-    value = tl.where(is_normal, normal_bits.to(tl.float32, bitcast=True), (magic - 8388608.0) * 0.001953125)
-    return byte, value  # 960 = (127 - 7) << 3 rebiases the exponent
-
-
-@triton.jit
-def _e2m1_round(v):
-    """Round fp32 ``v`` to E2M1 (nearest even, saturating at 6): ``(t, negative)`` with
-    ``t = 2^23 + magnitude index`` (fp32) and ``negative = v < 0`` (the sign bit of the code).
-
-    On ``a = min(|v|, 6)`` the index is ``rne(f(a))`` for the concave piecewise-linear
-    ``f(a) = min(2a, a + 2, a/2 + 4)`` (the grid is evenly spaced below 2, from 2 to 4 and above 4);
-    index parity follows code parity, so half-even rounding reproduces the format's ties (0.25,
-    1.25, 2.5, 5 round down; 0.75, 1.75, 3.5 up). Each piece is rounded once, at 2^23 where the fp32
-    spacing is 1 (``a * m`` is exact, so fused or not the add rounds once); ``rne`` is monotone, so
-    it commutes with ``min``.
-    """
-    a = tl.minimum(tl.abs(v), 6.0)
-    t = tl.minimum(tl.minimum(a * 2.0 + 8388608.0, a + 8388610.0), a * 0.5 + 8388612.0)
-    return t, v < 0.0
-
-
-@triton.jit
-def _e2m1_code(v):
-    """E2M1 code (int32, 0..15, bit 3 = sign) of fp32 ``v``, as in :func:`_e2m1_round`."""
-    t, negative = _e2m1_round(v)
-    return t.to(tl.int32, bitcast=True) - tl.where(negative, 0x4B000000 - 8, 0x4B000000)  # 2^23's bits
-
-
-@triton.jit
-def _e2m1_magnitude(v):
-    """The E2M1 magnitude (fp32) that ``|v|`` rounds to (nearest even, saturating at 6).
-
-    On ``a = min(|v|, 6)`` the grid spacing is 0.5 below 2, 1 from 2 to 4 and 2 from 4, the fp32
-    spacing at ``M = 2^22, 2^23, 2^24``: ``(a + M) - M`` rounds ``a`` to the grid in one IEEE add,
-    half to even (the ties land as in :func:`_e2m1_round`): ``M = 2^22 * max(2^floor(log2 a), 1)``.
-    """
-    a = tl.minimum(tl.abs(v), 6.0)
-    m = (tl.maximum(a.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000) + (22 << 23)).to(tl.float32, bitcast=True)
-    return (a + m) - m
 
 
 @triton.jit
@@ -182,16 +106,8 @@ def _words_to_f32(w, IS_BF16: tl.constexpr):
 
 @triton.jit
 def _f32_bits16(v, IS_BF16: tl.constexpr):
-    """fp32 to bf16 / fp16 bits in the low half of an int32, round to nearest even (finite ``v``).
-
-    The interpreter's path: its bf16 conversion truncates, so bf16 rounds on the bits here.
-    """
-    if IS_BF16:
-        b = v.to(tl.int32, bitcast=True)
-        bits = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-    else:
-        bits = v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
-    return bits & 0xFFFF
+    """fp32 to bf16 / fp16 bits in the low half of an int32 (:func:`round_f32_to`: nearest even)."""
+    return round_f32_to(v, tl.bfloat16 if IS_BF16 else tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
 
 
 @triton.jit
@@ -200,7 +116,7 @@ def _f32_to_words(even, odd, WORD: tl.constexpr, IS_BF16: tl.constexpr):
     if WORD == tl.int64:
         lo = even.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
         words = lo | (odd.to(tl.int32, bitcast=True).to(tl.int64) << 32)
-    elif not _INTERPRETED:
+    elif not INTERPRET:
         # one packing conversion per word (Triton would emit a slower scalar cvt per element); the
         # first source goes to the high half
         cvt: tl.constexpr = "cvt.rn.bf16x2.f32 $0, $1, $2;" if IS_BF16 else "cvt.rn.f16x2.f32 $0, $1, $2;"
@@ -241,9 +157,8 @@ def _load_halves(w_ptr, rows, row_mask, blocks, KB, EVICT: tl.constexpr):
 
     The loads are built block-major ``[NB, ROWS, 4]`` and permuted: Triton's coalescing then puts the
     lanes along a row's blocks (a warp reads 512 bytes or more of one or two rows), where on
-    ``[ROWS, NB, 4]`` it put them down the rows first (16 rows x 64 bytes a warp on 16-row tiles).
-    Measured on 16-row tiles (8192^2 bf16, H200, the ``quantize_tiles`` rows of 2026-11-30T07:27 and T08:47): 1x16 16 x 128 61.2 us
-    against 70.7, 16x16 16 x 512 66.8 against 81.0 with the same (Triton) stores.
+    ``[ROWS, NB, 4]`` it put them down the rows first (16 rows x 64 bytes a warp on 16-row tiles),
+    which the ``quantize_tiles`` sweep measured slower.
     """
     first = (blocks * 8)[:, None, None] + (rows.to(tl.int64) * (KB * 8))[None, :, None] + tl.arange(0, 4)[None, None, :]
     mask = ((blocks < KB)[:, None] & row_mask[None, :])[:, :, None]
@@ -283,12 +198,8 @@ def _block_scales(block_amax, enc, dec, ROWS: tl.constexpr, NB: tl.constexpr, BL
     if BLOCK_2D:
         tile_amax = tl.max(tl.reshape(block_amax, [ROWS // 16, 16, NB]), axis=1)
         block_amax = tl.reshape(tl.broadcast_to(tile_amax[:, None, :], [ROWS // 16, 16, NB]), [ROWS, NB])
-    # block_amax >= 0 and S_enc > 0, so the reference's lower clamp at -448 never acts
-    scale_f32 = tl.minimum(block_amax * (enc * _RCP_6)[:, None], _E4M3_MAX)
-    byte, scale = _e4m3_round(scale_f32)
-    prod = scale * dec[:, None]
-    element_encode = tl.minimum(tl.math.div_rn(tl.full(prod.shape, 1.0, tl.float32), prod), _FLT_MAX)[:, :, None]
-    return element_encode, byte, scale
+    byte, scale = block_scale(block_amax, (enc * RCP_6)[:, None])
+    return element_encode_scale(scale, dec[:, None])[:, :, None], byte, scale
 
 
 @triton.jit
@@ -301,10 +212,8 @@ def _tile_scales(block_amax, enc, dec, ROWS: tl.constexpr, NB: tl.constexpr):
     first = (tl.arange(0, 16) == 0)[None, :]
     enc_t = tl.sum(tl.where(first, tl.reshape(enc, [R16, 16]), 0.0), axis=1)  # + zeros: the first row's bits
     dec_t = tl.sum(tl.where(first, tl.reshape(dec, [R16, 16]), 0.0), axis=1)
-    scale_f32 = tl.minimum(tile_amax * (enc_t * _RCP_6)[:, None], _E4M3_MAX)
-    byte, scale = _e4m3_round(scale_f32)
-    prod = scale * dec_t[:, None]
-    element_encode = tl.minimum(tl.math.div_rn(tl.full(prod.shape, 1.0, tl.float32), prod), _FLT_MAX)
+    byte, scale = block_scale(tile_amax, (enc_t * RCP_6)[:, None])
+    element_encode = element_encode_scale(scale, dec_t[:, None])
     return (_each_tile_row(element_encode, ROWS, NB)[:, :, None], _each_tile_row(byte, ROWS, NB),
             _each_tile_row(scale, ROWS, NB))
 
@@ -324,7 +233,7 @@ def _scale_pairs(even, odd, enc, dec, ROWS: tl.constexpr, NB: tl.constexpr, BLOC
 
 
 # One E2M1 code per element in fp32: ``2^23 + code`` (code 0..15) from ``v = x * encode``, as in
-# :func:`_e2m1_round` (three pieces, two mins, after the clamp at 6), plus 8 when ``v < 0`` (set gives 1.0).
+# :func:`~megatron_quads.nvfp4.triton_codec.e2m1_code` (three pieces, two mins, after the clamp at 6), plus 8 when ``v < 0`` (set gives 1.0).
 _CODE_PTX = """
 mul.rn.f32 v, {x}, {e};
 abs.f32 a, v;
@@ -371,8 +280,8 @@ def _pack_codes(even, odd, element_encode, ROWS: tl.constexpr, NB: tl.constexpr,
         first, _ = tl.split(tl.reshape(packed, [ROWS, NB, 2, 2]))
         word, _ = tl.split(first)
     else:
-        code_even = _e2m1_code(even * element_encode)
-        code_odd = _e2m1_code(odd * element_encode)
+        code_even = e2m1_code(even * element_encode)
+        code_odd = e2m1_code(odd * element_encode)
         shifts = (tl.arange(0, 4) * 8)[None, None, :]
         word = tl.sum((code_even | (code_odd << 4)) << shifts, axis=2)  # the bytes do not overlap: the sum is their OR
     return word
@@ -417,7 +326,7 @@ def _quantize_tile(code_words_ptr, scales_ptr, low, high, enc, dec, rows, row_ma
         element_encode, byte, _ = _tile_scales(block_amax, enc, dec, ROWS, NB)
     else:
         element_encode, byte, _ = _block_scales(block_amax, enc, dec, ROWS, NB, BLOCK_2D)
-    FAST: tl.constexpr = low.dtype == tl.int32 and not _INTERPRETED and ROWS <= FAST_MAX_ROWS
+    FAST: tl.constexpr = low.dtype == tl.int32 and not INTERPRET and ROWS <= FAST_MAX_ROWS
     code_words = tl.join(_pack_codes(low_even, low_odd, element_encode, ROWS, NB, FAST),
                          _pack_codes(high_even, high_odd, element_encode, ROWS, NB, FAST))
     _store_quantized(code_words_ptr, scales_ptr, code_words, byte, rows, row_mask, blocks, KB, FAST)
@@ -449,19 +358,16 @@ def _amax_kernel(x_ptr, out_ptr, n_blocks, n_iter, BLOCK: tl.constexpr):
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _quantize_kernel(w_ptr, amax_ptr, codes_ptr, scales_ptr, R, mat_rows, amax_div, KB, m_bucket,
                      BLOCK_2D: tl.constexpr, IS_BF16: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr,
-                     PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr, K_MAJOR: tl.constexpr,
-                     FAST_MAX_ROWS: tl.constexpr, TILE_SCALES: tl.constexpr):
+                     PERSISTENT: tl.constexpr, FAST_MAX_ROWS: tl.constexpr, TILE_SCALES: tl.constexpr):
     """Grid ``(P, cdiv(KB, NB))``: program ``(p, k)`` quantizes the ``[ROWS, NB * 16]`` tiles of K
-    tile ``k`` in row tiles ``p, p + P, ...`` of the ``R`` rows (``PERSISTENT``; otherwise ``P``
-    covers every row tile). With ``PREFETCH`` the next tile's words are loaded into registers before
-    the current one is quantized, so a program always has reads in flight. With ``K_MAJOR`` the
-    programs launched one after the other take the K tiles of a row tile before the next row tile
-    (the launch order otherwise runs down the rows of one K tile). ``m_bucket`` is only an autotune
-    key."""
-    k_tile, row_tile = _program_tile(K_MAJOR)
+    tile ``k`` in row tiles ``p, p + P, ...`` of the ``R`` rows (``PERSISTENT``, loading the next
+    tile's words into registers before the current one is quantized, so a program always has reads
+    in flight; otherwise ``P`` covers every row tile). ``m_bucket`` is only an autotune key."""
+    k_tile = tl.program_id(1)
+    row_tile = tl.program_id(0)
     blocks = k_tile * NB + tl.arange(0, NB)
     n_row_tiles = (R // mat_rows) * tl.cdiv(mat_rows, ROWS)  # mat_rows == R without BLOCK_2D
-    enc_s, dec_s, decode_s = _global_scales(tl.load(amax_ptr))  # used when one amax covers every row
+    enc_s, dec_s, decode_s = global_scales(tl.load(amax_ptr))  # used when one amax covers every row
     rows, row_mask = _tile_rows(row_tile, mat_rows, ROWS, BLOCK_2D)
     if amax_div == 0:
         enc, dec, _unused = _broadcast_rows(enc_s, dec_s, decode_s, ROWS)
@@ -475,20 +381,15 @@ def _quantize_kernel(w_ptr, amax_ptr, codes_ptr, scales_ptr, R, mat_rows, amax_d
         step = tl.num_programs(0)
         low, high = _load_halves(w_ptr, rows, row_mask & (row_tile < n_row_tiles), blocks, KB, "evict_first")
         while row_tile < n_row_tiles:
-            if PREFETCH:
-                next_rows, next_mask = _tile_rows(row_tile + step, mat_rows, ROWS, BLOCK_2D)
-                next_low, next_high = _load_halves(w_ptr, next_rows, next_mask & (row_tile + step < n_row_tiles), blocks, KB,
-                                                   "evict_first")
+            next_rows, next_mask = _tile_rows(row_tile + step, mat_rows, ROWS, BLOCK_2D)
+            next_low, next_high = _load_halves(w_ptr, next_rows, next_mask & (row_tile + step < n_row_tiles), blocks, KB,
+                                               "evict_first")
             if amax_div != 0:
                 enc, dec, _unused = _table_scales(amax_ptr, rows, row_mask, amax_div)
             _quantize_tile(codes_ptr, scales_ptr, low, high, enc, dec, rows, row_mask, blocks, KB, ROWS, NB, BLOCK_2D,
                            IS_BF16, FAST_MAX_ROWS, TILE_SCALES)
             row_tile += step
-            if PREFETCH:
-                low, high, rows, row_mask = next_low, next_high, next_rows, next_mask
-            else:
-                rows, row_mask = _tile_rows(row_tile, mat_rows, ROWS, BLOCK_2D)
-                low, high = _load_halves(w_ptr, rows, row_mask & (row_tile < n_row_tiles), blocks, KB, "evict_first")
+            low, high, rows, row_mask = next_low, next_high, next_rows, next_mask
 
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
@@ -497,7 +398,7 @@ def _fake_quant_kernel(w_ptr, amax_ptr, y_ptr, R, amax_div, KB, m_bucket,
     """``((e2m1 * scale) * (amax / 2688))`` in the input dtype, written as words like the input's;
     persistent over row tiles like :func:`_quantize_kernel`."""
     blocks = tl.program_id(1) * NB + tl.arange(0, NB)
-    enc_s, dec_s, decode_s = _global_scales(tl.load(amax_ptr))  # used when one amax covers every row
+    enc_s, dec_s, decode_s = global_scales(tl.load(amax_ptr))  # used when one amax covers every row
     for row_tile in tl.range(tl.program_id(0), tl.cdiv(R, ROWS), tl.num_programs(0), num_stages=STAGES):
         rows, row_mask = _tile_rows(row_tile, R, ROWS, False)
         words, offsets, mask = _load_words(w_ptr, rows, row_mask, blocks, KB, "evict_first")
@@ -512,8 +413,8 @@ def _fake_quant_kernel(w_ptr, amax_ptr, y_ptr, R, amax_div, KB, m_bucket,
         scale = scale[:, :, None]
         neg_scale = scale * -1.0  # Triton's unary minus is 0 - x, which gives +0 for x = 0
         decode = decode[:, None, None]
-        y_even = (_e2m1_magnitude(scaled_even) * tl.where(scaled_even < 0.0, neg_scale, scale)) * decode
-        y_odd = (_e2m1_magnitude(scaled_odd) * tl.where(scaled_odd < 0.0, neg_scale, scale)) * decode
+        y_even = (e2m1_magnitude(scaled_even) * tl.where(scaled_even < 0.0, neg_scale, scale)) * decode
+        y_odd = (e2m1_magnitude(scaled_odd) * tl.where(scaled_odd < 0.0, neg_scale, scale)) * decode
         tl.store(y_ptr + offsets, _f32_to_words(y_even, y_odd, words.dtype, IS_BF16), mask=mask)
 
 
@@ -528,7 +429,7 @@ def _row_amax_quantize_kernel(w_ptr, codes_ptr, scales_ptr, amax_ptr, decode_ptr
         low, high = _load_halves(w_ptr, rows, row_mask, b0 + tl.arange(0, NB), KB, "evict_last")
         block_amax = _halves_to_f32(low, high, IS_BF16)[4]
         amax = tl.maximum(amax, tl.max(block_amax, axis=1))
-    enc, dec, decode = _global_scales(amax)
+    enc, dec, decode = global_scales(amax)
     for b0 in range(0, KB, NB):
         blocks = b0 + tl.arange(0, NB)
         low, high = _load_halves(w_ptr, rows, row_mask, blocks, KB, "evict_first")
@@ -549,22 +450,15 @@ def _row_amax_quantize_kernel(w_ptr, codes_ptr, scales_ptr, amax_ptr, decode_ptr
 ENV_AUTOTUNE = "MEGATRON_QUADS_AUTOTUNE"
 _TILE_CONFIGS = [(1, 128, 4), (8, 16, 4), (16, 16, 4), (32, 16, 4), (16, 32, 4), (64, 16, 8)]
 _ROW_CONFIGS = [(1, 128, 4), (1, 256, 8), (2, 128, 8), (4, 32, 4), (4, 64, 8)]
-_M_BUCKET_CAP = 1 << 14
 
 
 def _tile_config(rows: int, block_2d: bool, blocks: int) -> tuple[int, int, int]:
     """Default tile for the quantize / fake-quant kernels (``blocks``: 16-element blocks per row).
 
-    From the tile sweep of ``benchmarks/bench_kernels.py --only quantize_tiles`` on the H200 (8192 x
-    8192 bf16, 2026-11-30, half-block loads): a row segment of 128 blocks per program (1 x 128, 4
-    warps: one block a thread) quantized in 55.8 us and fake-quantized in 73.1 us, against 92.8 /
-    107.6 us for 32-row tiles. 2D scaling needs whole 16-row tiles: 16 x 32 blocks, 4 warps (four
-    blocks a thread), one program per tile and direct stores: 60.3 us in the 2026-11-30T08:50 run
-    (59.9 in its tile rows; 16 x 16 blocks 63.0, 16 x 8 on 2 warps 63.1, 16 x 16 on 8 warps 67.4,
-    programs looping over row tiles 64.8-75.9); with each tile's scale computed once
-    (:func:`_tile_scales`) 54.9 us at T09:23 (56.1 in its tile rows against 59.5 once per row;
-    16 x 16 blocks on 2 warps 56.4).
-    Short rows keep several rows per program so that a tile still holds one block per thread.
+    A row segment of 128 blocks per program (1 x 128, 4 warps: one block a thread); 2D scaling
+    needs whole 16-row tiles: 16 x 32 blocks on 4 warps (four blocks a thread), one program per tile.
+    Short rows keep several rows per program so that a tile still holds one block per thread. The
+    fastest of the tile sweep (``benchmarks/bench_kernels.py --only quantize_tiles``, docs/kernels.md).
     """
     if block_2d:
         return 16, 32, 4
@@ -579,62 +473,32 @@ def _tile_config(rows: int, block_2d: bool, blocks: int) -> tuple[int, int, int]
     return 1, 128, 4
 
 
-_LOOP_CONFIG = (32, 1)
-"""``(programs per SM, PREFETCH)`` of the persistent quantize kernel with 1x16 blocks. H200 sweep
-(8192 x 8192 bf16, 2026-11-30; ``benchmarks/bench_kernels.py --only quantize_tiles`` re-times the
-prefetch and programs-per-SM rows; the async-copy variants came from a one-off sweep, since removed):
-with half-block loads, 32 programs per SM with the next tile prefetched into registers quantized in
-55.0 us, against 56.6 without prefetch, 55.1 / 55.1 with 16 / 64 programs per SM and 58.3 us with
-one program per tile (before the half-block loads: 61.6 / 64.1 / 62.1 / 62.2 / 74.2 us, and 65-75 us
-with 1-3 async-copy stages)."""
 _ONE_PER_TILE = 1 << 20
-_LOOP_CONFIG_2D = (_ONE_PER_TILE, 0)
-"""16x16 blocks: one program per tile, no loop (the persistent loop measured slower there: 74.1-78.6 us
-against 68.9 us with half-block loads)."""
+_LOOP_CONFIG = 32
+"""Programs per SM of the persistent quantize kernel with 1x16 blocks (each loads its next tile
+while it quantizes the current one): faster than one program per tile in the
+``quantize_tiles`` sweep."""
+_LOOP_CONFIG_2D = _ONE_PER_TILE
+"""16x16 blocks: one program per tile, no loop (the persistent loop measured slower there)."""
 _FAKE_QUANT_LOOP = (16, 3)
 """``(programs per SM, STAGES)`` of the persistent fake-quant kernel (``STAGES - 1`` tiles of async
 copies in flight)."""
 
 
-_K_MAJOR = {False: False, True: False}
-"""Launch order of the quantize kernel per ``block_2d``: ``True`` runs along K first
-(:func:`_program_tile`). Both False (the measured order) until the ``quantize_tiles`` bench times
-the K-major rows on the H200: the guess is that running down the rows of one 256-512-byte column
-slice at a time (16-row tiles, 16 KB row stride) concentrates the reads on few DRAM channels."""
-
-
 _FAST_MAX_ROWS = 16
 """Tiles of up to this many rows (1x16 and 16x16 alike) take the PTX codes and direct stores of
-:func:`_quantize_tile`; larger ones Triton's arithmetic and stores. Since the loads run along a
-row's blocks (:func:`_load_halves`), the direct path is the faster one on every 16-row tile of the
-``quantize_tiles`` sweep (8192^2 bf16, H200, 2026-11-30T08:47): 16x16 blocks 16 x 512 59.9 us
-against 66.8, 16 x 256 63.3 against 68.6; 1x16 16 x 256 58.3 against 61.6. (With the loads down 16
-rows of a tile it had been the slower one there: 88-101 us against 69-72.)"""
+:func:`_quantize_tile`; larger ones Triton's arithmetic and stores (the direct path is the faster
+one on every 16-row tile of the ``quantize_tiles`` sweep)."""
 
 
 def _fast_max_rows() -> int:
-    """:data:`_FAST_MAX_ROWS` (a function so that benchmarks and tests can sweep it)."""
+    """:data:`_FAST_MAX_ROWS`, read at each launch (tests set it to run every tile config both ways)."""
     return _FAST_MAX_ROWS
 
 
-_TILE_SCALES = True
-"""16x16 quantize computes each tile's scale once, not once per row, where the tile's rows share one
-amax (one per tensor or per matrix): :func:`_tile_scales`."""
-
-
-def _tile_scales_enabled() -> bool:
-    """:data:`_TILE_SCALES` (a function so that benchmarks and tests can switch it)."""
-    return _TILE_SCALES
-
-
-def _k_major(block_2d: bool = False) -> bool:
-    """Whether the quantize kernel runs K-major (a function so that benchmarks and tests can sweep it)."""
-    return _K_MAJOR[block_2d]
-
-
-def _loop_config(block_2d: bool = False) -> tuple[int, int]:
-    """``(programs per SM, PREFETCH)`` of the quantize kernel; a function so that benchmarks and tests
-    can sweep it."""
+def _loop_config(block_2d: bool = False) -> int:
+    """Programs per SM of the quantize kernel (:data:`_ONE_PER_TILE`: no loop), read at each launch
+    (tests set it to make programs walk many tiles)."""
     return _LOOP_CONFIG_2D if block_2d else _LOOP_CONFIG
 
 
@@ -808,15 +672,15 @@ def _launch_quantize(x: torch.Tensor, amax_rows: tuple[torch.Tensor, int], codes
 
     def grid(rows_per_tile: int, blocks_per_tile: int) -> tuple[int]:
         return _persistent_grid(x.device, n_mats * triton.cdiv(mat_rows, rows_per_tile), triton.cdiv(kb, blocks_per_tile),
-                                _loop_config(block_2d)[0])
+                                _loop_config(block_2d))
 
     table, div = amax_rows
     words, misaligned = _code_words(codes)
     _launch(_quantize_kernel, _QUANTIZE_TUNED, _tile_config(rows, block_2d, kb), grid,
             (_words_view(x), table, words, scales, rows, mat_rows, div, kb, rows),
-            BLOCK_2D=block_2d, IS_BF16=x.dtype == torch.bfloat16, PERSISTENT=_loop_config(block_2d)[0] < _ONE_PER_TILE,
-            PREFETCH=bool(_loop_config(block_2d)[1]), K_MAJOR=_k_major(block_2d), FAST_MAX_ROWS=_fast_max_rows(),
-            TILE_SCALES=block_2d and _tile_scales_enabled() and (div == 0 or (mat_rows > 0 and div % mat_rows == 0)))
+            BLOCK_2D=block_2d, IS_BF16=x.dtype == torch.bfloat16, PERSISTENT=_loop_config(block_2d) < _ONE_PER_TILE,
+            FAST_MAX_ROWS=_fast_max_rows(),
+            TILE_SCALES=block_2d and (div == 0 or (mat_rows > 0 and div % mat_rows == 0)))
     if misaligned is not None:
         misaligned.copy_(words.view(torch.uint8))
 

@@ -32,28 +32,18 @@ def validate_grouped(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets: torch
         raise ValueError(f"expert_offsets must rise from 0 to the token count {x.shape[0]}, got {bounds}")
 
 
-X_ORDER_MIN_ROWS_PER_EXPERT = 16
-"""Mean routed rows per expert from which :func:`kernel_x_order` reorders x. H200, Qwen3-30B-A3B
-gate/up (benchmarks/bench_kernels.py --only grouped, 2026-11-30T09:10): at 32 rows an expert (512
-tokens, top-8 of 128) 139.5 us with x reordered plus 4.7 us for the reordering against 160.4 us; at
-4 rows (64 tokens) 88.8 + 2.7 us against 87.9, a loss."""
-
-
 def kernel_x_order(x: torch.Tensor, rows_per_expert: float, in_features: int | None = None) -> int | None:
     """The K-order block (``X_ORDER_BLOCK_K``) in which :func:`grouped_w4a16_linear` should take
-    ``x [T, K]`` for the grouped W4A16 kernel, or ``None`` (natural order): a block when x runs on the
-    kernel, K allows it and the mean routed rows per expert reach :data:`X_ORDER_MIN_ROWS_PER_EXPERT`.
-    ``in_features`` is K when x is not that input itself (the MoE's down projection, asked with the
-    layer's hidden states before its input exists).
+    ``x [T, K]`` for the grouped W4A16 kernel, or ``None`` (natural order): the rule of
+    :func:`megatron_quads.kernels.dispatch.x_order_block` (x on the kernels, bf16, enough routed rows
+    per expert, K a multiple of the block). ``in_features`` is K when x is not that input itself
+    (the MoE's down projection, asked with the layer's hidden states before its input exists).
 
     Putting the tokens' rows in that order (``mma_k_order_rows``) before the MoE gather costs one copy
     of them and saves the kernel reordering every x tile in registers."""
-    if not (use_kernels(x) and x.dtype == torch.bfloat16) or rows_per_expert < X_ORDER_MIN_ROWS_PER_EXPERT:
-        return None
-    from megatron_quads.kernels.w4a16 import X_ORDER_BLOCK_K
+    from megatron_quads.kernels.dispatch import x_order_block
 
-    k = x.shape[-1] if in_features is None else in_features
-    return X_ORDER_BLOCK_K if k % X_ORDER_BLOCK_K == 0 else None
+    return x_order_block(use_kernels(x), x.dtype, rows_per_expert, x.shape[-1] if in_features is None else in_features)
 
 
 def grouped_w4a16_linear(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets: torch.Tensor,
