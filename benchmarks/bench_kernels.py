@@ -598,10 +598,10 @@ def _stacked_rac_residual(qw, channels: torch.Tensor, s: int):
 
 def bench_rac(bandwidth: float, quick: bool) -> list[dict]:
     """W4A4 + RAC against plain W4A4 (ratio 0), dense and grouped, per residual ratio: ``us`` the
-    default call (the W4A16 kernels over the prologue's block values, at the sizes of
-    ``w4a4.W4A16_PATH_ROWS``), ``rac_gemm_us`` the RAC GEMM (an explicit ``GemmConfig``, the tiles
-    its default would pick)."""
-    from megatron_quads.kernels.w4a4 import gemm_config, grouped_rac_kernel, rac_linear_kernel
+    default call (the W4A16 kernels over the prologue's block values; grouped tails prepared as the
+    engine prepares them, ``prepare_rac_tail``), ``rac_gemm_us`` the RAC GEMM (an explicit
+    ``GemmConfig``, the tiles ``gemm_config`` gives)."""
+    from megatron_quads.kernels.w4a4 import gemm_config, grouped_rac_kernel, prepare_rac_tail, rac_linear_kernel
 
     rows = []
     for m, k, n in ((16, 4096, 4096), (2048, 4096, 4096)):
@@ -630,7 +630,7 @@ def bench_rac(bandwidth: float, quick: bool) -> list[dict]:
             s = num_residual_channels(k, ratio)
             if s:
                 channels = torch.stack([select_channels(torch.rand(k, device=DEV), ratio) for _ in range(experts)]).to(DEV)
-                residual = _stacked_rac_residual(qw, channels, s)
+                channels, residual = prepare_rac_tail(channels, _stacked_rac_residual(qw, channels, s), k, x.device)
             else:
                 channels = residual = None
             t = time_graph(lambda: grouped_rac_kernel(x, qw, offsets, channels, residual), calls=10)
@@ -646,17 +646,17 @@ def bench_rac(bandwidth: float, quick: bool) -> list[dict]:
 
 def bench_rac_ws(bandwidth: float, quick: bool) -> list[dict]:
     """Grouped W4A4 + RAC at Qwen3-30B-A3B gate/up and down (the engine's ``quads`` / ``w4a4`` MoE
-    GEMMs): the default call (the prologue's block values in the K order, the GEMM on the
-    warp-specialized kernel, a tail that is not whole ring steps widened to them where the reduction
-    grows by at most ``TAIL_PAD_MAX_GROWTH``: ``tail_width``) against the same product on
+    GEMMs): the default call on the tail the engine prepares (``prepare_rac_tail``: a tail that is
+    not whole ring steps widened to them where the reduction grows by at most
+    ``TAIL_PAD_MAX_GROWTH``; its width is ``tail_width``), the prologue's block values in the K order
+    and the GEMM on the warp-specialized kernel, against the same product on the chosen tail and
     natural-order block values with the Triton grouped kernel (``kernel="triton"``), checked to agree
     within the fp32 bound before either is timed."""
     from megatron_quads.kernels.w4a16 import grouped_w4a16_into
-    from megatron_quads.kernels.w4a16_ws import tail_step
     from megatron_quads.kernels.w4a4 import (
-        TAIL_PAD_MAX_GROWTH,
         activation_block_values_kernel,
         grouped_rac_kernel,
+        prepare_rac_tail,
     )
 
     experts, topk = 128, 8
@@ -672,9 +672,10 @@ def bench_rac_ws(bandwidth: float, quick: bool) -> list[dict]:
             channels = (torch.stack([select_channels(torch.rand(k, device=DEV), ratio) for _ in range(experts)]).to(DEV)
                         if s else None)
             residual = _stacked_rac_residual(qw, channels, s) if s else None
+            prepared = prepare_rac_tail(channels, residual, k, x.device) if s else (None, None)
 
-            def default(channels=channels, residual=residual):
-                return grouped_rac_kernel(x, qw, offsets, channels, residual)
+            def default(prepared=prepared):
+                return grouped_rac_kernel(x, qw, offsets, *prepared)
 
             def triton_natural(channels=channels, residual=residual):
                 values, decode = activation_block_values_kernel(x, channels, expert_offsets=offsets)
@@ -687,12 +688,10 @@ def bench_rac_ws(bandwidth: float, quick: bool) -> list[dict]:
             t_ws = time_graph(default) if agrees else float("nan")
             active = int((counts > 0).sum())
             nbytes = active * ((n * (k + s)) // 2 + n * (k + s) // 16) + x.shape[0] * (k * 2 + n * 2)
-            step = tail_step(k) if s else 0
-            width = -(-s // step) * step if step else s
             rows.append(row(f"grouped w4a4+rac {proj} tokens={tokens} ratio={ratio} (S {s})", t_ws, nbytes,
                             2 * x.shape[0] * n * (k + s), bandwidth, triton_natural_us=round(t_triton, 2),
                             speedup_vs_triton=round(t_triton / t_ws, 2), agrees_with_triton=agrees,
-                            tail_width=width if k + width <= TAIL_PAD_MAX_GROWTH * (k + s) else s))
+                            tail_width=prepared[0].shape[1] if s else 0))
     return rows
 
 
