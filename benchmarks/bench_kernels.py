@@ -149,9 +149,9 @@ def bench_quantize(bandwidth: float, size: int) -> list[dict]:
 
 
 @contextlib.contextmanager
-def quantize_config(tile: tuple[int, int, int] | None = None, loop: tuple[int, int] | None = None) -> Iterator[None]:
+def quantize_config(tile: tuple[int, int, int] | None = None, loop: int | None = None) -> Iterator[None]:
     """Pin the quantize kernels' launch config for a sweep (None keeps a choice's default): the tile
-    ``(rows, 16-element blocks, warps)`` and the persistent loop ``(programs per SM, prefetch)``. The
+    ``(rows, 16-element blocks, warps)`` and the persistent loop's programs per SM. The
     kernels take no config argument; these are the functions they ask for it
     (``quantize_kernel._tile_config`` and ``_loop_config``), there for sweeps."""
     import megatron_quads.nvfp4.quantize_kernel as kq
@@ -190,10 +190,11 @@ def bench_quantize_tiles(bandwidth: float, size: int) -> list[dict]:
                         fake_quant_us=round(tf, 2), fake_quant_frac=round(n * 4 / bandwidth / (tf * 1e-6), 3)))
     for tile in [(16, 8, 4), (16, 16, 4), (16, 32, 4), (16, 16, 8), (32, 16, 4), (16, 64, 8), (16, 8, 2)]:
         rows.append(row(f"quantize 16x16 {_tile_name(tile)}", quantize_us(True, tile=tile), q_bytes, 0, bandwidth))
-    for loop in [(16, 0), (32, 0), (16, 1), (32, 1), (64, 1), (1 << 20, 0)]:
+    for loop in [16, 32, 64, 1 << 20]:
         for block_2d in (False, True):
-            rows.append(row(f"quantize {'16x16' if block_2d else '1x16'} default tile, {loop[0]} programs/SM, "
-                            f"prefetch={loop[1]}", quantize_us(block_2d, loop=loop), q_bytes, 0, bandwidth))
+            programs = "one program a tile" if loop == 1 << 20 else f"{loop} programs/SM"
+            rows.append(row(f"quantize {'16x16' if block_2d else '1x16'} default tile, {programs}",
+                            quantize_us(block_2d, loop=loop), q_bytes, 0, bandwidth))
     return rows
 
 
@@ -297,10 +298,10 @@ def _best_of_sweep(run: Callable[[dict], object], out: torch.Tensor, reference: 
     return best, timed.get(best, float("nan")), sweep
 
 
-WS_DENSE_CONFIGS = [{}, {"X_WARPS": 0}, {"SPLIT_K": 3}, {"SPLIT_K": 6}, {"BLOCK_N": 128, "num_warps": 8, "CTAS_PER_SM": 2},
+WS_DENSE_CONFIGS = [{}, {"X_WARPS": 1}, {"X_WARPS": 4}, {"SPLIT_K": 3}, {"SPLIT_K": 6}, {"BLOCK_N": 128, "num_warps": 8, "CTAS_PER_SM": 2},
                     {"BLOCK_N": 128, "num_warps": 8, "CTAS_PER_SM": 2, "SPLIT_K": 2}]
 """Configs of the warp-specialized dense kernel's sweep, over its defaults (``w4a16_ws_dense``;
-``X_WARPS`` 0: x reordered by a copy kernel before the launch instead of by the kernel's x warps)."""
+``X_WARPS``: how many warps reorder x inside the kernel)."""
 
 WS_DENSE_SHAPES = [(1, 8192, 8192), (16, 8192, 8192), (32, 8192, 8192), (64, 8192, 8192), (1, 4096, 4096),
                    (16, 4096, 4096), (64, 4096, 4096)]
@@ -309,10 +310,9 @@ WS_DENSE_SHAPES = [(1, 8192, 8192), (16, 8192, 8192), (32, 8192, 8192), (64, 819
 
 def bench_w4a16_ws_dense(bandwidth: float, shapes: list[tuple[int, int, int]] | None = None) -> list[dict]:
     """The warp-specialized dense kernel (``w4a16_ws_dense``) per decode shape: ``us`` at its
-    defaults on natural x, the best of :data:`WS_DENSE_CONFIGS` (each checked against the Triton
-    kernel first), the defaults on x already in the kernel's K order (TMA) and that reordering
-    alone, beside the Triton kernel, cuBLAS FP8 and BF16."""
-    from megatron_quads.kernels.w4a16 import X_ORDER_BLOCK_K, mma_k_order_rows, w4a16_linear_into
+    defaults, the best of :data:`WS_DENSE_CONFIGS` (each checked against the Triton kernel first),
+    beside the Triton kernel, cuBLAS FP8 and BF16."""
+    from megatron_quads.kernels.w4a16 import w4a16_linear_into
     from megatron_quads.kernels.w4a16_ws_dense import w4a16_ws_linear_into
 
     rows = []
@@ -321,14 +321,11 @@ def bench_w4a16_ws_dense(bandwidth: float, shapes: list[tuple[int, int, int]] | 
         w8 = w.to(torch.float8_e4m3fn)
         one = torch.ones((), device=DEV)
         x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-        ordered = mma_k_order_rows(x, X_ORDER_BLOCK_K)
         x8 = torch.randn(max(m, 16), k, device=DEV).to(torch.float8_e4m3fn)
         reference = w4a16_linear_into(x, qw, torch.empty(m, n, device=DEV, dtype=torch.bfloat16), kernel="triton")
         out = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)
         best, t_best, sweep = _best_of_sweep(lambda cfg: w4a16_ws_linear_into(x, qw, out, cfg), out, reference,
                                              WS_DENSE_CONFIGS)
-        _, t_ordered, ordered_sweep = _best_of_sweep(lambda cfg: w4a16_ws_linear_into(ordered, qw, out, cfg, x_mma_order=True),
-                                                     out, reference, [{}])
         t_default = sweep["default"] if isinstance(sweep["default"], float) else float("nan")
         t_triton = time_graph(lambda: w4a16_linear_into(x, qw, out, kernel="triton"))
         tb = time_graph(lambda: x @ w.t())
@@ -337,10 +334,7 @@ def bench_w4a16_ws_dense(bandwidth: float, shapes: list[tuple[int, int, int]] | 
         rows.append(row(f"w4a16 ws dense M={m} K={k} N={n}", t_default, fp4_bytes, 2 * m * n * k, bandwidth,
                         best_config=best, best_us=round(t_best, 2), triton_us=round(t_triton, 2), fp8_us=round(t8, 2),
                         bf16_us=round(tb, 2), speedup_vs_fp8=round(t8 / t_default, 2),
-                        speedup_vs_triton=round(t_triton / t_default, 2), x_ordered_us=round(t_ordered, 2),
-                        x_reorder_alone_us=round(time_graph(lambda: mma_k_order_rows(x, X_ORDER_BLOCK_K)), 2),
-                        x_ordered_vs_fp8=round(t8 / t_ordered, 2),
-                        sweep=sweep | {"default, x in K order": ordered_sweep["default"]}))
+                        speedup_vs_triton=round(t_triton / t_default, 2), sweep=sweep))
     return rows
 
 
@@ -460,17 +454,16 @@ def bench_grouped(bandwidth: float, quick: bool) -> list[dict]:
 
 
 WS_CONFIGS = [
-    {},  # the defaults (w4a16_ws.default_config: BLOCK_K 256 and the scale ring where 256 divides K, DYNAMIC up to K 1024)
+    {},  # the defaults (w4a16_ws.default_config: BLOCK_K 256, with the scale bytes in the ring, where 256 divides K; DYNAMIC up to K 1024)
     {"DYNAMIC": 0},
     {"DYNAMIC": 1},
-    {"SCALE_RING": 0},
     {"LOADER_REGS": 24},
     {"BLOCK_N": 64, "num_warps": 4, "STAGES": 2, "CTAS_PER_SM": 2, "maxnreg": 128},
     {"BLOCK_N": 256, "num_warps": 16, "STAGES": 2, "CTAS_PER_SM": 1, "maxnreg": 0},
-    {"BLOCK_K": 128, "STAGES": 3, "SCALE_RING": 0},
-    {"BLOCK_K": 128, "STAGES": 4, "CTAS_PER_SM": 1, "maxnreg": 0, "SCALE_RING": 0},
-    {"BLOCK_N": 64, "num_warps": 4, "BLOCK_K": 128, "STAGES": 3, "CTAS_PER_SM": 3, "maxnreg": 80, "SCALE_RING": 0},
-    {"BLOCK_N": 64, "num_warps": 4, "BLOCK_K": 128, "STAGES": 2, "CTAS_PER_SM": 4, "maxnreg": 64, "SCALE_RING": 0},
+    {"BLOCK_K": 128, "STAGES": 3},
+    {"BLOCK_K": 128, "STAGES": 4, "CTAS_PER_SM": 1, "maxnreg": 0},
+    {"BLOCK_N": 64, "num_warps": 4, "BLOCK_K": 128, "STAGES": 3, "CTAS_PER_SM": 3, "maxnreg": 80},
+    {"BLOCK_N": 64, "num_warps": 4, "BLOCK_K": 128, "STAGES": 2, "CTAS_PER_SM": 4, "maxnreg": 64},
 ]
 """Configs of the warp-specialized grouped kernel (``w4a16_ws``) timed by the ``grouped_ws`` section,
 over its defaults (:func:`~megatron_quads.kernels.w4a16_ws.default_config`)."""
