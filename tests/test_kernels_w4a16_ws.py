@@ -213,7 +213,7 @@ def test_agrees_with_the_triton_grouped_kernel(kernel_device: str) -> None:
 @_on_gpu
 def test_grouped_w4a16_into_dispatches_x_order_calls_here_bit_for_bit(kernel_device: str,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """On the H200 the engine's x-in-K-order grouped calls run this kernel, with the Triton kernel's
+    """On sm_90 the engine's x-in-K-order grouped calls run this kernel, with the Triton kernel's
     bits (same products, same K order of the fp32 accumulation); ``kernel="triton"`` runs that one."""
     counts, n, k = _cases()[3]
     weight = _gaussian_weight((len(counts), n, k), kernel_device)

@@ -15,7 +15,11 @@ dense kernel splits K over ``SPLIT_K`` programs per output tile; each writes an 
 partial tile and bumps a per-tile arrival counter, and the last one to arrive sums the partials in
 split order (deterministic), applies the epilogue and resets the counter to 0 for the next launch
 (one launch, no memset). The grouped kernel runs one program per (N tile, expert) that walks the
-expert's rows in chunks of ``BLOCK_M``; experts without rows exit after two loads.
+expert's rows in chunks of ``BLOCK_M`` (half as wide for an expert of at most ``BLOCK_M / 2`` rows);
+experts without rows exit after two loads.
+
+:func:`w4a16_linear_into` and :func:`grouped_w4a16_into` run these kernels or, on sm_90, the
+warp-specialized Gluon ones, by the rule of :mod:`~megatron_quads.kernels.dispatch`.
 """
 
 from __future__ import annotations
@@ -34,8 +38,7 @@ from megatron_quads.nvfp4.triton_codec import INTERPRET, e2m1_to_f32, e4m3_to_f3
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _KERNEL_DTYPES = (torch.bfloat16,)
-"""bf16 only: the dequantization builds bf16x2 operands. fp16 activations take the reference path (an
-earlier fp32-path kernel's fp16 variant failed 9 accumulation-error cases on the H200, 2026-11-29)."""
+"""bf16 only: the dequantization builds bf16x2 operands; fp16 activations take the reference path."""
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 """Output dtypes of the W4A4 + RAC path through these kernels (the epilogue rounds fp32 to any of them)."""
 _SPLIT_WINDOW = (0.9, 6.0)
@@ -425,18 +428,15 @@ def _config(block_n: int, block_k: int, split_k: int | None, num_warps: int, num
 def _dense_configs(splits: tuple[int, ...]) -> list[triton.Config]:
     if _INTERPRET:
         return [_config(32, 64, max(splits[:2]), 4, 1)]
-    # (BLOCK_N, BLOCK_K, warps, stages); 3 stages at 128 x 128: 18.7 us against 20.2 us with 4 for
-    # 8192 x 8192, M = 16 at split 8 (H200, 2026-11-30, a one-off config sweep not kept in the repo;
-    # bench_kernels' w4a16 section measures what the autotuner then picks)
+    # (BLOCK_N, BLOCK_K, warps, stages); benchmarks/bench_kernels.py --only w4a16 times what the
+    # autotuner picks among them
     tiles = ((64, 128, 4, 4), (64, 256, 4, 4), (128, 128, 4, 4), (128, 128, 4, 3), (128, 128, 8, 4), (128, 256, 8, 4), (256, 128, 8, 4))
     return [_config(bn, bk, s, w, st) for bn, bk, w, st in tiles for s in splits]
 
 
 def _grouped_configs(block_k: int | None = None) -> list[triton.Config]:
     """The grouped kernel's autotune candidates; with ``block_k`` (the ``x_mma_order`` path) those
-    of that BLOCK_K. 128 x 128 and 64 x 128 on 4 warps with 3 stages: the best at 512 tokens with x
-    in the MMA order (H200, 2026-11-30: 139 us for gate/up at 128 x 128; 64 x 128 with the half
-    token tile 134 us in a one-off sweep)."""
+    of that BLOCK_K (``benchmarks/bench_kernels.py --only grouped`` times what the autotuner picks)."""
     if _INTERPRET:
         return [_config(32, block_k or 64, None, 4, 1)]
     tiles = ((64, 128, 4, 4), (64, 128, 4, 3), (128, 128, 4, 4), (128, 128, 4, 3), (128, 128, 8, 4), (128, 256, 8, 3),

@@ -1,18 +1,17 @@
 """Grouped (MoE) W4A16 in Gluon with warp specialization: a loader warp streams, the MMA warps compute.
 
 The Triton grouped kernel (:func:`~megatron_quads.kernels.w4a16.grouped_w4a16_into`) issues its
-loads, the dequantization and the wgmma from the same warps; at 512 tokens its profile shows 40% of
-the issue slots busy with ~2 warps a scheduler, and a copy of it without the dequantization still
-takes 111 us of the 125 (docs/kernels.md): the warps wait on their own pipeline. Here the work is split
-the way Hopper GEMMs are (``gl.warp_specialize``):
+loads, the dequantization and the wgmma from the same warps, which then wait on their own pipeline
+(its profile is in docs/kernels.md). Here the work is split the way Hopper GEMMs are
+(``gl.warp_specialize``):
 
 * persistent programs (``CTAS_PER_SM`` an SM) take the ``E * N / BN`` (expert, N tile) pairs
   ``p, p + P, ...`` expert-major, or (``DYNAMIC``, the default up to K 1024) pair ``p`` and then the
   next one a shared counter hands out, each over its expert's rows in token tiles of ``BM`` (a
   half-width tile for the last ``BM / 2`` rows or fewer, as the Triton kernel does);
 * one loader warp (:func:`_load_partition`) walks them and puts each K step's code words
-  ``[BN, BK/8]`` (int32), with ``SCALE_RING`` their scale bytes ``[BN, BK/16]``, and x (bf16,
-  already in the MMA K order of :func:`~megatron_quads.kernels.w4a16.mma_k_order_rows`;
+  ``[BN, BK/8]`` (int32), at ``BLOCK_K`` 256 their scale bytes ``[BN, BK/16]`` (``SCALE_RING``), and
+  x (bf16, already in the MMA K order of :func:`~megatron_quads.kernels.w4a16.mma_k_order_rows`;
   ``BK / 64`` tiles of ``[BM, 64]`` by half-height boxes) into a ring of ``STAGES`` shared-memory
   stages by TMA, each stage completing a ``ready`` mbarrier;
 * the MMA warps (the default partition, ``BN / 64`` warpgroups, :func:`_mma_partition`) wait on it,
@@ -20,16 +19,13 @@ the way Hopper GEMMs are (``gl.warp_specialize``):
   :func:`_dequant_a`: no data moves between threads),
   dequantize them and issue register-A wgmma against the x tiles in shared memory; the next
   sub-step's words are read while they run, and a stage goes back to the loader (its ``empty``
-  mbarrier) once the wgmma that read it have retired. Without ``SCALE_RING`` (``BLOCK_K`` 128) the
-  MMA warps load the scale bytes (1/9 of the weight bytes) themselves, one sub-step ahead; the scale
-  ring took 6% off the gate/up time at 512 tokens (docs/kernels.md).
+  mbarrier) once the wgmma that read it have retired. At ``BLOCK_K`` 128 (K not a multiple of 256)
+  the MMA warps load the scale bytes (1/9 of the weight bytes) themselves, one sub-step ahead.
 
-Same operands, products and K order of the fp32 accumulation as the Triton kernel (bit for bit its
-output in every benchmark and GPU test so far). Dispatched by
-:func:`~megatron_quads.kernels.w4a16.grouped_w4a16_into` for x in K order on sm_90 (1.19-1.20x
-the Triton kernel's speed at 512 tokens, 2.54x / 2.56x BF16 ``grouped_mm`` for gate/up / down,
-docs/kernels.md); ``bench_kernels.py --only grouped_ws`` times its configs. Needs ``K % BLOCK_K == 0``
-and x in the K order of 128-blocks.
+Same operands, products and K order of the fp32 accumulation as the Triton kernel, so the same bits
+(GPU-tested). Which calls run here is :mod:`~megatron_quads.kernels.dispatch`'s rule (sm_90, x in
+K order); ``benchmarks/bench_kernels.py --only grouped_ws`` times its configs against the Triton
+kernel and BF16 ``grouped_mm``. Needs ``K % BLOCK_K == 0`` and x in the K order of 128-blocks.
 """
 
 from __future__ import annotations
@@ -619,30 +615,24 @@ DEFAULT_CONFIG = {"BLOCK_N": 128, "BLOCK_K": 128, "STAGES": 3, "num_warps": 8, "
 """``num_warps`` (the MMA warps) must be ``BLOCK_N / 16``: one warpgroup a 64 weight rows. The grid is
 ``CTAS_PER_SM`` programs an SM (persistent), or ``PROGRAMS`` when the config gives it; ``maxnreg``
 the register budget the partitions split (0: the compiler's; two CTAs of 12 warps an SM need 80 or
-fewer). ``SCALE_RING``: the scale bytes by TMA in the ring (``BLOCK_K`` 256 only: TMA rows of 16
-bytes or more; ignored otherwise); ``DYNAMIC``: tiles handed out by a shared counter as programs free up instead of ``p, p + P,
-...`` (a token tile of 33-64 rows costs about twice one of 32 or fewer, inferred from the 64- and
-512-token times in docs/kernels.md, so the static split ends unevenly). :func:`default_config` puts :data:`WIDE_K_CONFIG`, :data:`SHORT_WIDE_K_CONFIG` or
-:data:`SHORT_K_CONFIG` over it: the fastest measured at Qwen3-30B-A3B expert shapes
-(``bench_kernels.py --quick --only grouped_ws``, H200, docs/kernels.md)."""
+fewer). ``BLOCK_K`` 256 brings the scale bytes through the ring (TMA rows of 16 bytes or more);
+``DYNAMIC``: tiles handed out by a shared counter as programs free up instead of ``p, p + P, ...``
+(a token tile of 33-64 rows costs about twice one of 32 or fewer, so the static split ends
+unevenly). :func:`default_config` puts :data:`WIDE_K_CONFIG`, :data:`SHORT_WIDE_K_CONFIG` or
+:data:`SHORT_K_CONFIG` over it: the fastest at Qwen3-30B-A3B expert shapes in
+``benchmarks/bench_kernels.py --only grouped_ws`` (docs/kernels.md)."""
 
 WIDE_K_CONFIG = {"BLOCK_K": 256, "STAGES": 2}
 """Where 256 divides K: two 128-wide sub-steps a ring stage (one ring wait and release, and their CTA
 barriers, a 256 K) and the scale bytes in the ring (instead of the MMA warps' global loads one
-sub-step ahead, which nothing hid at a tile's first step). Qwen3-30B-A3B, H200, 2026-11-30
-13:45 run: gate/up (K 2048) at 512 tokens 101.2 us against 108.0 without the scale ring; down (K 768)
-62.4 us against 63.9 for :data:`SHORT_K_CONFIG` (its default until then), and 41.1 against 49.6 at
-64 tokens."""
+sub-step ahead, which nothing hides at a tile's first step)."""
 
 SHORT_WIDE_K_CONFIG = {**WIDE_K_CONFIG, "DYNAMIC": 1}
 """:data:`WIDE_K_CONFIG` with the ``DYNAMIC`` schedule, for K up to 1024 (four 256-wide steps a
-tile). Qwen3-30B-A3B down (K 768), H200, 2026-11-30 session 13, four runs at 512 tokens: 58.7-60.1 us
-against 61.3-62.9 static (4-5%); at 64 tokens within 1% of static. Gate/up (K 2048) did not gain
-(-0.6% to +1.3% over the same runs), so wider K keeps the static split."""
+tile): faster at the down projection (K 768); at K 2048 the static split is as fast."""
 
 SHORT_K_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "STAGES": 3, "CTAS_PER_SM": 3}
-"""One warpgroup, three CTAs an SM, for K below 1024 that 256 does not divide: at K 768 with
-``BLOCK_K`` 128 it was the fastest (62.5-63.5 us at 512 tokens against 65.9-66.6 with two warpgroups)."""
+"""One warpgroup, three CTAs an SM, for K below 1024 that 256 does not divide (``BLOCK_K`` 128)."""
 
 
 def default_config(k: int) -> dict[str, int]:

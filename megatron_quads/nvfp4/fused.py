@@ -2,9 +2,9 @@
 
 :func:`fake_quant_values` computes exactly ``dequantize(quantize(x, global_amax))`` (bit for bit;
 tests hold it to the reference, on CPU and CUDA) but never packs codes and never validates, so it
-has no host synchronisation and about ten elementwise passes. (``torch.compile`` of this function
-was tried on the H200: Inductor's Triton code is not bit-exact with the reference, so it is not
-used; the hand-written Triton kernels of ``nvfp4.kernels`` will replace this path.)
+has no host synchronisation and about ten elementwise passes. On CUDA the Triton fake-quant kernel
+(:func:`megatron_quads.nvfp4.quantize_kernel.fake_quant_kernel`) computes the same bits in one launch.
+``torch.compile`` is not used here: Inductor's Triton code is not bit-exact with the reference.
 """
 
 from __future__ import annotations

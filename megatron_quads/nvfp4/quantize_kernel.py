@@ -157,9 +157,8 @@ def _load_halves(w_ptr, rows, row_mask, blocks, KB, EVICT: tl.constexpr):
 
     The loads are built block-major ``[NB, ROWS, 4]`` and permuted: Triton's coalescing then puts the
     lanes along a row's blocks (a warp reads 512 bytes or more of one or two rows), where on
-    ``[ROWS, NB, 4]`` it put them down the rows first (16 rows x 64 bytes a warp on 16-row tiles).
-    Measured on 16-row tiles (8192^2 bf16, H200, the ``quantize_tiles`` rows of 2026-11-30T07:27 and T08:47): 1x16 16 x 128 61.2 us
-    against 70.7, 16x16 16 x 512 66.8 against 81.0 with the same (Triton) stores.
+    ``[ROWS, NB, 4]`` it put them down the rows first (16 rows x 64 bytes a warp on 16-row tiles),
+    which the ``quantize_tiles`` sweep measured slower.
     """
     first = (blocks * 8)[:, None, None] + (rows.to(tl.int64) * (KB * 8))[None, :, None] + tl.arange(0, 4)[None, None, :]
     mask = ((blocks < KB)[:, None] & row_mask[None, :])[:, :, None]
