@@ -20,7 +20,7 @@ the MMA warps:
   scheme, and its bits where the split boundaries coincide.
 
 Token tiles of 16 rows (:data:`BLOCK_M`); needs ``K % 256 == 0`` and bf16 x and output. Which calls
-run here: ``w4a16_linear_into``'s dispatch (sm_90, up to 16 rows).
+run here is :mod:`~megatron_quads.kernels.dispatch`'s rule (sm_90, up to 16 rows).
 """
 
 from __future__ import annotations
