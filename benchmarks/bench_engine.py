@@ -6,7 +6,8 @@
 Greedy decoding of a batch of prompts. Each NVFP4 mode runs twice: with the routed experts as grouped
 NVFP4 GEMMs (the engine's default: one call per projection and layer) and with the per-expert loop.
 On CPU the NVFP4 GEMMs are the PyTorch reference (dequantize and multiply); on CUDA they are the
-Triton kernels (W4A16 for w4a16, W4A4 + RAC for w4a4 / quads). Stores the record of the profile
+Triton kernels (W4A16 for w4a16, W4A4 + RAC for w4a4 / quads). Each row also records the bytes the engine
+holds for the routed experts (``TorchRolloutEngine.expert_weight_bytes``). Stores the record of the profile
 in benchmarks/results/engine.json (the newest of each profile) and writes engine_<profile>.md
 (``--render`` rewrites every profile's table alone).
 """
@@ -38,9 +39,10 @@ def markdown(record: dict) -> str:
              f"Command: `{record['command']}`. Greedy, batch {record['batch']}, prompt {record['prompt_tokens']} tokens, "
              f"{record['new_tokens']} new tokens; NVFP4 GEMMs: "
              + ("the PyTorch reference." if record["device"].startswith("CPU") else "Triton kernels."), "",
-             "| precision | experts | tokens | seconds | tokens/s |", "|---|---|---:|---:|---:|"]
-    lines += [f"| {r['precision']} | {r['experts']} | {r['tokens']} | {r['seconds']} | {r['tokens_per_s']} |"
-              for r in record["rows"]]
+             "| precision | experts | tokens | seconds | tokens/s | expert weights held, MiB |",
+             "|---|---|---:|---:|---:|---:|"]
+    lines += [f"| {r['precision']} | {r['experts']} | {r['tokens']} | {r['seconds']} | {r['tokens_per_s']} "
+              f"| {r.get('expert_weight_mb', '-')} |" for r in record["rows"]]
     return "\n".join(lines) + "\n"
 
 
@@ -91,7 +93,9 @@ def main() -> None:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         tokens = sum(len(g.token_ids) for g in out)
-        rows.append({"precision": precision, "experts": "grouped" if grouped and precision != "bf16" else "per-expert", "tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1)})
+        rows.append({"precision": precision, "experts": "grouped" if grouped and precision != "bf16" else "per-expert",
+                     "tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
+                     "expert_weight_mb": round(engine.expert_weight_bytes() / 2**20, 2)})
         del engine
     record = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

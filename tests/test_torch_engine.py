@@ -295,8 +295,10 @@ def test_nvfp4_modes_hold_the_experts_as_nvfp4_only(trainers, precision: str, qu
     if precision == "quads":
         s_gate_up, s_down = num_residual_channels(h, engine.ratio), num_residual_channels(i, engine.ratio)
         expected += layers * (nvfp4_bytes(2 * i, s_gate_up) + nvfp4_bytes(h, s_down) + 4 * e * (s_gate_up + s_down))
-    assert _storage_bytes(held) == expected
-    dense = _storage_bytes(_held_expert_tensors(_engine(trainers, "bf16")))
+    assert _storage_bytes(held) == expected == engine.expert_weight_bytes()
+    bf16 = _engine(trainers, "bf16")
+    dense = _storage_bytes(_held_expert_tensors(bf16))
+    assert dense == bf16.expert_weight_bytes()
     assert dense == layers * e * 3 * h * i * 4 and expected < dense / 5
 
 

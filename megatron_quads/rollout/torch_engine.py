@@ -100,6 +100,23 @@ class TorchRolloutEngine:
                 state.residual = {r: None if w is None else w.to(device) for r, w in state.residual.items()}
         self.device = device
 
+    def expert_weight_bytes(self) -> int:
+        """Bytes of every distinct storage the engine holds for its routed experts: the expert
+        modules' parameters and buffers, the experts' NVFP4 states (codes, scales, decode scales,
+        RAC channels and tails) and the grouped layers' stacks, each storage counted once."""
+        tensors: list[torch.Tensor] = []
+        for module in self.experts.values():
+            tensors += [*module.parameters(), *module.buffers()]
+        projections = [p for layer in self._grouped_layers for p in (layer.grouped.gate_up, layer.grouped.down)]
+        for holder in [*self.states.values(), *projections]:
+            for value in vars(holder).values():
+                for item in value.values() if isinstance(value, dict) else [value]:
+                    if isinstance(item, NVFP4Tensor):
+                        tensors += [t for t in vars(item).values() if isinstance(t, torch.Tensor)]
+                    elif isinstance(item, torch.Tensor):
+                        tensors.append(item)
+        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
     # ------------------------------------------------------------------ weights
     def _engine_name(self, module: str) -> tuple[str, str] | None:
         """Checkpoint expert module name -> (engine module name, 'gate_proj'|'up_proj'|'down_proj')."""
