@@ -642,7 +642,7 @@ def padded_tail(channels: torch.Tensor, residual_weight: NVFP4Tensor,
     """RAC channels ``[E, S]`` and ``W_S [E, N, S]`` widened to ``width`` columns without changing
     the product: the added channels repeat the last one (finite block values), and ``W_S``'s added
     columns are zero codes with zero block scales, so each adds exact zeros to the reduction. The
-    widened tensors are new (the inputs are not kept or aliased)."""
+    widened tensors are new (they alias none of the inputs)."""
     s = channels.shape[1]
     pad = width - s
     if pad < 0 or pad % BLOCK_SIZE or s == 0:
