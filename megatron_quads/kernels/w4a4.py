@@ -632,9 +632,9 @@ TAIL_PAD_MAX_GROWTH = 1.25
 """Most growth of the reduction (``K + S``) that widening the RAC tail to the warp-specialized
 kernel's ring step may cost (a chosen bound): the grouped W4A4 + RAC call then runs on that kernel
 rather than the Triton one. At the down projection (K 768) it covers S = 96, 192 and 384 (growth
-1.19, 1.07, 1.11), not S = 16; measured there at S 96 / 192 (H200, 2026-11-30T18:30, docs/kernels.md):
-1.17-1.40x the Triton path. The widened ``W_S`` takes the place of the narrow one (Qwen3-30B-A3B
-down at S 96: 37.7 MB a layer instead of 14.2)."""
+1.19, 1.07, 1.11), not S = 16; there the widened call is faster than the Triton path at S 96 and
+192 (``benchmarks/bench_kernels.py --only rac_ws``, docs/kernels.md). The widened ``W_S`` takes the
+place of the narrow one (Qwen3-30B-A3B down at S 96: 37.7 MB a layer instead of 14.2)."""
 
 
 def padded_tail(channels: torch.Tensor, residual_weight: NVFP4Tensor,
