@@ -49,5 +49,9 @@ setup(
     python_requires=">=3.11",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,
-    entry_points={"console_scripts": ["megatron-quads=megatron_quads.cli:main"]},
+    entry_points={
+        "console_scripts": ["megatron-quads=megatron_quads.cli:main"],
+        # vLLM imports this in every process it starts: it registers the quads_nvfp4 quantization method
+        "vllm.general_plugins": ["megatron_quads=megatron_quads.vllm_plugin:register"],
+    },
 )

@@ -104,35 +104,47 @@ class RacCalibrator:
         weights: Mapping[str, torch.Tensor | NVFP4Tensor] | None = None,
         pools: Mapping[str, str] | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Residual channels (sorted, int32) per module.
+        """Residual channels (sorted, int32) per module: :func:`select_from_stats` of the hooks' statistics."""
+        return select_from_stats(self.stats, ratio, statistic, weights, pools)
 
-        A module that saw no input is skipped, unless ``pools`` puts it in a group (e.g. one MoE
-        layer's experts of one projection, which read the same hidden states): it then gets the
-        channels of the group's pooled statistics (token-weighted means over the modules that saw input).
-        """
-        pooled = self._pooled(pools) if pools else {}
-        chosen = {}
-        for name, stats in self.stats.items():
-            if stats.tokens == 0:
-                stats = pooled.get(pools.get(name)) if pools else None
-                if stats is None:
-                    continue
-            weight = None if weights is None else weights.get(name)
-            chosen[name] = select_channels(stats.scores(statistic, weight), ratio)
-        return chosen
 
-    def _pooled(self, pools: Mapping[str, str]) -> dict[str, ChannelStats]:
-        """Token-weighted statistics of each group over its modules that saw input."""
-        pooled: dict[str, ChannelStats] = {}
-        for name, stats in self.stats.items():
-            group = pools.get(name)
-            if group is None or stats.tokens == 0:
+def select_from_stats(
+    stats: Mapping[str, ChannelStats],
+    ratio: float = DEFAULT_RATIO,
+    statistic: ChannelStatistic = ChannelStatistic.OUTPUT_ERROR,
+    weights: Mapping[str, torch.Tensor | NVFP4Tensor] | None = None,
+    pools: Mapping[str, str] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Residual channels (sorted, int32) per module from its statistics.
+
+    A module that saw no input is skipped, unless ``pools`` puts it in a group (e.g. one MoE
+    layer's experts of one projection, which read the same hidden states): it then gets the
+    channels of the group's pooled statistics (token-weighted means over the modules that saw input).
+    """
+    pooled = _pooled(stats, pools) if pools else {}
+    chosen = {}
+    for name, module_stats in stats.items():
+        if module_stats.tokens == 0:
+            module_stats = pooled.get(pools.get(name)) if pools else None
+            if module_stats is None:
                 continue
-            total = pooled.setdefault(group, ChannelStats(stats.in_features))
-            if total.in_features != stats.in_features:
-                raise ValueError(f"pool {group!r} mixes modules with {total.in_features} and {stats.in_features} input features")
-            weight = stats.tokens / (total.tokens + stats.tokens)
-            total.residual_sq += (stats.residual_sq - total.residual_sq) * weight
-            total.abs_activation += (stats.abs_activation - total.abs_activation) * weight
-            total.tokens += stats.tokens
-        return pooled
+        weight = None if weights is None else weights.get(name)
+        chosen[name] = select_channels(module_stats.scores(statistic, weight), ratio)
+    return chosen
+
+
+def _pooled(all_stats: Mapping[str, ChannelStats], pools: Mapping[str, str]) -> dict[str, ChannelStats]:
+    """Token-weighted statistics of each group over its modules that saw input."""
+    pooled: dict[str, ChannelStats] = {}
+    for name, stats in all_stats.items():
+        group = pools.get(name)
+        if group is None or stats.tokens == 0:
+            continue
+        total = pooled.setdefault(group, ChannelStats(stats.in_features))
+        if total.in_features != stats.in_features:
+            raise ValueError(f"pool {group!r} mixes modules with {total.in_features} and {stats.in_features} input features")
+        weight = stats.tokens / (total.tokens + stats.tokens)
+        total.residual_sq += (stats.residual_sq - total.residual_sq) * weight
+        total.abs_activation += (stats.abs_activation - total.abs_activation) * weight
+        total.tokens += stats.tokens
+    return pooled

@@ -192,7 +192,8 @@ class TorchRolloutEngine:
 
         The forward that records the inputs is the W4A16 one over the NVFP4 weights the engine holds
         (every expert linear computes ``x q(W)^T``, expert by expert, without RAC: the AQAT trainer's
-        forward); channels are then scored with the quantized weights."""
+        forward), over prompts batched by length so no padding token is recorded; channels are then
+        scored with the quantized weights."""
         if self.precision != "quads":
             raise ValueError(f"RAC calibration is for the quads precision; this engine serves {self.precision!r}")
         if self.weight_version < 0:
@@ -204,7 +205,8 @@ class TorchRolloutEngine:
             calibrator = RacCalibrator(self.experts, {n: s.in_features for n, s in self.states.items()})
             try:
                 with torch.no_grad():
-                    self.model(**self._batch(prompts))
+                    for group in _by_length(prompts):  # no padding: only the prompts' own tokens are recorded
+                        self.model(**self._batch(group))
             finally:
                 calibrator.detach()
             # an expert nothing was routed to takes the channels of its layer's pooled statistics (same
@@ -300,6 +302,14 @@ class TorchRolloutEngine:
             out = self.model(input_ids=token[:, None].to(self.device), attention_mask=mask, position_ids=positions,
                              use_cache=True, **{self._cache_arg: cache})
         return results
+
+
+def _by_length(prompts: Sequence[Sequence[int]]) -> list[list[Sequence[int]]]:
+    """The prompts grouped by length (first-seen order), so each group batches without padding."""
+    groups: dict[int, list[Sequence[int]]] = {}
+    for prompt in prompts:
+        groups.setdefault(len(prompt), []).append(prompt)
+    return list(groups.values())
 
 
 def _sample_top_p(logp: torch.Tensor, top_p: float, gen: torch.Generator) -> torch.Tensor:

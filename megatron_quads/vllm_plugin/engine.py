@@ -1,0 +1,229 @@
+"""The vLLM rollout engine: :class:`~megatron_quads.rollout.engine.RolloutEngine` on ``vllm.LLM``.
+
+The engine is built from a checkpoint directory in the project's format (NVFP4-plus-residual for
+w4a16 / w4a4 / quads, served by the QUADS plugin; a Hugging Face safetensors directory for bf16,
+served by vLLM itself). Given no directory, the first :meth:`VllmRolloutEngine.load_weights` writes
+one (a temporary directory, removed by :meth:`close`) and builds the engine from it; every later
+call updates the weights in place through vLLM's layer-wise reload, without restarting the engine,
+and resets the prefix cache. In quads mode :meth:`calibrate` chooses the RAC channels inside the
+engine from its experts' inputs on calibration prompts (the built-in engine's rule).
+
+Log-probs are vLLM's ``processed_logprobs``: ``log_softmax(logits / temperature)`` of each sampled
+token (temperature 1 when greedy), the quantity the trainer recomputes. vLLM's processed log-probs
+are taken after top-p truncation, so the engine refuses ``top_p < 1`` rather than return another
+quantity. By default the engine core runs in this process (``multiprocess=False``: start-up in
+seconds, tensors passed by reference); ``multiprocess=True`` is vLLM's default process layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_quads.rollout.engine import ENGINE_PRECISIONS, Generation, SamplingParams
+from megatron_quads.rollout.rac import ChannelStatistic
+from megatron_quads.rollout.weights import (
+    QuantizedModelWeights,
+    quantize_hf_weights,
+    routed_expert_scope,
+    save_quantized_weights,
+)
+from megatron_quads.vllm_plugin.serving import PRECISION_ENV
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+WORKER_EXTENSION = "megatron_quads.vllm_plugin.worker_extension.QuadsWorkerExtension"
+
+
+@dataclass(frozen=True)
+class VllmOptions:
+    """How the vLLM engine is started (``rollout.vllm`` in the run config)."""
+
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = 64
+    cpu_kv_cache_gb: int = 1  # CPU: VLLM_CPU_KVCACHE_SPACE
+    gpu_memory_utilization: float = 0.5  # GPU: the fraction of the GPU vLLM may take
+    enforce_eager: bool = True  # False: CUDA graphs on GPU
+    multiprocess: bool = False  # True: the engine core in its own process (vLLM's default)
+    enable_sleep_mode: bool = False  # GPU, colocated: sleep() frees weights and KV cache for the trainer
+    cpu_threads_bind: str = "nobind"  # CPU: VLLM_CPU_OMP_THREADS_BIND ("auto" pins OpenMP threads to cores)
+
+
+def _dense_state_dict(weights: QuantizedModelWeights | Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """HF-named high-precision tensors (NVFP4 linears dequantized) for a bf16 engine."""
+    if not isinstance(weights, QuantizedModelWeights):
+        return {name: t.to(dtype) for name, t in weights.items()}
+    dense = {name: t.to(dtype) for name, t in weights.unquantized.items()}
+    dense.update({f"{module}.weight": lin.dequantized_weight(dtype) for module, lin in weights.quantized.items()})
+    return dense
+
+
+class VllmRolloutEngine:
+    """A rollout engine on vLLM (see module docstring).
+
+    ``hf_config``: the model's Hugging Face config (a dict, as config.json holds it); ``precision``:
+    one of ``ENGINE_PRECISIONS``; ``ratio``: the RAC ratio (quads); ``checkpoint``: a directory to
+    build the engine from now (else the first :meth:`load_weights` writes one)."""
+
+    def __init__(self, hf_config: Mapping[str, Any], precision: str = "quads", ratio: float = 0.25,
+                 dtype: torch.dtype = torch.bfloat16, options: VllmOptions = VllmOptions(), seed: int = 0,
+                 checkpoint: str | os.PathLike[str] | None = None) -> None:
+        if precision not in ENGINE_PRECISIONS:
+            raise ValueError(f"unknown precision {precision!r}; the vLLM engine serves {ENGINE_PRECISIONS}")
+        if dtype not in _DTYPE_NAMES:
+            raise ValueError(f"the vLLM engine runs in {sorted(_DTYPE_NAMES.values())}, not {dtype}")
+        self.hf_config = dict(hf_config)
+        self.precision = precision
+        self.ratio = ratio
+        self.dtype = dtype
+        self.options = options
+        self.seed = seed
+        self.weight_version = -1
+        self.llm = None
+        self._owned_dir: Path | None = None
+        if checkpoint is not None:
+            self._start(Path(checkpoint))
+
+    # ------------------------------------------------------------------ lifecycle
+    def _start(self, directory: Path) -> None:
+        """Build ``vllm.LLM`` from a checkpoint directory."""
+        if self.precision != "bf16":
+            os.environ[PRECISION_ENV] = f"quads@{self.ratio}" if self.precision == "quads" else self.precision
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.options.multiprocess else "0"
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.options.cpu_kv_cache_gb))
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", self.options.cpu_threads_bind)
+        from vllm import LLM
+
+        max_len = self.options.max_model_len or int(self.hf_config.get("max_position_embeddings", 2048))
+        self.llm = LLM(
+            model=str(directory), skip_tokenizer_init=True, dtype=_DTYPE_NAMES[self.dtype], max_model_len=max_len,
+            max_num_seqs=self.options.max_num_seqs, enforce_eager=self.options.enforce_eager,
+            gpu_memory_utilization=self.options.gpu_memory_utilization, enable_sleep_mode=self.options.enable_sleep_mode,
+            logprobs_mode="processed_logprobs", seed=self.seed, worker_extension_cls=WORKER_EXTENSION,
+        )
+        self.weight_version = self._version_of(directory)
+
+    def _version_of(self, directory: Path) -> int:
+        quads = json.loads((directory / "config.json").read_text()).get("quantization_config", {}).get("quads", {})
+        return int(quads.get("weight_version", 0))
+
+    def close(self) -> None:
+        """Shut the engine down and remove the directory it wrote."""
+        if self.llm is not None:
+            engine = getattr(self.llm, "llm_engine", None)
+            if engine is not None and hasattr(engine, "engine_core"):
+                engine.engine_core.shutdown()
+            self.llm = None
+        if self._owned_dir is not None:
+            shutil.rmtree(self._owned_dir, ignore_errors=True)
+            self._owned_dir = None
+
+    def sleep(self) -> None:
+        """Free the weights and KV cache on the GPU (vLLM's sleep mode, level 1; needs enable_sleep_mode)."""
+        if self.llm is not None and self.options.enable_sleep_mode:
+            self.llm.sleep(level=1)
+
+    def wake_up(self) -> None:
+        """Undo :meth:`sleep`."""
+        if self.llm is not None and self.options.enable_sleep_mode:
+            self.llm.wake_up()
+
+    # ------------------------------------------------------------------ weights
+    def _served(self, weights: QuantizedModelWeights | Mapping[str, torch.Tensor], version: int):
+        """What the engine takes for its precision: BF16 tensors (bf16) or QuantizedModelWeights."""
+        if self.precision == "bf16":
+            return _dense_state_dict(weights, self.dtype)
+        if isinstance(weights, QuantizedModelWeights):
+            return weights
+        return quantize_hf_weights(((n, t.float()) for n, t in weights.items()), routed_expert_scope(),
+                                   ratio=self.ratio, weight_version=version, unquantized_dtype=self.dtype)
+
+    def load_weights(self, weights: QuantizedModelWeights | Mapping[str, torch.Tensor], version: int) -> None:
+        """Serve new weights (BF16 tensors by HF name, or QuantizedModelWeights): the first call
+        writes a checkpoint and starts the engine, later ones update the running engine in place
+        (RAC channel sets included) and reset its prefix cache."""
+        served = self._served(weights, version)
+        if self.llm is None:
+            self._owned_dir = Path(tempfile.mkdtemp(prefix="quads-vllm-"))
+            directory = self._owned_dir / "checkpoint"
+            if isinstance(served, QuantizedModelWeights):
+                save_quantized_weights(served, directory, model_config=self.hf_config)
+            else:
+                from safetensors.torch import save_file
+
+                directory.mkdir()
+                save_file({n: t.contiguous().cpu() for n, t in served.items()}, directory / "model.safetensors", metadata={"format": "pt"})
+                (directory / "config.json").write_text(json.dumps(self.hf_config, indent=1))
+            self._start(directory)
+        else:
+            state = served.state_dict() if isinstance(served, QuantizedModelWeights) else served
+            self.llm.collective_rpc("quads_update_weights", args=(list(state.items()),))
+            self.llm.reset_prefix_cache()
+        self.weight_version = version
+
+    def parameter_storage(self) -> dict[str, tuple[int, int]]:
+        """``{parameter: (data_ptr, nbytes)}`` of the served model (in-process engines)."""
+        return self.llm.collective_rpc("quads_parameter_storage")[0]
+
+    def calibrate(self, prompts: Sequence[Sequence[int]], statistic: ChannelStatistic = ChannelStatistic.OUTPUT_ERROR) -> int:
+        """Choose RAC channels (quads) from the experts' inputs on ``prompts``: one prefill of every
+        prompt under W4A16 records them, then each layer selects and writes its channels and ``W_S``;
+        returns the routed tokens seen."""
+        if self.precision != "quads":
+            raise ValueError(f"RAC calibration is for the quads precision; this engine serves {self.precision!r}")
+        if self.llm is None:
+            raise RuntimeError("no weights loaded: call load_weights first")
+        self._check_prompts(prompts)
+        from vllm import SamplingParams as VllmSamplingParams
+
+        self.llm.reset_prefix_cache()  # every prompt token goes through the experts
+        self.llm.collective_rpc("quads_begin_calibration")
+        try:
+            self.llm.generate(self._prompts(prompts), VllmSamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+        finally:
+            tokens = self.llm.collective_rpc("quads_finish_calibration", args=(statistic.value,))[0]
+        self.llm.reset_prefix_cache()
+        return tokens
+
+    # ------------------------------------------------------------------ generation
+    @staticmethod
+    def _check_prompts(prompts: Sequence[Sequence[int]]) -> None:
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("generate needs at least one prompt and no empty prompt")
+
+    @staticmethod
+    def _prompts(prompts: Sequence[Sequence[int]]) -> list:
+        from vllm import TokensPrompt
+
+        return [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+        """Continue every prompt (see :class:`Generation` for the log-prob convention); a seed
+        reproduces the same tokens (prompt ``i`` samples with seed ``params.seed + i``)."""
+        self._check_prompts(prompts)
+        if self.llm is None:
+            raise RuntimeError("no weights loaded: call load_weights first")
+        if params.top_p < 1.0:
+            raise ValueError("the vLLM engine returns log-probs after top-p truncation, which the trainer does not "
+                             "recompute: use top_p=1 (rollout.top_p) with rollout.engine=vllm")
+        from vllm import SamplingParams as VllmSamplingParams
+
+        requests = [VllmSamplingParams(max_tokens=params.max_new_tokens, temperature=params.temperature,
+                                       seed=params.seed + i, stop_token_ids=list(params.stop_token_ids), logprobs=0)
+                    for i in range(len(prompts))]
+        outputs = self.llm.generate(self._prompts(prompts), requests, use_tqdm=False)
+        results = []
+        for prompt, output in zip(prompts, outputs):
+            completion = output.outputs[0]
+            tokens = list(completion.token_ids)
+            logprobs = [float(step[token].logprob) for token, step in zip(tokens, completion.logprobs)]
+            results.append(Generation(prompt_ids=list(prompt), token_ids=tokens, logprobs=logprobs,
+                                      finish_reason="stop" if completion.finish_reason == "stop" else "length"))
+        return results

@@ -1,0 +1,338 @@
+"""Routed experts in vLLM as NVFP4 (+RAC) grouped GEMMs computed by the project's functions.
+
+vLLM's split: :meth:`QuadsFusedMoEMethod.create_weights` makes parameters shaped as the checkpoint
+stores them, stacked over experts (ModelOpt's names, plus the residual fields), each with a loader
+that copies one checkpoint tensor into its expert's slice; :meth:`~QuadsFusedMoEMethod.process_weights_after_loading`
+checks what was loaded and prepares the RAC tails for the device once;
+:meth:`~QuadsFusedMoEMethod.apply` computes through
+:class:`~megatron_quads.rollout.grouped_experts.GroupedExperts` (the reference on CPU, the Triton
+kernels on CUDA), so vLLM and the built-in engine run the same arithmetic.
+
+Parameters of a layer with E local experts, hidden size H, expert intermediate size I and C13 / C2
+residual channels (``ServingConfig.residual_channels`` of H and I; none unless quads):
+
+| parameter | dtype | shape |
+|---|---|---|
+| ``w13_weight`` / ``w2_weight`` | uint8 | ``[E, 2I, H/2]`` / ``[E, H, I/2]`` |
+| ``w13_weight_scale`` / ``w2_weight_scale`` | float8_e4m3fn | ``[E, 2I, H/16]`` / ``[E, H, I/16]`` |
+| ``w13_weight_scale_2`` / ``w2_weight_scale_2`` | float32 | ``[E, 2]`` (gate, up) / ``[E]`` |
+| ``w13_input_scale`` / ``w2_input_scale`` | float32 | ``[E, 2]`` / ``[E]`` (only if the checkpoint has them) |
+| ``w13_residual_channels`` / ``w2_residual_channels`` | int32 | ``[E, 2, C13]`` / ``[E, C2]`` |
+| ``w13_residual_weight`` / ``w2_residual_weight`` | uint8 | ``[E, 2I, C13/2]`` / ``[E, H, C2/2]`` |
+| ``w13_residual_weight_scale`` / ``w2_residual_weight_scale`` | float8_e4m3fn | ``[E, 2I, C13/16]`` / ``[E, H, C2/16]`` |
+
+Gate and up each write their own slot of the ``[E, 2]`` / ``[E, 2, C13]`` parameters, so vLLM's
+layer-wise reload counts every loaded element once; processing then requires the two to agree.
+A checkpoint module with no residual channels (saved before calibration) loads as a zero tail:
+``W_S = 0`` on placeholder channels, the plain W4A4 product, until calibration writes real ones.
+Static input scales are stored and not used: activations are quantized with per-token scales.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+from vllm.model_executor.utils import set_weight_attrs
+
+from megatron_quads.nvfp4 import BLOCK_SIZE, NVFP4Tensor
+from megatron_quads.nvfp4.stacked import expert_weight
+from megatron_quads.rollout.calibration import ChannelStats, select_from_stats
+from megatron_quads.rollout.grouped import prepare_grouped_rac_tail
+from megatron_quads.rollout.grouped_experts import GroupedExperts, GroupedProjection
+from megatron_quads.rollout.precision import LinearState, Precision, linear_output
+from megatron_quads.rollout.rac import ChannelStatistic, reblock_columns, validate_channels
+from megatron_quads.vllm_plugin.serving import ServingConfig
+
+_SHARD = {"w1": 0, "w3": 1}
+"""Gate (w1) and up (w3): their half of w13 and their slot of the per-shard parameters."""
+_W4A16 = Precision("aqat")
+"""What the experts compute while calibration records their inputs (the AQAT trainer's forward)."""
+
+
+def _parameter(layer: torch.nn.Module, name: str, data: torch.Tensor, attrs: dict, loader: Callable) -> None:
+    param = torch.nn.Parameter(data, requires_grad=False)
+    layer.register_parameter(name, param)
+    set_weight_attrs(param, attrs)
+    param.weight_loader = loader
+
+
+class QuadsFusedMoEMethod(FusedMoEMethodBase):
+    """NVFP4 (+RAC) routed experts under ``serving.precision`` (see the module docstring)."""
+
+    def __init__(self, serving: ServingConfig, moe) -> None:
+        super().__init__(moe)
+        self.serving = serving
+        self.precision = serving.linear_precision
+
+    # ------------------------------------------------------------------ weights
+    def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int,
+                       intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
+        """Parameters as the checkpoint stores them, stacked over the local experts."""
+        if layer.moe_config.tp_size > 1:
+            raise NotImplementedError("the QUADS MoE method shards experts by expert parallelism only; "
+                                      "serve with tensor_parallel_size=1 or enable_expert_parallel=True")
+        if not layer.moe_config.is_act_and_mul or layer.moe_config.activation != MoEActivation.SILU:
+            raise NotImplementedError(f"the QUADS MoE method computes SiLU-gated experts, not {layer.moe_config.activation}")
+        E, H, I = num_experts, hidden_size, intermediate_size_per_partition
+        for name, k in (("hidden_size", H), ("intermediate_size", I)):
+            if k % BLOCK_SIZE:
+                raise ValueError(f"NVFP4 experts need {name} to be a multiple of {BLOCK_SIZE}, got {k}")
+        layer.quads_dtype = params_dtype
+        layer.quads_sizes = {"w13": (2 * I, H), "w2": (H, I)}
+        layer.quads_loaded = set()
+        layer.quads_calibration = None
+        attrs = {k: v for k, v in extra_weight_attrs.items() if k != "weight_loader"}
+        c13, c2 = self.serving.residual_channels(H), self.serving.residual_channels(I)
+        shapes = {
+            "w13_weight": ((E, 2 * I, H // 2), torch.uint8), "w2_weight": ((E, H, I // 2), torch.uint8),
+            "w13_weight_scale": ((E, 2 * I, H // BLOCK_SIZE), torch.float8_e4m3fn),
+            "w2_weight_scale": ((E, H, I // BLOCK_SIZE), torch.float8_e4m3fn),
+            "w13_weight_scale_2": ((E, 2), torch.float32), "w2_weight_scale_2": ((E,), torch.float32),
+        }
+        if self.serving.input_scales:
+            shapes |= {"w13_input_scale": ((E, 2), torch.float32), "w2_input_scale": ((E,), torch.float32)}
+        if self.precision.kind == "quads":
+            shapes |= {
+                "w13_residual_channels": ((E, 2, c13), torch.int32), "w2_residual_channels": ((E, c2), torch.int32),
+                "w13_residual_weight": ((E, 2 * I, c13 // 2), torch.uint8), "w2_residual_weight": ((E, H, c2 // 2), torch.uint8),
+                "w13_residual_weight_scale": ((E, 2 * I, c13 // BLOCK_SIZE), torch.float8_e4m3fn),
+                "w2_residual_weight_scale": ((E, H, c2 // BLOCK_SIZE), torch.float8_e4m3fn),
+            }
+        elif self.serving.residual_tensors:  # the checkpoint's residual tensors are read and dropped
+            shapes |= {f"{p}_residual_{leaf}": ((0,), dtype) for p in ("w13", "w2") for leaf, dtype in
+                       (("channels", torch.int32), ("weight", torch.uint8), ("weight_scale", torch.float8_e4m3fn))}
+        for name, (shape, dtype) in shapes.items():
+            _parameter(layer, name, torch.zeros(shape, dtype=dtype), attrs, self._loader(layer, name))
+        if self.precision.kind == "quads":
+            _placeholder_channels(layer)
+
+    def _loader(self, layer: torch.nn.Module, name: str) -> Callable:
+        """The weight loader of parameter ``name``: one checkpoint tensor into its expert's slice."""
+        projection, _, leaf = name.partition("_")
+        sink = name.startswith(("w13_residual", "w2_residual")) and self.precision.kind != "quads"
+
+        def weight_loader(param: torch.nn.Parameter, loaded_weight: torch.Tensor, weight_name: str,
+                          shard_id: str, expert_id: int, return_success: bool = False) -> bool | None:
+            local = layer._map_global_expert_id_to_local_expert_id(expert_id)
+            if local < 0:  # another rank's expert
+                return False if return_success else None
+            if not sink:
+                _load_expert_tensor(layer, projection, leaf, param, loaded_weight, shard_id, local,
+                                    _checkpoint_name(layer, expert_id, shard_id, leaf))
+                layer.quads_loaded.add((name, shard_id, local))
+            return True if return_success else None
+
+        return weight_loader
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        """Check what the checkpoint filled (every tensor of every local expert, gate and up sharing
+        one decode scale and one channel set, valid channels) and prepare the RAC tails for the device. A layer nothing was
+        loaded into (vLLM's dummy load format) is set to zero weights."""
+        loaded, layer.quads_loaded = layer.quads_loaded, set()
+        if loaded:
+            _check_loaded(layer, loaded, self.precision.kind == "quads")
+        elif not getattr(layer, "quads_prepared", False):
+            _zero_weights(layer, self.precision.kind == "quads")
+        scale_2 = layer.w13_weight_scale_2
+        if loaded and not torch.equal(scale_2[:, 0], scale_2[:, 1]):
+            bad = torch.nonzero(scale_2[:, 0] != scale_2[:, 1]).flatten().tolist()
+            raise ValueError(f"{layer.layer_name}: experts {bad[:8]} have gate_proj and up_proj weight_scale_2 that differ; "
+                             "vLLM fuses them into one w13 GEMM with one scale (quantize gate and up with one amax)")
+        layer.quads_scale_2 = {"w13": scale_2[:, 0].contiguous(), "w2": layer.w2_weight_scale_2.contiguous()}
+        layer.quads_tails = {}
+        if self.precision.kind == "quads":
+            for projection in ("w13", "w2"):
+                channels = _channels(layer, projection)
+                if channels.shape[1]:
+                    residual = self._stack(layer, projection, residual=True)
+                    layer.quads_tails[projection] = prepare_grouped_rac_tail(channels, residual, layer.quads_sizes[projection][1])
+        layer.quads_prepared = True
+
+    def get_fused_moe_quant_config(self, layer: torch.nn.Module):
+        """None: the method computes itself (vLLM's modular kernels are not used)."""
+        return None
+
+    # ------------------------------------------------------------------ compute
+    def _stack(self, layer: torch.nn.Module, projection: str, residual: bool = False) -> NVFP4Tensor:
+        """The stacked NVFP4 weight (or residual weight ``W_S``) of a projection, viewing the parameters."""
+        n, k = layer.quads_sizes[projection]
+        prefix = f"{projection}_residual_weight" if residual else f"{projection}_weight"
+        codes, scales = getattr(layer, prefix), getattr(layer, f"{prefix}_scale")
+        scale_2 = getattr(layer, "quads_scale_2", None)
+        scale_2 = scale_2[projection] if scale_2 else getattr(layer, f"{projection}_weight_scale_2").reshape(codes.shape[0], -1)[:, 0]
+        columns = codes.shape[-1] * 2
+        return NVFP4Tensor(codes=codes, scales=scales, weight_scale_2=scale_2,
+                           shape=torch.Size((codes.shape[0], n, columns if residual else k)), dtype=layer.quads_dtype)
+
+    def _projection(self, layer: torch.nn.Module, projection: str) -> GroupedProjection:
+        channels, residual = layer.quads_tails.get(projection, (None, None))
+        return GroupedProjection(self.precision, self._stack(layer, projection), channels, residual)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              shared_experts=None, shared_experts_input=None) -> torch.Tensor:
+        """The routed experts' weighted sum for ``x [T, H]`` (vLLM runs shared experts itself)."""
+        ids, weights = _local_routing(layer, topk_ids, topk_weights)
+        if layer.quads_calibration is not None:
+            return self._calibration_forward(layer, x, ids, weights)
+        experts = GroupedExperts(self._projection(layer, "w13"), self._projection(layer, "w2"))
+        return experts(x, ids, weights, F.silu)
+
+    # ------------------------------------------------------------------ RAC calibration
+    def begin_calibration(self, layer: torch.nn.Module) -> None:
+        """Record every local expert's inputs from now on (forwards compute W4A16, expert by expert)."""
+        if self.precision.kind != "quads":
+            raise ValueError(f"{layer.layer_name}: RAC calibration is for the quads precision, this layer serves {self.serving.precision!r}")
+        experts = layer.w13_weight.shape[0]
+        layer.quads_calibration = {p: [ChannelStats(layer.quads_sizes[p][1]) for _ in range(experts)] for p in ("w13", "w2")}
+
+    def finish_calibration(self, layer: torch.nn.Module, statistic: ChannelStatistic = ChannelStatistic.OUTPUT_ERROR) -> int:
+        """Choose each expert's channels from the recorded inputs (an expert no token reached takes
+        its layer's pooled statistics), write them and their ``W_S`` into the parameters, and
+        prepare the tails again; returns the tokens seen. Stops recording."""
+        stats, layer.quads_calibration = layer.quads_calibration, None
+        if stats is None:
+            raise RuntimeError(f"{layer.layer_name}: finish_calibration without begin_calibration")
+        for projection, per_expert in stats.items():
+            names = {f"{e}": s for e, s in enumerate(per_expert)}
+            weights = {f"{e}": expert_weight(self._stack(layer, projection), e) for e in range(len(per_expert))}
+            chosen = select_from_stats(names, self.precision.ratio, statistic, weights, dict.fromkeys(names, projection))
+            if len(chosen) != len(per_expert):
+                raise RuntimeError(f"{layer.layer_name}: calibration saw no token for this layer: calibrate on more prompts")
+            for e, channels in chosen.items():
+                _write_tail(layer, projection, int(e), channels, reblock_columns(weights[e], channels))
+        self.process_weights_after_loading(layer)
+        return sum(s.tokens for s in stats["w13"])
+
+    def _calibration_forward(self, layer: torch.nn.Module, x: torch.Tensor, ids: torch.Tensor,
+                             weights: torch.Tensor) -> torch.Tensor:
+        """W4A16 expert by expert, recording each expert's inputs of both projections."""
+        stats = layer.quads_calibration
+        w13, w2 = self._stack(layer, "w13"), self._stack(layer, "w2")
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e in range(w13.shape[0]):
+            tokens, slots = torch.nonzero(ids == e, as_tuple=True)
+            if not tokens.numel():
+                continue
+            xe = x[tokens]
+            stats["w13"][e].update(xe)
+            gate, up = linear_output(xe, LinearState(expert_weight(w13, e)), _W4A16).chunk(2, dim=-1)
+            hidden = F.silu(gate) * up
+            stats["w2"][e].update(hidden)
+            ye = linear_output(hidden, LinearState(expert_weight(w2, e)), _W4A16)
+            out.index_add_(0, tokens, ye.float() * weights[tokens, slots, None].float())
+        return out.to(x.dtype)
+
+
+# ---------------------------------------------------------------------- helpers
+def _checkpoint_name(layer: torch.nn.Module, expert: int, shard_id: str, leaf: str) -> str:
+    proj = {"w1": layer.ckpt_gate_proj_name, "w3": layer.ckpt_up_proj_name, "w2": layer.ckpt_down_proj_name}[shard_id]
+    return f"{layer.layer_name}.{expert}.{proj}.{leaf}"
+
+
+def _load_expert_tensor(layer: torch.nn.Module, projection: str, leaf: str, param: torch.nn.Parameter,
+                        loaded: torch.Tensor, shard_id: str, expert: int, where: str) -> None:
+    """Copy one checkpoint tensor into expert ``expert``'s slice of ``param`` (gate: the first half
+    of w13, up: the second), checking its shape."""
+    if (projection == "w2") != (shard_id == "w2"):
+        raise ValueError(f"{where}: shard {shard_id!r} does not belong to {projection}")
+    target = param.data[expert]
+    if leaf in ("weight_scale_2", "input_scale"):
+        if loaded.numel() != 1:
+            raise ValueError(f"{where}: expected a scalar, got shape {tuple(loaded.shape)}")
+        target = target[_SHARD[shard_id]] if projection == "w13" else target
+        target.copy_(loaded.reshape(()))
+        return
+    if leaf == "residual_channels":
+        target = target[_SHARD[shard_id]] if projection == "w13" else target
+        if loaded.numel() == 0:  # saved before calibration: a zero tail (see module docstring)
+            target.copy_(torch.arange(target.numel(), dtype=torch.int32))
+            return
+        if loaded.shape != target.shape:
+            raise ValueError(f"{where}: {loaded.numel()} residual channels, but this engine holds {target.numel()} per linear "
+                             f"(num_residual_channels(K, ratio) for the served RAC ratio); re-calibrate at that ratio or "
+                             f"serve the checkpoint's ratio")
+        target.copy_(loaded)
+        return
+    if projection == "w13":
+        half = target.shape[0] // 2
+        target = target[_SHARD[shard_id] * half:(_SHARD[shard_id] + 1) * half]
+    if leaf.startswith("residual") and loaded.numel() == 0:
+        target.zero_()
+        return
+    if loaded.shape != target.shape:
+        raise ValueError(f"{where}: expected shape {tuple(target.shape)}, got {tuple(loaded.shape)}")
+    if loaded.dtype != target.dtype:
+        raise ValueError(f"{where}: expected dtype {target.dtype}, got {loaded.dtype}")
+    target.copy_(loaded)
+
+
+def _required(layer: torch.nn.Module, quads: bool) -> list[str]:
+    names = [n for n, _ in layer.named_parameters(recurse=False) if n.startswith(("w13_", "w2_"))]
+    return [n for n in names if quads or "residual" not in n]
+
+
+def _check_loaded(layer: torch.nn.Module, loaded: set, quads: bool) -> None:
+    """Every tensor of every local expert was loaded, no scale is NaN, residual channels are valid."""
+    experts = layer.w13_weight.shape[0]
+    missing = [_checkpoint_name(layer, e, shard, name.partition("_")[2])
+               for name in _required(layer, quads) for shard in (("w2",) if name.startswith("w2") else ("w1", "w3"))
+               for e in range(experts) if (name, shard, e) not in loaded]
+    if missing:
+        raise ValueError(f"the checkpoint lacks {len(missing)} tensors of {layer.layer_name}, e.g. {missing[:4]}; "
+                         "every routed expert needs weight, weight_scale, weight_scale_2 (and residual_* for quads)")
+    if not quads:
+        return
+    channels13 = layer.w13_residual_channels
+    if not torch.equal(channels13[:, 0], channels13[:, 1]):
+        raise ValueError(f"{layer.layer_name}: gate_proj and up_proj read the same input, so they need the same residual_channels")
+    for projection in ("w13", "w2"):
+        k = layer.quads_sizes[projection][1]
+        for e, channels in enumerate(_channels(layer, projection)):
+            try:
+                validate_channels(channels, k)
+            except ValueError as err:
+                raise ValueError(f"{_checkpoint_name(layer, e, 'w2' if projection == 'w2' else 'w1', 'residual_channels')}: {err}") from None
+
+
+def _channels(layer: torch.nn.Module, projection: str) -> torch.Tensor:
+    """``[E, C]`` residual channels of a projection (gate's copy for w13)."""
+    channels = getattr(layer, f"{projection}_residual_channels")
+    return (channels[:, 0] if projection == "w13" else channels).contiguous()
+
+
+def _placeholder_channels(layer: torch.nn.Module) -> None:
+    """Valid channels (the first C) for a tail with zero ``W_S``."""
+    for projection in ("w13", "w2"):
+        channels = getattr(layer, f"{projection}_residual_channels").data
+        channels.copy_(torch.arange(channels.shape[-1], dtype=torch.int32).expand_as(channels))
+
+
+def _zero_weights(layer: torch.nn.Module, quads: bool) -> None:
+    """All-zero expert weights (what a layer holds before its weights arrive)."""
+    for name in _required(layer, quads):
+        getattr(layer, name).data.zero_()
+    if quads:
+        _placeholder_channels(layer)
+
+
+def _write_tail(layer: torch.nn.Module, projection: str, expert: int, channels: torch.Tensor, residual: NVFP4Tensor) -> None:
+    """Expert ``expert``'s residual channels and ``W_S`` into the parameters, in place."""
+    target = getattr(layer, f"{projection}_residual_channels").data[expert]
+    target.copy_(channels.to(torch.int32).expand_as(target))
+    getattr(layer, f"{projection}_residual_weight").data[expert].copy_(residual.codes)
+    getattr(layer, f"{projection}_residual_weight_scale").data[expert].copy_(residual.scales)
+
+
+def _local_routing(layer: torch.nn.Module, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing in local expert ids (int64); under expert parallelism another rank's experts get
+    weight 0 (and expert 0's rows, which they then do not change)."""
+    ids = topk_ids.to(torch.int64)
+    expert_map = layer.expert_map
+    if expert_map is None:
+        return ids, topk_weights
+    local = expert_map.to(ids.device)[ids].to(torch.int64)
+    return local.clamp(min=0), torch.where(local >= 0, topk_weights, torch.zeros_like(topk_weights))

@@ -1,0 +1,73 @@
+"""Calls that run inside vLLM's workers, for the rollout engine (``LLM(worker_extension_cls=...)``).
+
+vLLM mixes :class:`QuadsWorkerExtension` into its worker class; ``llm.collective_rpc("quads_...")``
+runs a method on every worker and returns their results. Arguments are plain Python values, and
+tensors only where the engine runs in-process (vLLM's RPC cannot pickle tensors between processes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from megatron_quads.rollout.rac import ChannelStatistic
+
+
+class QuadsWorkerExtension:
+    """Methods added to vLLM's worker (``self`` is the worker: ``self.model_runner`` holds the model)."""
+
+    def _quads_layers(self) -> list[tuple[str, torch.nn.Module]]:
+        """The model's modules computed by a QUADS method that can calibrate (MoE or linear)."""
+        model = self.model_runner.get_model()
+        return [(name, module) for name, module in model.named_modules()
+                if hasattr(getattr(module, "quant_method", None), "begin_calibration")]
+
+    def quads_update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load checkpoint-named tensors into the model in place through vLLM's layer-wise reload
+        (every layer processed again, results copied into the parameters' storage); returns the count."""
+        tensors = list(named_tensors)
+        self.model_runner.reload_weights(weights_iterator=iter(tensors))
+        repack_unquantized_cpu_experts(self.model_runner.get_model())
+        return len(tensors)
+
+    def quads_begin_calibration(self) -> int:
+        """Start recording every QUADS layer's inputs; returns the number of layers."""
+        layers = self._quads_layers()
+        for _, module in layers:
+            module.quant_method.begin_calibration(module)
+        return len(layers)
+
+    def quads_finish_calibration(self, statistic: str = ChannelStatistic.OUTPUT_ERROR.value) -> int:
+        """Choose and write every layer's RAC channels from what was recorded; returns tokens seen."""
+        return sum(module.quant_method.finish_calibration(module, ChannelStatistic(statistic))
+                   for _, module in self._quads_layers())
+
+    def quads_parameter_storage(self) -> dict[str, tuple[int, int]]:
+        """``{parameter name: (data_ptr, nbytes)}`` of every model parameter."""
+        model = self.model_runner.get_model()
+        return {name: (p.data_ptr(), p.numel() * p.element_size()) for name, p in model.named_parameters()}
+
+
+def repack_unquantized_cpu_experts(model: torch.nn.Module) -> int:
+    """Re-run the CPU weight prepack of vLLM's unquantized MoE layers after a reload (its method
+    skips the prepack on weight updates, which leaves raw weights in the packed layout), into the
+    parameters' own storage; returns the layers repacked. A no-op off CPU and for the QUADS method."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return 0
+    count = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        fused = getattr(kernel, "fused_experts", None)
+        if fused is not None and type(fused).__name__.endswith("CPUUnquantizedExperts"):
+            held = {name: getattr(module, name) for name in ("w13_weight", "w2_weight")}
+            fused.process_weights_after_loading(module)
+            for name, param in held.items():  # the packed weights into the storage the engine holds
+                packed = getattr(module, name)
+                if packed is not param and packed.shape == param.shape and packed.dtype == param.dtype:
+                    param.data.copy_(packed.data)
+                    module.register_parameter(name, param)
+            count += 1
+    return count
