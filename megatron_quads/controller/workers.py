@@ -167,23 +167,41 @@ class TrainerWorker:
         return self.release_sync_buffers()
 
 
+def hf_config_json(model_cfg) -> dict:
+    """The policy's Hugging Face ``config.json`` content (architecture and dtype included)."""
+    from megatron_quads.trainer.hf_export import qwen3_moe_config
+
+    config = qwen3_moe_config(model_cfg).to_dict()
+    config["architectures"] = ["Qwen3MoeForCausalLM"]
+    config["dtype"] = str(model_cfg.torch_dtype).removeprefix("torch.")
+    return config
+
+
 class RolloutWorker:
     """A rollout engine that generates responses with the weights it was last sent."""
 
     def __init__(self, cfg: RunConfig) -> None:
-        from megatron_quads.rollout.torch_engine import TorchRolloutEngine
         from megatron_quads.trainer.hf_export import qwen3_moe_config
 
-        if cfg.rollout.engine != "torch":
-            raise NotImplementedError("only the built-in torch engine is wired into the controller so far")
         model = policy_model_config(cfg)
         self.cfg = cfg
         self.device = torch.device("cuda" if cfg.rollout_on_gpu() else "cpu")
-        self.engine = TorchRolloutEngine(
-            qwen3_moe_config(model), precision=cfg.engine_precision(),
-            ratio=cfg.precision.rac_ratio, device=self.device, dtype=model.torch_dtype,
-            grouped=cfg.rollout.grouped_experts,
-        )
+        if cfg.rollout.engine == "vllm":
+            from megatron_quads.vllm_plugin.engine import VllmOptions, VllmRolloutEngine
+
+            colocated_gpu = cfg.placement.mode == "colocated" and self.device.type == "cuda"
+            options = VllmOptions(**cfg.rollout.vllm.model_dump(), enable_sleep_mode=colocated_gpu)
+            self.engine = VllmRolloutEngine(hf_config_json(model), precision=cfg.engine_precision(),
+                                            ratio=cfg.precision.rac_ratio, dtype=model.torch_dtype, options=options,
+                                            seed=cfg.seed)
+        else:
+            from megatron_quads.rollout.torch_engine import TorchRolloutEngine
+
+            self.engine = TorchRolloutEngine(
+                qwen3_moe_config(model), precision=cfg.engine_precision(),
+                ratio=cfg.precision.rac_ratio, device=self.device, dtype=model.torch_dtype,
+                grouped=cfg.rollout.grouped_experts,
+            )
         self.asleep = False
         self.sync_group = None
 
@@ -228,9 +246,16 @@ class RolloutWorker:
         return self.engine.generate(prompts, params)
 
     def sleep(self) -> int:
-        """Move the engine's weights off the GPU and free its cached memory; returns bytes freed."""
+        """Move the engine's weights off the GPU and free its cached memory; returns bytes freed
+        (the built-in engine: allocated bytes; vLLM, which allocates outside PyTorch's caching
+        allocator in sleep mode: the device's free bytes)."""
         if self.asleep or self.device.type != "cuda":
             return 0
+        if self.cfg.rollout.engine == "vllm":
+            free_before = torch.cuda.mem_get_info(self.device)[0]
+            self.engine.sleep()
+            self.asleep = True
+            return torch.cuda.mem_get_info(self.device)[0] - free_before
         before = torch.cuda.memory_allocated(self.device)
         self.engine.to_device("cpu")
         torch.cuda.empty_cache()
@@ -240,7 +265,10 @@ class RolloutWorker:
     def wake_up(self) -> None:
         """Undo :meth:`sleep` (a no-op when awake)."""
         if self.asleep:
-            self.engine.to_device(self.device)
+            if self.cfg.rollout.engine == "vllm":
+                self.engine.wake_up()
+            else:
+                self.engine.to_device(self.device)
             self.asleep = False
 
     def gpu_memory(self) -> dict[str, int]:

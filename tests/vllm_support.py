@@ -1,0 +1,70 @@
+"""Shared pieces of the vLLM tests: the embedded model's weights and a QUADS checkpoint of them."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from megatron_quads import embedded
+from megatron_quads.rollout.engine import Generation
+from megatron_quads.rollout.weights import QuantizedModelWeights, quantize_hf_weights, routed_expert_scope
+from megatron_quads.tasks import encode_prompt
+
+RATIO = 0.25
+_ENGINE_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up|down)\.(\d+)$")
+
+
+def embedded_hf_weights() -> tuple[dict[str, torch.Tensor], dict, object]:
+    """The embedded model's tensors by Hugging Face name (fp32), its config.json dict and its
+    transformers config."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_quads.controller.workers import hf_config_json
+    from megatron_quads.trainer.distributed import init_trainer_distributed
+    from megatron_quads.trainer.hf_export import export_hf_weights, qwen3_moe_config
+    from megatron_quads.trainer.model import ParallelConfig, PolicyModelConfig, build_gpt_model
+
+    init_trainer_distributed(1, 0, ParallelConfig())
+    cfg = PolicyModelConfig(**embedded.model_config_fields())
+    model = build_gpt_model(cfg, ParallelConfig())
+    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(embedded.ASSET_DIR / "checkpoint"))
+    model.load_state_dict(state["model"])
+    weights = {name: t.detach().clone().contiguous() for name, t in export_hf_weights(model)}
+    return weights, hf_config_json(cfg), qwen3_moe_config(cfg)
+
+
+def task_prompts(n: int, seed: int) -> list[list[int]]:
+    """``n`` held-out arithmetic prompts as token ids."""
+    tok = embedded.tokenizer()
+    return [encode_prompt(tok, p.text) for p in embedded.task(split="eval").sample_prompts(n, seed=seed)]
+
+
+def calibrated_weights(weights: dict[str, torch.Tensor], hf_config, prompts: list[list[int]],
+                       version: int = 1) -> QuantizedModelWeights:
+    """NVFP4 routed experts with the RAC channels the built-in engine chooses on ``prompts``."""
+    from megatron_quads.rollout.torch_engine import TorchRolloutEngine
+
+    quantized = quantize_hf_weights(weights.items(), routed_expert_scope(), ratio=RATIO, weight_version=version,
+                                    unquantized_dtype=torch.float32)
+    engine = TorchRolloutEngine(hf_config, precision="quads", ratio=RATIO, dtype=torch.float32)
+    engine.load_weights(quantized, version)
+    engine.calibrate(prompts)
+    channels = {}
+    for name, state in engine.states.items():
+        base, kind, expert = _ENGINE_EXPERT.match(name).groups()
+        for proj in (("gate_proj", "up_proj") if kind == "gate_up" else ("down_proj",)):
+            channels[f"{base}.{expert}.{proj}"] = state.channels[RATIO].cpu()
+    return quantized.with_residual_channels(channels, weight_version=version)
+
+
+def perturbed(weights: dict[str, torch.Tensor], seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
+    """The matrices moved by ``scale`` of their std in a seeded random direction (a training step's worth)."""
+    gen = torch.Generator().manual_seed(seed)
+    return {name: t + scale * t.std() * torch.randn(t.shape, generator=gen) if t.ndim == 2 else t.clone()
+            for name, t in weights.items()}
+
+
+def max_logprob_gap(a: list[Generation], b: list[Generation]) -> float:
+    """Largest |log-prob difference| over all tokens of two equal-token generation lists."""
+    return max(abs(x - y) for ga, gb in zip(a, b) for x, y in zip(ga.logprobs, gb.logprobs, strict=True))
