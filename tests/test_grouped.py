@@ -154,3 +154,53 @@ def test_grouped_experts_forward_is_cuda_graph_capturable() -> None:
     top_k_index.copy_(torch.rand(80, 8, device="cuda").topk(2, dim=1).indices)
     graph.replay()
     torch.testing.assert_close(captured, forward(), rtol=0, atol=0)
+
+
+def _projection_from_parameters(precision: str, n: int, k: int, channels_count: int, device: str, seed: int):
+    """A projection built as the vLLM plugin builds one from its stacked parameters: the decode scale
+    out of an ``[E, 2]`` gate/up parameter, the channels out of an ``[E, 2, C]`` one, then prepared."""
+    from megatron_quads.rollout.grouped_experts import GroupedProjection
+    from megatron_quads.rollout.precision import Precision
+
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(E, n, k, generator=gen) * 0.05
+    stacked = quantize(w, global_amax=w.abs().amax(dim=(1, 2)).unsqueeze(1))
+    scale_2 = stacked.weight_scale_2.reshape(E, 1).expand(E, 2).contiguous().to(device)  # the [E, 2] parameter
+    weight = NVFP4Tensor(codes=stacked.codes.to(device), scales=stacked.scales.to(device),
+                         weight_scale_2=scale_2[:, 0].contiguous(), shape=stacked.shape, dtype=torch.bfloat16)
+    kind = Precision(precision, 0.25 if precision == "quads" else 0.0)
+    if precision != "quads":
+        projection = GroupedProjection(kind, weight)
+    else:
+        chosen = torch.stack([torch.randperm(k, generator=gen)[:channels_count].sort().values for _ in range(E)]).to(torch.int32)
+        parts = [reblock_columns(expert_weight(stacked, e), chosen[e]) for e in range(E)]
+        residual = NVFP4Tensor(codes=torch.stack([p.codes for p in parts]).to(device),
+                               scales=torch.stack([p.scales for p in parts]).to(device),
+                               weight_scale_2=weight.weight_scale_2, shape=torch.Size((E, n, channels_count)),
+                               dtype=torch.bfloat16)
+        channel_parameter = chosen[:, None, :].expand(E, 2, channels_count).contiguous().to(device)  # [E, 2, C]
+        projection = GroupedProjection(kind, weight, channel_parameter[:, 0].contiguous(), residual)
+    projection.prepare()
+    return projection
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["aqat", "w4a4", "quads"])
+def test_projections_prepared_from_stacked_parameters_compute_on_cuda_what_they_compute_on_cpu(precision: str) -> None:
+    """The vLLM plugin's CUDA branch (a GroupedProjection over its parameters, prepared once) gives
+    the CPU reference's layer output within the kernels' summation order."""
+    from megatron_quads.rollout.grouped_experts import GroupedExperts
+
+    hidden, ffn = 128, 64
+    outputs = {}
+    for device in ("cpu", "cuda"):
+        layer = GroupedExperts(_projection_from_parameters(precision, 2 * ffn, hidden, 32, device, seed=1),
+                               _projection_from_parameters(precision, hidden, ffn, 16, device, seed=2))
+        gen = torch.Generator().manual_seed(3)
+        x = torch.randn(40, hidden, generator=gen).to(device=device, dtype=torch.bfloat16)
+        top_k_index = torch.rand(40, E, generator=gen).topk(2, dim=1).indices.to(device)
+        top_k_weights = torch.rand(40, 2, generator=gen).to(device)
+        outputs[device] = layer(x, top_k_index, top_k_weights, torch.nn.functional.silu).float().cpu()
+    reference = outputs["cpu"]
+    torch.testing.assert_close(outputs["cuda"], reference, rtol=2e-2, atol=2e-2 * float(reference.abs().max()))
+    assert float(reference.abs().max()) > 0
