@@ -29,7 +29,7 @@ install: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 	# the Triton kernels, bit for bit against the reference, on CPU under Triton's interpreter
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -m gpu tests/test_kernels_*.py
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -n auto -m gpu tests/test_kernels_*.py
 
 run: $(STAMP)
 	$(VENV)/bin/megatron-quads train examples/embedded_default.yaml

@@ -25,6 +25,7 @@ INSTALL_REQUIRES = [
 EXTRAS_REQUIRE = {
     "test": [
         "pytest>=8",
+        "pytest-xdist>=3.5",  # the Triton interpreter pass runs on every core
         "hypothesis>=6.100",
         # independent NVFP4 reference; its qtensor module needs requests and huggingface_hub
         "nvidia-modelopt==0.47.0",

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_controller.py [--out benchmarks/results/controller_cpu.json]
 
-1. Runs the embedded default (quads mode) for 12 steps and reports the median seconds of each phase
+1. Runs the embedded default (quads mode, the built-in engine) for 12 steps and reports the median seconds of each phase
    (sync, generate, reward, trainer log-probs, train) over steps 2..11.
 2. Weight sync: a synthetic Qwen3-MoE-format model (random weights, ~0.4 GB in bf16) is exported
    (a) as BF16 tensors and (b) quantized once into NVFP4-plus-residual; each payload goes through Ray's
@@ -100,7 +100,7 @@ def main() -> None:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(Path("examples/embedded_default.yaml"), [
-            f"run_dir={tmp}", "grpo.steps=12", "checkpoint.every=0", "logging.wandb=disabled"])
+            f"run_dir={tmp}", "grpo.steps=12", "checkpoint.every=0", "logging.wandb=disabled", "rollout.engine=torch"])
         records = [json.loads(line) for line in run(cfg).read_text().splitlines()][2:]
     phases = {k: round(statistics.median(r[k] for r in records), 4) for k in records[0] if k.startswith("time/")}
 

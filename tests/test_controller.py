@@ -98,7 +98,9 @@ def test_corrupt_or_partial_checkpoints_are_skipped(tmp_path: Path, caplog: pyte
     assert "step_4" in caplog.text
 
 
-def test_a_killed_rollout_worker_is_restarted_and_resynced(tmp_path: Path) -> None:
+def test_a_killed_vllm_rollout_worker_is_restarted_and_resynced(tmp_path: Path) -> None:
+    """A vLLM engine's actor killed mid-run: the controller starts a new one, re-syncs it and retries."""
+    pytest.importorskip("vllm")
     from megatron_quads.controller.run import Rollouts, Trainers
     from megatron_quads.rollout.engine import SamplingParams
 
@@ -283,7 +285,7 @@ def test_collective_weight_broadcast_survives_an_engine_restart(tmp_path: Path) 
     from megatron_quads.controller.run import Rollouts, Trainers
     from megatron_quads.rollout.engine import SamplingParams
 
-    cfg = load_config(EXAMPLE, [f"run_dir={tmp_path}", "precision.mode=quads", "rollout.num_workers=2",
+    cfg = load_config(EXAMPLE, [f"run_dir={tmp_path}", "precision.mode=quads", "rollout.num_workers=2", "rollout.engine=torch",
                                 "rollout.weight_transfer=collective", "rollout.timeout_s=120"])
     trainers, rollouts = Trainers(cfg), Rollouts(cfg)
     prompts = [[1, 4, 13, 5, 17], [1, 6, 14, 3, 17]]
@@ -307,5 +309,5 @@ def test_rollout_grouped_experts_reaches_the_engine(grouped: bool, tmp_path: Pat
     """``rollout.grouped_experts`` picks the engine's MoE path (the worker built in-process, no Ray)."""
     from megatron_quads.controller.workers import RolloutWorker
 
-    cfg = load_config(EXAMPLE, [f"run_dir={tmp_path}", f"rollout.grouped_experts={str(grouped).lower()}"])
+    cfg = load_config(EXAMPLE, [f"run_dir={tmp_path}", "rollout.engine=torch", f"rollout.grouped_experts={str(grouped).lower()}"])
     assert RolloutWorker(cfg).engine.grouped is grouped

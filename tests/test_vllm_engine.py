@@ -59,18 +59,30 @@ def test_the_plugin_is_an_installed_vllm_entry_point() -> None:
 
 
 @pytest.mark.parametrize("precision", ["bf16", "w4a16", "w4a4", "quads"])
-def test_vllm_serves_what_the_builtin_engine_serves_and_updates_in_place(model: dict, precision: str) -> None:
+def test_vllm_serves_what_the_builtin_engine_serves(model: dict, precision: str) -> None:
     weights = model["weights"] if precision == "bf16" else model["quantized"]
     reference = TorchRolloutEngine(model["hf_config"], precision=precision, ratio=RATIO, dtype=torch.float32)
     reference.load_weights(weights, version=1)
     engine = _vllm(model, precision)
     try:
         engine.load_weights(weights, version=1)
-        served, expected = engine.generate(model["prompts"], GREEDY), reference.generate(model["prompts"], GREEDY)
-        assert [g.token_ids for g in served] == [g.token_ids for g in expected]
-        assert max_logprob_gap(served, expected) < LOGPROB_TOL
+        served = engine.generate(model["prompts"], GREEDY)
+    finally:
+        engine.close()
+    expected = reference.generate(model["prompts"], GREEDY)
+    assert [g.token_ids for g in served] == [g.token_ids for g in expected]
+    assert max_logprob_gap(served, expected) < LOGPROB_TOL
 
-        # an in-place update (new weights; in quads new channels too) == a fresh engine on them
+
+@pytest.mark.parametrize("precision", ["bf16", "quads"])
+def test_an_in_place_update_equals_a_fresh_engine_and_keeps_the_storage(model: dict, precision: str) -> None:
+    """bf16 (vLLM's own layers, its CPU MoE prepack redone) and quads (the plugin's, channels
+    changing too); w4a16 and w4a4 load through the same plugin code as quads."""
+    weights = model["weights"] if precision == "bf16" else model["quantized"]
+    engine = _vllm(model, precision)
+    try:
+        engine.load_weights(weights, version=1)
+        served = engine.generate(model["prompts"], GREEDY)
         storage = engine.parameter_storage()
         new = (model["update"] if precision == "bf16"
                else calibrated_weights(model["update"], model["hf_config"], model["calibration"], version=2))
@@ -224,3 +236,31 @@ def test_a_bad_checkpoint_fails_with_an_error_that_names_it(model: dict, tmp_pat
         engine = VllmRolloutEngine(model["config_json"], precision="quads", ratio=RATIO, dtype=torch.float32,
                                    checkpoint=directory)
         engine.close()
+
+
+def test_a_plain_modelopt_checkpoint_is_served_as_w4a4_when_asked(model: dict, tmp_path: Path) -> None:
+    """A ModelOpt NVFP4 checkpoint (static input scales, no residual tensors, no quads block) is the
+    plugin's when ``quantization="quads_nvfp4"`` asks for it: served as W4A4 (per-token activation
+    scales), the built-in engine's w4a4 product."""
+    import json
+
+    from megatron_quads.rollout.weights import quantize_hf_weights, routed_expert_scope
+
+    modules = {name.removesuffix(".weight") for name in model["weights"]}
+    weights = quantize_hf_weights(model["weights"].items(), routed_expert_scope(), unquantized_dtype=torch.float32,
+                                  input_amax={m: 4.0 for m in modules if routed_expert_scope()(m)})
+    directory = save_quantized_weights(weights, tmp_path / "modelopt", include_residual=False, model_config=model["config_json"])
+    for name in ("config.json", "hf_quant_config.json"):  # what ModelOpt writes: no quads block
+        config = json.loads((directory / name).read_text())
+        (config.get("quantization_config", config)).pop("quads")
+        (directory / name).write_text(json.dumps(config))
+    llm = vllm.LLM(model=str(directory), quantization="quads_nvfp4", skip_tokenizer_init=True, dtype="float32",
+                   max_model_len=64, enforce_eager=True, max_num_seqs=16, logprobs_mode="processed_logprobs")
+    try:
+        outputs = llm.generate([vllm.TokensPrompt(prompt_token_ids=p) for p in model["prompts"]],
+                               vllm.SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    reference = TorchRolloutEngine(model["hf_config"], precision="w4a4", dtype=torch.float32)
+    reference.load_weights(weights, version=1)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [g.token_ids for g in reference.generate(model["prompts"], GREEDY)]

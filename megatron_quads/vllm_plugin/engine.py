@@ -22,7 +22,8 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,20 @@ class VllmOptions:
     enable_expert_parallel: bool = False  # routed experts expert-parallel over those GPUs (the QUADS MoE method's sharding)
     enable_sleep_mode: bool = False  # GPU, colocated: sleep() frees weights and KV cache for the trainer
     cpu_threads_bind: str = "nobind"  # CPU: VLLM_CPU_OMP_THREADS_BIND ("auto" pins OpenMP threads to cores)
+
+
+@contextmanager
+def _environment(name: str, value: str | None) -> Iterator[None]:
+    """``name`` set to ``value`` (unset for None) inside the block, as it was after."""
+    previous = os.environ.pop(name, None)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
+        if previous is not None:
+            os.environ[name] = previous
 
 
 def _dense_state_dict(weights: QuantizedModelWeights | Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -96,22 +111,24 @@ class VllmRolloutEngine:
 
     # ------------------------------------------------------------------ lifecycle
     def _start(self, directory: Path) -> None:
-        """Build ``vllm.LLM`` from a checkpoint directory."""
-        if self.precision != "bf16":
-            os.environ[PRECISION_ENV] = f"quads@{self.ratio}" if self.precision == "quads" else self.precision
+        """Build ``vllm.LLM`` from a checkpoint directory (the plugin reads the precision from the
+        environment while the engine is built; the variable is restored after)."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.options.multiprocess else "0"
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.options.cpu_kv_cache_gb))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", self.options.cpu_threads_bind)
         from vllm import LLM
 
         max_len = self.options.max_model_len or int(self.hf_config.get("max_position_embeddings", 2048))
-        self.llm = LLM(
-            model=str(directory), skip_tokenizer_init=True, dtype=_DTYPE_NAMES[self.dtype], max_model_len=max_len,
-            max_num_seqs=self.options.max_num_seqs, enforce_eager=self.options.enforce_eager,
-            gpu_memory_utilization=self.options.gpu_memory_utilization, enable_sleep_mode=self.options.enable_sleep_mode,
-            logprobs_mode="processed_logprobs", seed=self.seed, worker_extension_cls=WORKER_EXTENSION,
-            tensor_parallel_size=self.options.tensor_parallel_size, enable_expert_parallel=self.options.enable_expert_parallel,
-        )
+        served = None if self.precision == "bf16" else f"quads@{self.ratio}" if self.precision == "quads" else self.precision
+        with _environment(PRECISION_ENV, served):
+            self.llm = LLM(
+                model=str(directory), skip_tokenizer_init=True, dtype=_DTYPE_NAMES[self.dtype], max_model_len=max_len,
+                max_num_seqs=self.options.max_num_seqs, enforce_eager=self.options.enforce_eager,
+                gpu_memory_utilization=self.options.gpu_memory_utilization,
+                enable_sleep_mode=self.options.enable_sleep_mode, logprobs_mode="processed_logprobs", seed=self.seed,
+                worker_extension_cls=WORKER_EXTENSION, tensor_parallel_size=self.options.tensor_parallel_size,
+                enable_expert_parallel=self.options.enable_expert_parallel,
+            )
         self.weight_version = self._version_of(directory)
 
     def _version_of(self, directory: Path) -> int:

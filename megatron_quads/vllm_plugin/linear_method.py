@@ -7,7 +7,8 @@ checkpoint tensor into its shard's slice; :meth:`~QuadsLinearMethod.process_weig
 checks what was loaded; :meth:`~QuadsLinearMethod.apply` builds a
 :class:`~megatron_quads.rollout.precision.LinearState` of views of the parameters and computes
 ``linear_output`` under ``serving.linear_precision``, so vLLM and the built-in engine run the same
-arithmetic (the reference on CPU, the Triton kernels on CUDA). The plugin has no numerics of its own.
+arithmetic (the reference on CPU, the Triton kernels on CUDA sm_90; on sm_100 W4A4 and quads run
+through vLLM's FP4 GEMM over the augmented K, :mod:`.fp4_gemm`). The plugin has no numerics of its own.
 
 vLLM fuses sibling linears into one layer: q/k/v into a ``QKVParallelLinear`` (shard ids ``'q'``,
 ``'k'``, ``'v'``), gate/up into a ``MergedColumnParallelLinear`` (shard ids 0, 1); other linears
@@ -52,6 +53,7 @@ from megatron_quads.nvfp4 import BLOCK_SIZE, NVFP4Tensor
 from megatron_quads.rollout.calibration import ChannelStats, select_from_stats
 from megatron_quads.rollout.precision import LinearState, Precision, linear_output
 from megatron_quads.rollout.rac import ChannelStatistic, reblock_columns, validate_channels
+from megatron_quads.vllm_plugin.fp4_gemm import AugmentedWeight, fp4_gemm_supported, fp4_linear
 from megatron_quads.vllm_plugin.serving import ServingConfig
 
 _QKV_SHARDS = {"q": 0, "k": 1, "v": 2}
@@ -153,6 +155,11 @@ class QuadsLinearMethod(LinearMethodBase):
                              "as one GEMM with one scale (quantize fused siblings with one shared amax)")
         if quads:
             _check_channels(layer)
+        layer.quads_fp4_weight = None
+        if self.precision.kind in ("w4a4", "quads") and fp4_gemm_supported(layer.weight.device):
+            state = self._state(layer)
+            channels = state.channels.get(self.precision.ratio)
+            layer.quads_fp4_weight = AugmentedWeight.prepare(state.quantized, channels, state.residual.get(self.precision.ratio))
         layer.quads_prepared = True
 
     # ------------------------------------------------------------------ compute
@@ -181,6 +188,8 @@ class QuadsLinearMethod(LinearMethodBase):
         if layer.quads_calibration is not None:
             layer.quads_calibration.update(x)
             y = linear_output(x, LinearState(self._weight(layer)), _W4A16)
+        elif getattr(layer, "quads_fp4_weight", None) is not None:  # sm_100: vLLM's FP4 GEMM over the augmented K
+            y = fp4_linear(x, layer.quads_fp4_weight)
         else:
             y = linear_output(x, self._state(layer), self.precision)
         return y if bias is None else y + bias

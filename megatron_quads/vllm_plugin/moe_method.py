@@ -6,7 +6,8 @@ that copies one checkpoint tensor into its expert's slice; :meth:`~QuadsFusedMoE
 checks what was loaded and prepares the kernels' forms of the weights once (CUDA);
 :meth:`~QuadsFusedMoEMethod.apply` computes through
 :class:`~megatron_quads.rollout.grouped_experts.GroupedExperts` (the reference on CPU, the Triton
-kernels on CUDA), so vLLM and the built-in engine run the same arithmetic.
+kernels on CUDA sm_90; on sm_100 W4A4 and quads run through vLLM's FP4 GEMM over the augmented K,
+:mod:`.fp4_gemm`), so vLLM and the built-in engine run the same arithmetic.
 
 Parameters of a layer with E local experts, hidden size H, expert intermediate size I and C13 / C2
 residual channels (``ServingConfig.residual_channels`` of H and I; none unless quads):
@@ -43,9 +44,11 @@ from megatron_quads.nvfp4 import BLOCK_SIZE, NVFP4Tensor
 from megatron_quads.nvfp4.backend import use_kernels
 from megatron_quads.nvfp4.stacked import expert_weight
 from megatron_quads.rollout.calibration import ChannelStats, select_from_stats
+from megatron_quads.rollout.grouped import combine_routed_rows, route_by_expert
 from megatron_quads.rollout.grouped_experts import GroupedExperts, GroupedProjection
 from megatron_quads.rollout.precision import LinearState, Precision, linear_output
 from megatron_quads.rollout.rac import ChannelStatistic, reblock_columns, validate_channels
+from megatron_quads.vllm_plugin.fp4_gemm import AugmentedWeight, fp4_gemm_supported, fp4_linear
 from megatron_quads.vllm_plugin.serving import ServingConfig
 
 _SHARD = {"w1": 0, "w3": 1}
@@ -86,7 +89,7 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
         layer.quads_sizes = {"w13": (2 * I, H), "w2": (H, I)}
         layer.quads_loaded = set()
         layer.quads_calibration = None
-        layer.quads_kernel_forms = None
+        layer.quads_kernel_forms = layer.quads_fp4_experts = None
         attrs = {k: v for k, v in extra_weight_attrs.items() if k != "weight_loader"}
         c13, c2 = self.serving.residual_channels(H), self.serving.residual_channels(I)
         shapes = {
@@ -152,7 +155,10 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
         :class:`GroupedProjection` (contiguous decode scales, the RAC tail as the grouped GEMM takes
         it); elsewhere none (:meth:`apply` views the parameters). Run again after vLLM's layer-wise
         reload, which processes a temporary copy of the layer."""
-        layer.quads_kernel_forms = None
+        layer.quads_kernel_forms = layer.quads_fp4_experts = None
+        if self.precision.kind in ("w4a4", "quads") and fp4_gemm_supported(layer.w13_weight.device):
+            layer.quads_fp4_experts = {projection: self._fp4_weights(layer, projection) for projection in ("w13", "w2")}
+            return
         if not use_kernels(layer.w13_weight):
             return
         forms = {}
@@ -166,6 +172,16 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
             forms[projection] = GroupedProjection(self.precision, weight, channels, residual)
             forms[projection].prepare()
         layer.quads_kernel_forms = forms
+
+    def _fp4_weights(self, layer: torch.nn.Module, projection: str) -> list[AugmentedWeight]:
+        """Each expert's ``[q(W), W_S]`` as vLLM's FP4 GEMM takes it (sm_100)."""
+        weight = self._stack(layer, projection)
+        quads = self.precision.kind == "quads" and _channels(layer, projection).shape[1]
+        residual = self._stack(layer, projection, residual=True) if quads else None
+        channels = _channels(layer, projection) if quads else None
+        return [AugmentedWeight.prepare(expert_weight(weight, e), None if channels is None else channels[e].contiguous(),
+                                        None if residual is None else expert_weight(residual, e))
+                for e in range(weight.shape[0])]
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module):
         """None: the method computes itself (vLLM's modular kernels are not used)."""
@@ -200,6 +216,8 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
         ids, weights = _local_routing(layer, topk_ids, topk_weights)
         if layer.quads_calibration is not None:
             return self._calibration_forward(layer, x, ids, weights)
+        if layer.quads_fp4_experts is not None:
+            return _fp4_experts_forward(layer.quads_fp4_experts, x, ids, weights)
         experts = GroupedExperts(self._projection(layer, "w13"), self._projection(layer, "w2"))
         return experts(x, ids, weights, F.silu)
 
@@ -348,6 +366,22 @@ def _write_tail(layer: torch.nn.Module, projection: str, expert: int, channels: 
     target.copy_(channels.to(torch.int32).expand_as(target))
     getattr(layer, f"{projection}_residual_weight").data[expert].copy_(residual.codes)
     getattr(layer, f"{projection}_residual_weight_scale").data[expert].copy_(residual.scales)
+
+
+def _fp4_experts_forward(experts: dict[str, list[AugmentedWeight]], x: torch.Tensor, ids: torch.Tensor,
+                         weights: torch.Tensor) -> torch.Tensor:
+    """The routed experts through vLLM's FP4 GEMM (sm_100): rows sorted by expert, two GEMMs per
+    expert (the host reads the expert offsets), the project's combine."""
+    top_k = ids.shape[-1]
+    order, offsets = route_by_expert(ids.reshape(-1), len(experts["w13"]))
+    rows = x[order // top_k]
+    out = torch.empty((rows.shape[0], x.shape[-1]), dtype=x.dtype, device=x.device)
+    bounds = offsets.tolist()
+    for e, (start, stop) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if stop > start:
+            gate, up = fp4_linear(rows[start:stop], experts["w13"][e]).chunk(2, dim=-1)
+            out[start:stop] = fp4_linear(F.silu(gate) * up, experts["w2"][e])
+    return combine_routed_rows(out, order, weights.reshape(-1, top_k), x.dtype)
 
 
 def _local_routing(layer: torch.nn.Module, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
