@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import sys
@@ -35,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from vllm_support import RATIO, calibrated_weights, embedded_hf_weights, perturbed, task_prompts  # noqa: E402
 
 from megatron_quads.rollout.engine import ENGINE_PRECISIONS, SamplingParams  # noqa: E402
+from megatron_quads.rollout.checkpoint_format import MODEL_CONFIG_FILE, write_checkpoint  # noqa: E402
 from megatron_quads.rollout.weights import save_quantized_weights  # noqa: E402
 from megatron_quads.vllm_plugin.engine import VllmRolloutEngine  # noqa: E402
 
@@ -101,11 +101,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as scratch:
             directory = Path(scratch) / "update"
             if precision == "bf16":
-                from safetensors.torch import save_file
-
-                directory.mkdir()
-                save_file({n: t.contiguous() for n, t in new.items()}, directory / "model.safetensors")
-                (directory / "config.json").write_text(json.dumps(config_json))
+                write_checkpoint(directory, new, {MODEL_CONFIG_FILE: config_json})
             else:
                 save_quantized_weights(new, directory, model_config=config_json)
             from_disk = _timed(lambda: (engine.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(directory)}),

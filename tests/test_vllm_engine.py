@@ -53,6 +53,16 @@ def _vllm(model: dict, precision: str) -> VllmRolloutEngine:
     return VllmRolloutEngine(model["config_json"], precision=precision, ratio=RATIO, dtype=torch.float32)
 
 
+def _served_once(model: dict, precision: str, weights) -> list:
+    """Greedy generations of a new vLLM engine loaded with ``weights`` (closed after)."""
+    engine = _vllm(model, precision)
+    try:
+        engine.load_weights(weights, version=1)
+        return engine.generate(model["prompts"], GREEDY)
+    finally:
+        engine.close()
+
+
 def test_the_plugin_is_an_installed_vllm_entry_point() -> None:
     names = {ep.value for ep in metadata.entry_points(group="vllm.general_plugins")}
     assert "megatron_quads.vllm_plugin:register" in names
@@ -63,12 +73,7 @@ def test_vllm_serves_what_the_builtin_engine_serves(model: dict, precision: str)
     weights = model["weights"] if precision == "bf16" else model["quantized"]
     reference = TorchRolloutEngine(model["hf_config"], precision=precision, ratio=RATIO, dtype=torch.float32)
     reference.load_weights(weights, version=1)
-    engine = _vllm(model, precision)
-    try:
-        engine.load_weights(weights, version=1)
-        served = engine.generate(model["prompts"], GREEDY)
-    finally:
-        engine.close()
+    served = _served_once(model, precision, weights)
     expected = reference.generate(model["prompts"], GREEDY)
     assert [g.token_ids for g in served] == [g.token_ids for g in expected]
     assert max_logprob_gap(served, expected) < LOGPROB_TOL
@@ -92,12 +97,7 @@ def test_an_in_place_update_equals_a_fresh_engine_and_keeps_the_storage(model: d
         assert [g.token_ids for g in updated] != [g.token_ids for g in served] or max_logprob_gap(updated, served) > 1e-3
     finally:
         engine.close()
-    fresh = _vllm(model, precision)
-    try:
-        fresh.load_weights(new, version=2)
-        restarted = fresh.generate(model["prompts"], GREEDY)
-    finally:
-        fresh.close()
+    restarted = _served_once(model, precision, new)
     assert [g.token_ids for g in updated] == [g.token_ids for g in restarted]
     assert max_logprob_gap(updated, restarted) == 0.0
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from megatron_quads.rollout.checkpoint_format import MODEL_CONFIG_FILE, write_checkpoint
 from megatron_quads.rollout.engine import ENGINE_PRECISIONS, Generation, SamplingParams
 from megatron_quads.rollout.rac import ChannelStatistic
 from megatron_quads.rollout.weights import (
@@ -177,11 +178,7 @@ class VllmRolloutEngine:
             if isinstance(served, QuantizedModelWeights):
                 save_quantized_weights(served, directory, model_config=self.hf_config)
             else:
-                from safetensors.torch import save_file
-
-                directory.mkdir()
-                save_file({n: t.contiguous().cpu() for n, t in served.items()}, directory / "model.safetensors", metadata={"format": "pt"})
-                (directory / "config.json").write_text(json.dumps(self.hf_config, indent=1))
+                write_checkpoint(directory, served, {MODEL_CONFIG_FILE: self.hf_config})
             self._start(directory)
         else:
             state = served.state_dict() if isinstance(served, QuantizedModelWeights) else served
