@@ -1,11 +1,81 @@
-"""Files that are either complete or absent: write to a temporary sibling, then rename."""
+"""Files and directories that are either complete or absent: write to a temporary sibling, then rename."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (new or renamed files) durable where the platform allows it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _default_permissions(path: Path) -> None:
+    """Give ``path`` (and everything under a directory) the permissions a plain create would:
+    temporary files and directories are created private (0600 / 0700)."""
+    mask = _umask()
+    paths = [path, *path.rglob("*")] if path.is_dir() else [path]
+    for p in paths:
+        p.chmod((0o777 if p.is_dir() else 0o666) & ~mask)
+
+
+@contextmanager
+def atomic_directory(target: str | Path, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary directory beside ``target``; on success it is renamed to ``target``.
+
+    An exception removes the temporary directory and leaves ``target`` as it was; a crash leaves at
+    most a hidden ``.<name>.tmp-*`` sibling. An existing ``target`` is an error unless ``overwrite``.
+    """
+    target = Path(target)
+    parent = target.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    if target.exists() and not overwrite:
+        raise FileExistsError(f"{target} already exists; pass --overwrite (overwrite=True) to replace it, or choose a new directory")
+    if not target.exists() and target.is_symlink():
+        raise FileExistsError(f"{target} is a dangling symlink; remove it first")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=parent))
+    old: Path | None = None
+    try:
+        yield tmp
+        _default_permissions(tmp)
+        fsync_dir(tmp)
+        if target.exists():
+            old = parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+            target.rename(old)
+        try:
+            tmp.rename(target)
+        except BaseException:
+            if old is not None:
+                old.rename(target)
+                old = None
+            raise
+        fsync_dir(parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def write_atomic(path: str | Path, write: Callable[[Path], object]) -> Path:
@@ -20,6 +90,7 @@ def write_atomic(path: str | Path, write: Callable[[Path], object]) -> Path:
     tmp = Path(name)
     try:
         write(tmp)
+        _default_permissions(tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

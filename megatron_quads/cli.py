@@ -69,6 +69,127 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse_bytes(text: str) -> int:
+    """``2GB`` / ``500MB`` / ``123`` -> bytes (decimal units, as Hugging Face's shard sizes)."""
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
+    upper = text.strip().upper()
+    for suffix, factor in units.items():
+        if upper.endswith(suffix):
+            try:
+                return int(float(upper[: -len(suffix)]) * factor)
+            except ValueError:
+                break
+    try:
+        return int(upper)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2GB, 500MB)") from None
+
+
+def _parallel(args: argparse.Namespace):
+    from megatron_quads.trainer.model import ParallelConfig
+
+    return ParallelConfig(tensor_parallel=args.tp, expert_parallel=args.ep, expert_tensor_parallel=args.etp)
+
+
+def _model_config_file(path: str):
+    """The architecture in a ``model_config.json`` or in a run's ``config.yaml`` (its model section)."""
+    import json
+
+    from megatron_quads.trainer.model import PolicyModelConfig
+
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"model config {file} does not exist")
+    if file.suffix in (".yaml", ".yml"):
+        from megatron_quads.controller.config import load_config
+        from megatron_quads.controller.workers import policy_model_config
+
+        return policy_model_config(load_config(str(file), []))
+    return PolicyModelConfig(**json.loads(file.read_text()))
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from megatron_quads.convert import commands
+    from megatron_quads.convert.megatron_writer import ConversionError
+
+    try:
+        model = _model_config_file(args.model_config) if getattr(args, "model_config", None) else None
+        if args.convert == "hf-to-megatron":
+            out = commands.hf_to_megatron(args.source, args.out, _parallel(args), overwrite=args.overwrite)
+        elif args.convert == "megatron-to-hf":
+            out = commands.megatron_to_hf(args.source, args.out, model, hf_base=args.hf_base,
+                                          max_shard_bytes=args.max_shard_size, overwrite=args.overwrite)
+        elif args.convert == "reshard":
+            out = commands.reshard(args.source, args.out, _parallel(args), model, overwrite=args.overwrite)
+        else:
+            from megatron_quads.convert.to_quads import to_quads
+
+            out = to_quads(
+                args.source, args.out, args.ratio, calibration_file=args.calibration,
+                calibration_prompts=args.calibration_prompts, input_scales=args.input_scales, scope=args.scope,
+                model=model, tokenizer=args.tokenizer, overwrite=args.overwrite, seed=args.seed,
+            )
+    except (ValueError, KeyError, FileNotFoundError, FileExistsError, ConversionError) as err:
+        Console(stderr=True).print(f"[red]convert {args.convert}: {err}[/red]")
+        return 2
+    Console().print(f"wrote {out}")
+    return 0
+
+
+def _add_convert(sub) -> None:
+    convert = sub.add_parser("convert", help="convert and reshard checkpoints (Hugging Face, Megatron, NVFP4-plus-residual)")
+    kinds = convert.add_subparsers(dest="convert", required=True)
+
+    def common(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("source", help="input directory")
+        parser.add_argument("out", help="output directory (written atomically)")
+        parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+        parser.set_defaults(func=_cmd_convert)
+
+    def layout(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--tp", type=int, default=1, help="tensor parallel size of the saved layout")
+        parser.add_argument("--ep", type=int, default=1, help="expert parallel size of the saved layout")
+        parser.add_argument("--etp", type=int, default=None, help="expert tensor parallel size (default: --tp)")
+
+    def model_config(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--model-config", default=None,
+                            help="architecture of the checkpoint (model_config.json or a run's config.yaml) when it "
+                                 "has no model_config.json beside it")
+
+    hf_to_megatron = kinds.add_parser("hf-to-megatron", help="HF Qwen3-MoE directory -> Megatron dist checkpoint")
+    common(hf_to_megatron)
+    layout(hf_to_megatron)
+    megatron_to_hf = kinds.add_parser("megatron-to-hf", help="Megatron dist checkpoint -> HF safetensors (offline)")
+    common(megatron_to_hf)
+    model_config(megatron_to_hf)
+    megatron_to_hf.add_argument("--hf-base", default=None,
+                                help="HF directory whose config fields and tokenizer files the output keeps "
+                                     "(default: the checkpoint's hf_base/)")
+    megatron_to_hf.add_argument("--max-shard-size", type=_parse_bytes, default="2GB",
+                                help="close a safetensors shard once it holds this much (default: 2GB)")
+    reshard = kinds.add_parser("reshard", help="Megatron dist checkpoint -> the same in another TP/EP layout")
+    common(reshard)
+    layout(reshard)
+    model_config(reshard)
+    to_quads = kinds.add_parser("to-quads", help="HF directory or Megatron checkpoint -> NVFP4-plus-residual (vLLM)")
+    common(to_quads)
+    model_config(to_quads)
+    to_quads.add_argument("--ratio", type=float, required=True, help="RAC residual-channel ratio (0 to 1)")
+    calibration = to_quads.add_mutually_exclusive_group()
+    calibration.add_argument("--calibration", default=None,
+                             help="calibration prompts: a text file (one per line) or JSONL with a 'prompt' or 'text' field")
+    calibration.add_argument("--calibration-prompts", type=int, default=None,
+                             help="calibrate on this many prompts of the built-in arithmetic task (default: 64)")
+    to_quads.add_argument("--input-scales", choices=["static", "dynamic"], default="dynamic",
+                          help="static: an input_scale per linear from calibration amaxes; dynamic: per-token scales")
+    to_quads.add_argument("--scope", choices=["experts", "experts_and_attention"], default="experts",
+                          help="which linears are NVFP4")
+    to_quads.add_argument("--tokenizer", default=None,
+                          help="tokenizer of the calibration prompts: an HF tokenizer directory, or 'char' (the embedded "
+                               "model's); default: the source's tokenizer files")
+    to_quads.add_argument("--seed", type=int, default=0, help="seed of the sampled calibration prompts")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     parser = argparse.ArgumentParser(prog="megatron-quads", description=__doc__)
@@ -99,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.add_argument("--seq-len", type=int, default=64)
     analyze.add_argument("--seed", type=int, default=0)
     analyze.set_defaults(func=_cmd_analyze)
+    _add_convert(sub)
     return parser
 
 

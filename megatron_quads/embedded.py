@@ -1,20 +1,19 @@
 """The embedded default: a tiny GPT-MoE warm-started on synthetic arithmetic, shipped in the package.
 
 ``tools/train_tiny_sft.py`` produces it (reproducibly, on CPU) as a model-only Megatron dist
-checkpoint under ``megatron_quads/assets/tiny_moe_sft/`` with a manifest of sha256 checksums; the
+checkpoint under ``megatron_quads/assets/tiny_moe_sft/`` with a manifest of sizes and sha256 checksums; the
 main job starts GRPO from it without any download.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 
+from megatron_quads import manifest
 from megatron_quads.tasks import ArithmeticConfig, ArithmeticTask, CharTokenizer
 
 ASSET_DIR = Path(__file__).parent / "assets" / "tiny_moe_sft"
-MANIFEST = "manifest.json"
+MANIFEST = manifest.MANIFEST
 ARITHMETIC_LEVEL = 1  # two operands of 1-2 digits, + and -
 
 
@@ -36,34 +35,14 @@ def model_config_fields() -> dict:
     )
 
 
-def sha256(path: Path) -> str:
-    """Hex sha256 of a file."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def write_manifest(directory: Path, extra: dict) -> None:
-    """Record every file's sha256 (and ``extra``) in ``directory/manifest.json``."""
-    files = {p.name: sha256(p) for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST}
-    (directory / MANIFEST).write_text(json.dumps({"files": files, **extra}, indent=1, sort_keys=True) + "\n")
+    """Record every file's size and sha256 (and ``extra``) in ``directory/manifest.json``."""
+    manifest.write_manifest(directory, extra)
 
 
 def verify(directory: Path = ASSET_DIR) -> dict:
     """Check the checkpoint against its manifest; returns the manifest or raises naming the bad file."""
-    manifest_path = directory / MANIFEST
-    if not manifest_path.exists():
-        raise FileNotFoundError(f"{directory} has no {MANIFEST}: regenerate it with tools/train_tiny_sft.py")
-    manifest = json.loads(manifest_path.read_text())
-    for name, expected in manifest["files"].items():
-        path = directory / name
-        if not path.exists():
-            raise FileNotFoundError(f"embedded checkpoint file {path} is missing")
-        if sha256(path) != expected:
-            raise ValueError(f"embedded checkpoint file {path} does not match its sha256 in {MANIFEST}")
-    return manifest
+    return manifest.verify_manifest(directory, regenerate="regenerate it with tools/train_tiny_sft.py")
 
 
 def greedy_accuracy(weights: dict, hf_config, n: int = 200, seed: int = 1, precision: str = "bf16") -> float:

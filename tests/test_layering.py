@@ -18,17 +18,18 @@ ALLOWED: dict[str, set[str]] = {
     "rl": set(),
     "tasks": set(),
     "atomic_io": set(),
+    "manifest": {"atomic_io"},
     "demo": {"nvfp4"},
     "rollout": {"nvfp4", "kernels", "atomic_io"},
     "trainer": {"nvfp4", "kernels", "atomic_io"},
     "vllm_plugin": {"nvfp4", "kernels", "rollout", "atomic_io"},
-    "convert": {"nvfp4", "kernels", "rollout", "trainer", "atomic_io"},
-    "embedded": {"nvfp4", "rollout", "tasks", "atomic_io"},
+    "convert": {"nvfp4", "kernels", "rollout", "trainer", "tasks", "embedded", "manifest", "atomic_io"},
+    "embedded": {"nvfp4", "rollout", "tasks", "manifest", "atomic_io"},
     "analyze": {"nvfp4", "kernels", "rollout", "trainer", "atomic_io"},
     "controller": {"nvfp4", "kernels", "rollout", "trainer", "rl", "tasks", "embedded", "vllm_plugin", "convert",
-                   "atomic_io"},
+                   "manifest", "atomic_io"},
     "cli": {"nvfp4", "kernels", "rollout", "trainer", "rl", "tasks", "embedded", "vllm_plugin", "convert",
-            "controller", "analyze", "demo", "atomic_io"},
+            "controller", "analyze", "demo", "manifest", "atomic_io"},
 }
 """Layer -> the layers it may import (modules of its own layer always)."""
 

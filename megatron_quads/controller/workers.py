@@ -169,12 +169,9 @@ class TrainerWorker:
 
 def hf_config_json(model_cfg) -> dict:
     """The policy's Hugging Face ``config.json`` content (architecture and dtype included)."""
-    from megatron_quads.trainer.hf_export import qwen3_moe_config
+    from megatron_quads.trainer.hf_config import hf_config_from_policy
 
-    config = qwen3_moe_config(model_cfg).to_dict()
-    config["architectures"] = ["Qwen3MoeForCausalLM"]
-    config["dtype"] = str(model_cfg.torch_dtype).removeprefix("torch.")
-    return config
+    return hf_config_from_policy(model_cfg)
 
 
 class RolloutWorker:

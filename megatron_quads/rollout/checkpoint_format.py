@@ -12,10 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
-import tempfile
-import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -23,6 +20,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+
+from megatron_quads.atomic_io import atomic_directory
 
 logger = logging.getLogger(__name__)
 
@@ -229,17 +228,6 @@ def _fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # some platforms cannot open directories; the rename is still atomic
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_json(path: Path, doc: Any) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(doc, f, indent=2, sort_keys=False)
@@ -269,7 +257,6 @@ def _write_into(
         _write_json(tmp / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
     for file_name, doc in json_files.items():
         _write_json(tmp / file_name, doc)
-    _fsync_dir(tmp)
     return names
 
 
@@ -280,42 +267,21 @@ def write_checkpoint(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
     safetensors_metadata: Mapping[str, str] | None = None,
+    finish: Callable[[Path], object] | None = None,
 ) -> Path:
     """Write tensors and JSON files as one directory, atomically: a temporary directory renamed into place.
 
     A crash leaves either no ``directory`` (or the previous one) and a hidden ``.<name>.tmp-*`` sibling,
     never a directory with some of the files. ``overwrite`` replaces an existing directory.
+    ``finish(tmp)`` runs on the complete temporary directory before the rename (e.g. to add a manifest).
     """
-    target = Path(directory)
-    parent = target.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    if target.exists() and not overwrite:
-        raise FileExistsError(f"{target} already exists; pass overwrite=True to replace it, or choose a new directory")
-    if not target.exists() and target.is_symlink():
-        raise FileExistsError(f"{target} is a dangling symlink; remove it first")
     meta = {"format": "pt", **(safetensors_metadata or {})}
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=parent))
-    old: Path | None = None
-    try:
+    with atomic_directory(directory, overwrite) as tmp:
         names = _write_into(tmp, _owned_cpu(tensors), json_files, max_shard_bytes, meta)
-        if target.exists():
-            old = parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
-            target.rename(old)
-        try:
-            tmp.rename(target)
-        except BaseException:
-            if old is not None:
-                old.rename(target)
-                old = None
-            raise
-        _fsync_dir(parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    logger.info("wrote %d tensors in %d file(s) to %s", len(tensors), len(names), target)
-    return target
+        if finish is not None:
+            finish(tmp)
+    logger.info("wrote %d tensors in %d file(s) to %s", len(tensors), len(names), directory)
+    return Path(directory)
 
 
 def _read_json(path: Path) -> Any:
@@ -336,8 +302,9 @@ def read_json_file(directory: str | os.PathLike[str], file_name: str, required: 
     return _read_json(path)
 
 
-def _shard_map(directory: Path) -> dict[str, str]:
+def tensor_file_map(directory: str | os.PathLike[str]) -> dict[str, str]:
     """``{tensor name: file name}`` from the index, or every tensor of ``model.safetensors``."""
+    directory = Path(directory)
     index_path, single_path = directory / INDEX_FILE, directory / SINGLE_FILE
     if index_path.is_file() and single_path.is_file():
         raise ValueError(f"{directory} holds both {SINGLE_FILE} and {INDEX_FILE}; keep one (re-export the checkpoint)")
@@ -359,7 +326,7 @@ def _shard_map(directory: Path) -> dict[str, str]:
 def read_checkpoint_tensors(directory: str | os.PathLike[str], device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """Every tensor of a (possibly sharded) safetensors checkpoint, checked against the index."""
     root = Path(directory)
-    weight_map = _shard_map(root)
+    weight_map = tensor_file_map(root)
     by_file: dict[str, list[str]] = {}
     for name, file_name in weight_map.items():
         by_file.setdefault(file_name, []).append(name)

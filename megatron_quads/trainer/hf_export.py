@@ -149,23 +149,6 @@ def qwen3_moe_config(model_cfg) -> object:
     """The transformers ``Qwen3MoeConfig`` of a :class:`PolicyModelConfig` (what rollout engines build)."""
     from transformers import Qwen3MoeConfig
 
-    heads = model_cfg.num_attention_heads
-    return Qwen3MoeConfig(
-        vocab_size=model_cfg.vocab_size,
-        hidden_size=model_cfg.hidden_size,
-        intermediate_size=model_cfg.ffn_hidden_size,
-        moe_intermediate_size=model_cfg.moe_ffn_hidden_size,
-        num_hidden_layers=model_cfg.num_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=model_cfg.num_query_groups or heads,
-        head_dim=model_cfg.kv_channels or model_cfg.hidden_size // heads,
-        num_experts=model_cfg.num_experts,
-        num_experts_per_tok=model_cfg.moe_router_topk,
-        norm_topk_prob=True,
-        rms_norm_eps=1e-5,
-        rope_theta=model_cfg.rotary_base,
-        tie_word_embeddings=not model_cfg.untie_embeddings,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        max_position_embeddings=model_cfg.max_sequence_length,
-    )
+    from megatron_quads.trainer.hf_config import hf_config_from_policy
+
+    return Qwen3MoeConfig(**hf_config_from_policy(model_cfg))

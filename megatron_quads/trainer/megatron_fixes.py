@@ -10,6 +10,9 @@
   (CPU and GPU alike): :func:`fix_router_without_te`.
 - The legacy GroupedMLP needs the CUDA-only ``grouped_gemm`` package: :func:`provide_grouped_gemm_fallback`
   installs a plain-torch stand-in (one matmul per expert) when it is missing.
+- The dist-checkpoint writer collects write results through a ``Manager`` queue started with the
+  *spawn* method, which re-imports the parent's main module in a fresh interpreter (seconds per
+  process once Megatron is imported): :func:`use_forked_checkpoint_result_queue`.
 """
 
 from __future__ import annotations
@@ -162,4 +165,18 @@ def fix_router_without_te() -> bool:
     if hasattr(moe_utils, "te_general_gemm"):
         return False
     moe_utils.te_general_gemm = None
+    return True
+
+
+def use_forked_checkpoint_result_queue() -> bool:
+    """Give Megatron's dist-checkpoint writer a fork-started ``Manager`` queue for its write results
+    (same semantics, no interpreter start-up); returns False if one was already created. For
+    processes without CUDA (a forked server must not inherit a CUDA context)."""
+    import multiprocessing
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is not None:
+        return False
+    filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
     return True

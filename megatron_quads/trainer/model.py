@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -14,6 +17,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from megatron_quads.atomic_io import write_text_atomic
 from megatron_quads.trainer.megatron_fixes import (
     fix_router_without_te,
     provide_grouped_gemm_fallback,
@@ -59,6 +63,8 @@ class PolicyModelConfig(BaseModel):
     max_sequence_length: int = Field(256, ge=2)
     qk_layernorm: bool = True
     rotary_base: int = 10000
+    rms_norm_eps: float = Field(1e-5, gt=0.0, description="RMSNorm epsilon (every norm, q/k norms included)")
+    norm_topk_prob: bool = Field(True, description="renormalise the top-k router probabilities to sum to 1")
     untie_embeddings: bool = True
     dtype: Literal["bf16", "fp32"] = "bf16"
     init_method_std: float = 0.02
@@ -80,8 +86,11 @@ class PolicyModelConfig(BaseModel):
         return torch.bfloat16 if self.dtype == "bf16" else torch.float32
 
 
-def build_transformer_config(model: PolicyModelConfig, parallel: ParallelConfig) -> TransformerConfig:
-    """Megatron TransformerConfig for ``model`` under ``parallel``."""
+def build_transformer_config(
+    model: PolicyModelConfig, parallel: ParallelConfig, initialize: bool = True
+) -> TransformerConfig:
+    """Megatron TransformerConfig for ``model`` under ``parallel``; ``initialize=False`` leaves the
+    parameters uninitialised (for a caller that fills every one, e.g. a checkpoint converter)."""
     tp = parallel.tensor_parallel
     if model.num_experts % parallel.expert_parallel:
         raise ValueError(
@@ -104,6 +113,10 @@ def build_transformer_config(model: PolicyModelConfig, parallel: ParallelConfig)
         moe_aux_loss_coeff=model.moe_aux_loss_coeff,
         moe_router_load_balancing_type="aux_loss" if model.moe_aux_loss_coeff > 0 else "none",
         normalization="RMSNorm",
+        layernorm_epsilon=model.rms_norm_eps,
+        # Megatron's pre-softmax routing (softmax over all experts, then top-k) leaves the top-k
+        # probabilities unnormalised; top-k first and a softmax over the k is the renormalised form
+        moe_router_pre_softmax=not model.norm_topk_prob,
         qk_layernorm=model.qk_layernorm,
         gated_linear_unit=True,
         activation_func=F.silu,
@@ -119,7 +132,7 @@ def build_transformer_config(model: PolicyModelConfig, parallel: ParallelConfig)
         params_dtype=model.torch_dtype,
         pipeline_dtype=model.torch_dtype,
         use_cpu_initialization=True,
-        perform_initialization=True,
+        perform_initialization=initialize,
         tensor_model_parallel_size=tp,
         expert_model_parallel_size=parallel.expert_parallel,
         expert_tensor_parallel_size=parallel.expert_tensor_parallel or tp,
@@ -143,12 +156,14 @@ def build_gpt_model(
     parallel: ParallelConfig,
     quads: QuadsTrainerConfig | None = None,
     layer_spec: ModuleSpec | TransformerBlockSubmodules | None = None,
+    initialize: bool = True,
 ) -> GPTModel:
     """A Megatron GPTModel for this rank; QUADS fake quant applied when ``quads`` is enabled.
 
-    Needs ``parallel_state`` initialized with the same layout as ``parallel``.
+    Needs ``parallel_state`` initialized with the same layout as ``parallel``. ``initialize=False``:
+    parameters are allocated but not initialised (the caller loads every one).
     """
-    config = build_transformer_config(model, parallel)
+    config = build_transformer_config(model, parallel, initialize)
     fix_router_without_te()
     if model.moe_grouped_gemm and provide_grouped_gemm_fallback():
         logger.warning("grouped_gemm is not installed: GroupedMLP uses a per-expert torch matmul loop")
@@ -166,3 +181,24 @@ def build_gpt_model(
         rotary_base=model.rotary_base,
         share_embeddings_and_output_weights=not model.untie_embeddings,
     )
+
+
+MODEL_CONFIG_FILE = "model_config.json"
+"""The architecture a Megatron dist checkpoint holds, written beside its files (PolicyModelConfig fields)."""
+
+
+def save_model_config(model: PolicyModelConfig, directory: str | os.PathLike[str]) -> Path:
+    """Write ``directory/model_config.json`` (atomically)."""
+    text = json.dumps(model.model_dump(mode="json"), indent=1, sort_keys=True) + "\n"
+    return write_text_atomic(Path(directory) / MODEL_CONFIG_FILE, text)
+
+
+def load_model_config(directory: str | os.PathLike[str]) -> PolicyModelConfig | None:
+    """The architecture recorded beside a dist checkpoint; None when it has no ``model_config.json``."""
+    path = Path(directory) / MODEL_CONFIG_FILE
+    if not path.is_file():
+        return None
+    try:
+        return PolicyModelConfig(**json.loads(path.read_text()))
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"{path} is not a valid model config ({err}); re-create it with megatron-quads convert") from err

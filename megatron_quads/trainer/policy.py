@@ -42,11 +42,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from megatron_quads.trainer.fake_quant import invalidate_fake_quant_caches
 from megatron_quads.trainer.hf_export import export_hf_weights
-from megatron_quads.trainer.megatron_fixes import mark_expert_params_for_expert_dp
+from megatron_quads.trainer.megatron_fixes import mark_expert_params_for_expert_dp, use_forked_checkpoint_result_queue
 from megatron_quads.trainer.model import (
     ParallelConfig,
     PolicyModelConfig,
     build_gpt_model,
+    save_model_config,
 )
 from megatron_quads.trainer.quads_config import QuadsTrainerConfig
 
@@ -226,7 +227,8 @@ class PolicyWorker:
         return state
 
     def save_checkpoint(self, path: str | os.PathLike, with_optimizer: bool = True) -> Path:
-        """Save model, optimizer (unless ``with_optimizer`` is False) and RNG state to ``path``, atomically.
+        """Save model, optimizer (unless ``with_optimizer`` is False), RNG state and the architecture
+        (``model_config.json``) to ``path``, atomically.
 
         Everything is written to ``<path>.partial`` first and renamed once all ranks finished, so
         ``path`` either holds a complete checkpoint or does not exist.
@@ -237,6 +239,8 @@ class PolicyWorker:
             shutil.rmtree(partial_dir, ignore_errors=True)
             partial_dir.mkdir(parents=True)
         dist.barrier()
+        if not torch.cuda.is_available():
+            use_forked_checkpoint_result_queue()
         dist_checkpointing.save(self._sharded_state(with_optimizer=with_optimizer), str(partial_dir))
         rng = {
             "torch": torch.get_rng_state(),
@@ -244,6 +248,8 @@ class PolicyWorker:
             "steps_done": self.steps_done,
         }
         torch.save(rng, partial_dir / f"rng_rank{dist.get_rank():05d}.pt")
+        if dist.get_rank() == 0:
+            save_model_config(self.cfg.model, partial_dir)
         dist.barrier()
         if dist.get_rank() == 0:
             if path.exists():
