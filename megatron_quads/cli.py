@@ -165,8 +165,8 @@ def _add_convert(sub) -> None:
     megatron_to_hf.add_argument("--hf-base", default=None,
                                 help="HF directory whose config fields and tokenizer files the output keeps "
                                      "(default: the checkpoint's hf_base/)")
-    megatron_to_hf.add_argument("--max-shard-size", type=_parse_bytes, default="2GB",
-                                help="close a safetensors shard once it holds this much (default: 2GB)")
+    megatron_to_hf.add_argument("--max-shard-size", type=_parse_bytes, default="1GB",
+                                help="close a safetensors shard once it holds this much (default: 1GB)")
     reshard = kinds.add_parser("reshard", help="Megatron dist checkpoint -> the same in another TP/EP layout")
     common(reshard)
     layout(reshard)

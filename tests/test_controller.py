@@ -70,6 +70,28 @@ def test_three_steps_with_vllm_quads_gap_below_naive_w4a4_gap(tmp_path: Path) ->
 
 
 
+def test_grpo_from_a_converted_checkpoint_matches_grpo_from_the_embedded_default(tmp_path: Path) -> None:
+    """embedded checkpoint -> megatron-to-hf -> hf-to-megatron (TP 1, EP 2): GRPO starts from it with the
+    architecture its model_config.json records and computes exactly what it computes from the original."""
+    import subprocess
+    import sys
+
+    from megatron_quads import embedded
+
+    hf, ckpt = tmp_path / "hf", tmp_path / "megatron"
+    code = ("import sys\nfrom megatron_quads.cli import main\n"
+            "assert main(['convert', 'megatron-to-hf', sys.argv[1], sys.argv[2]]) == 0\n"
+            "assert main(['convert', 'hf-to-megatron', sys.argv[2], sys.argv[3], '--ep', '2']) == 0\n")
+    subprocess.run([sys.executable, "-c", code, str(embedded.ASSET_DIR / "checkpoint"), str(hf), str(ckpt)],
+                   check=True, timeout=600)
+    steps = ["grpo.steps=3", "checkpoint.every=0", "precision.mode=quads"]
+    converted = _run(tmp_path / "converted", *steps, "model.embedded_default=false", f"model.checkpoint={ckpt}")
+    reference = _run(tmp_path / "reference", *steps)
+    assert [r["step"] for r in converted] == [0, 1, 2]
+    assert _without_times(converted) == _without_times(reference)
+    assert converted[0]["reward"] > 0.2  # the warm-started weights, not a random init
+
+
 def test_resumed_run_reproduces_the_uninterrupted_metrics(tmp_path: Path) -> None:
     full = _run(tmp_path / "full", "grpo.steps=4", "checkpoint.every=2", "precision.mode=quads")
     _run(tmp_path / "split", "grpo.steps=2", "checkpoint.every=2", "precision.mode=quads")

@@ -16,13 +16,19 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from megatron_quads.rl.advantages import AdvantageConfig
 from megatron_quads.rl.loss import PolicyLossConfig
-from megatron_quads.trainer.model import ParallelConfig, PolicyModelConfig
+from megatron_quads.trainer.model import ParallelConfig, PolicyModelConfig, load_model_config
 from megatron_quads.trainer.policy import OptimConfig
 from megatron_quads.trainer.quads_config import QuadsTrainerConfig
 
 PRECISION_MODES = ("bf16", "naive-nvfp4", "aqat", "quads")
 """bf16: BF16 trainer and rollout; naive-nvfp4: BF16 trainer, W4A4 rollout; aqat: AQAT trainer, W4A4
 rollout; quads: AQAT trainer, W4A4 + RAC rollout."""
+
+
+RUN_CHOSEN_FIELDS = ("max_sequence_length", "init_method_std", "moe_token_dispatcher", "moe_grouped_gemm",
+                     "moe_aux_loss_coeff", "dtype")
+"""Architecture fields a run may choose freely over a checkpoint's ``model_config.json`` (they do not
+change what the stored weights mean)."""
 
 
 class _Strict(BaseModel):
@@ -34,7 +40,10 @@ class ModelSection(_Strict):
 
     embedded_default: bool = Field(True, description="the tiny MoE shipped in the package (CPU)")
     architecture: PolicyModelConfig | None = None
-    checkpoint: str | None = Field(None, description="Megatron dist checkpoint to start from (model only)")
+    checkpoint: str | None = Field(
+        None, description="Megatron dist checkpoint to start from (model only); its model_config.json, when present, "
+        "is the architecture"
+    )
 
 
 class PrecisionSection(_Strict):
@@ -165,9 +174,27 @@ class RunConfig(_Strict):
                 f"expert_parallel = {etp * p.expert_parallel}"
             )
         self._check_placement()
-        if not self.model.embedded_default and self.model.architecture is None:
-            raise ValueError("model.architecture is required when model.embedded_default is false")
+        self._check_architecture()
         return self
+
+    def _check_architecture(self) -> None:
+        model = self.model
+        if model.embedded_default:
+            return
+        recorded = load_model_config(model.checkpoint) if model.checkpoint else None
+        if model.architecture is None and recorded is None:
+            raise ValueError(
+                "model.architecture is required when model.embedded_default is false, unless model.checkpoint is a "
+                "checkpoint with a model_config.json beside it (megatron-quads convert hf-to-megatron writes one)"
+            )
+        if model.architecture is not None and recorded is not None:
+            differ = [k for k, v in recorded.model_dump().items()
+                      if k not in RUN_CHOSEN_FIELDS and getattr(model.architecture, k) != v]
+            if differ:
+                raise ValueError(
+                    f"model.architecture disagrees with {model.checkpoint}/model_config.json on {', '.join(differ)}; "
+                    "drop model.architecture to use the checkpoint's"
+                )
 
     def _check_placement(self) -> None:
         place, roll = self.placement, self.rollout

@@ -26,11 +26,11 @@ def _elapsed(start: float) -> float:
 def policy_model_config(cfg: RunConfig):
     """The policy architecture of a run."""
     from megatron_quads import embedded
-    from megatron_quads.trainer.model import PolicyModelConfig
+    from megatron_quads.trainer.model import PolicyModelConfig, load_model_config
 
     if cfg.model.embedded_default:
         return PolicyModelConfig(**embedded.model_config_fields())
-    return cfg.model.architecture
+    return cfg.model.architecture or load_model_config(cfg.model.checkpoint)
 
 
 def start_checkpoint(cfg: RunConfig) -> str | None:

@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 HF_BASE_DIR = "hf_base"
 """Inside a converted dist checkpoint: the source model's config.json and tokenizer files."""
-DEFAULT_HF_SHARD_BYTES = 2_000_000_000
+DEFAULT_HF_SHARD_BYTES = 1_000_000_000
 
 
 def _command_line() -> str:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_quads.trainer.hf_export import split_qkv
 from megatron_quads.trainer.model import PolicyModelConfig
 
 GetTensor = Callable[[str], torch.Tensor]
@@ -62,14 +63,6 @@ def _head_layout(model: PolicyModelConfig) -> tuple[int, int, int]:
     groups = model.num_query_groups or model.num_attention_heads
     head_dim = model.kv_channels or model.hidden_size // model.num_attention_heads
     return groups, model.num_attention_heads // groups, head_dim
-
-
-def split_qkv(qkv: torch.Tensor, groups: int, q_per_group: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Megatron's fused QKV ``[groups * (q_per_group + 2) * head_dim, hidden]`` -> HF q, k, v."""
-    per_group = qkv.reshape(groups, (q_per_group + 2) * head_dim, qkv.shape[-1])
-    q, k, v = per_group.split([q_per_group * head_dim, head_dim, head_dim], dim=1)
-    return (q.reshape(-1, qkv.shape[-1]).contiguous(), k.reshape(-1, qkv.shape[-1]).contiguous(),
-            v.reshape(-1, qkv.shape[-1]).contiguous())
 
 
 def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int, head_dim: int) -> torch.Tensor:

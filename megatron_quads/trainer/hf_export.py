@@ -65,14 +65,17 @@ def _split_glu(shards: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])
 
 
-def _split_qkv(qkv: torch.Tensor, config: TransformerConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Megatron's fused QKV ``[groups * (q_per_group + 2) * head_dim, hidden]`` -> q, k, v."""
-    groups = config.num_query_groups or config.num_attention_heads
-    q_per_group = config.num_attention_heads // groups
-    head_dim = config.kv_channels
-    per_group = qkv.view(groups, (q_per_group + 2) * head_dim, -1)
+def split_qkv(qkv: torch.Tensor, groups: int, q_per_group: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Megatron's fused QKV ``[groups * (q_per_group + 2) * head_dim, hidden]`` (interleaved per query
+    group) -> HF q, k, v."""
+    per_group = qkv.reshape(groups, (q_per_group + 2) * head_dim, qkv.shape[-1])
     q, k, v = per_group.split([q_per_group * head_dim, head_dim, head_dim], dim=1)
-    return q.reshape(-1, qkv.shape[-1]), k.reshape(-1, qkv.shape[-1]), v.reshape(-1, qkv.shape[-1])
+    return tuple(t.reshape(-1, qkv.shape[-1]).contiguous() for t in (q, k, v))
+
+
+def _split_qkv(qkv: torch.Tensor, config: TransformerConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    groups = config.num_query_groups or config.num_attention_heads
+    return split_qkv(qkv, groups, config.num_attention_heads // groups, config.kv_channels)
 
 
 def _expert_tensors(
