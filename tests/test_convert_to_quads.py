@@ -290,3 +290,31 @@ def test_vllm_serves_the_output_as_the_builtin_engine_does(static_out: Path) -> 
         engine.close()
     assert [g.token_ids for g in served] == [g.token_ids for g in expected]
     assert max_logprob_gap(served, expected) < 5e-5  # fp32 both sides; tests/test_vllm_engine.py's tolerance
+
+
+def test_vllm_calibrating_the_attention_output_again_chooses_the_same_channels(attention_out: Path) -> None:
+    """The plugin calibrates every quantized linear (experts, qkv_proj, o_proj) inside vLLM, from
+    its own W4A16 forward: on the same prompts it picks the attention channels to-quads wrote, and
+    serving both gives the same log-probs."""
+    pytest.importorskip("vllm")
+    from megatron_quads.rollout.engine import SamplingParams
+    from megatron_quads.vllm_plugin.engine import VllmRolloutEngine
+    from vllm_support import max_logprob_gap, task_prompts
+
+    prompts, greedy = task_prompts(12, seed=5), SamplingParams(max_new_tokens=8, temperature=0.0)
+    weights = load_quantized_weights(attention_out)
+    config = json.loads((attention_out / fmt.MODEL_CONFIG_FILE).read_text())
+    engine = VllmRolloutEngine(config, precision="quads", ratio=RATIO, dtype=torch.float32, checkpoint=attention_out)
+    try:
+        served = engine.generate(prompts, greedy)
+        engine.calibrate(_prompt_ids())
+        recalibrated = engine.generate(prompts, greedy)
+        layers = engine.llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model().model.layers
+        for i, layer in enumerate(layers):
+            for leaf, module in (("q_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj)):
+                ours = weights.quantized[f"model.layers.{i}.self_attn.{leaf}"].residual_channels
+                assert torch.equal(module.residual_channels[0].cpu(), ours), f"layer {i} {leaf}"
+    finally:
+        engine.close()
+    assert [g.token_ids for g in served] == [g.token_ids for g in recalibrated]
+    assert max_logprob_gap(served, recalibrated) < 5e-5
