@@ -3,7 +3,8 @@
 Checked: the RAC channels are the built-in engine's choice on the same prompts; static input scales
 are the calibration amaxes / 2688 (absent when dynamic); experts_and_attention gives q/k/v one
 channel set and one scale; a Megatron source and its HF export give identical tensors; a calibration
-file gives the same output as the same prompts sampled; the manifest lists every file; errors name
+file, or the source's HF tokenizer, gives the same output as the same prompts sampled; long prompts
+are truncated; the manifest lists every file; errors name
 the problem; ModelOpt decodes every NVFP4 tensor to the project's values; vLLM serves the output as
 the built-in engine does; ``analyze`` runs on it.
 """
@@ -162,6 +163,14 @@ def test_a_calibration_file_gives_what_the_same_prompts_sampled_give(hf_dir: Pat
     ours, theirs = _tensors(out), _tensors(static_out)
     assert ours.keys() == theirs.keys() and all(_same_bytes(t, theirs[n]) for n, t in ours.items())
     assert json.loads((out / MANIFEST).read_text())["quads"]["calibration"]["source"] == f"file {path.resolve()}"
+
+
+def test_a_prompt_longer_than_the_model_is_truncated(hf_dir: Path, tmp_path: Path) -> None:
+    path = tmp_path / "long.txt"
+    path.write_text("1+2=" * 30 + "\n3+4=\n")  # 121 tokens with <bos>; max_position_embeddings is 64
+    out = to_quads(hf_dir, tmp_path / "out", RATIO, calibration_file=path, progress=False)
+    calibration = json.loads((out / MANIFEST).read_text())["quads"]["calibration"]
+    assert (calibration["prompts"], calibration["tokens"], calibration["truncated_prompts"]) == (2, 64 + 5, 1)
 
 
 def _char_level_hf_tokenizer(directory: Path) -> None:
