@@ -1,9 +1,10 @@
 """``megatron-quads analyze``: decompose the rollout-vs-trainer gap of an MoE model (table, JSON, PNG).
 
 Runs on CPU on a Megatron-Core GPT-MoE (the tiny embedded architecture by default, random or from a
-Megatron dist checkpoint) or on a local Hugging Face Qwen3-MoE-format model; the routed experts'
-linears are the layers in scope. Token sequences are random ids (the gap is a property of the
-numerics on the model's own activations; task prompts are not used here). For each pair
+Megatron dist checkpoint) or on a local Hugging Face Qwen3-MoE-format model (a QUADS checkpoint
+too: its NVFP4 weights dequantized); the routed experts' linears are the layers in scope. Token
+sequences are random ids (the gap is a property of the numerics on the model's own activations;
+task prompts are not used here). For each pair
 of :func:`megatron_quads.rollout.analysis.default_pairs` it reports the per-token log-prob gap of the
 whole model and, per layer, the weight-error and activation-error terms; QUADS is measured at several
 RAC ratios and with each channel-ranking statistic.
@@ -22,6 +23,7 @@ import torch
 
 from megatron_quads.atomic_io import save_figure_atomic, write_text_atomic
 from megatron_quads.rollout.analysis import QuantAnalysis, default_pairs, run_pairs
+from megatron_quads.rollout.checkpoint_format import QUANT_CONFIG_FILE
 from megatron_quads.rollout.rac import ChannelStatistic
 
 logger = logging.getLogger(__name__)
@@ -60,14 +62,21 @@ class Target:
 
 
 def load_hf_model(path: str) -> Target:
-    """A local Hugging Face Qwen3-MoE-format model (fp32, CPU) with its experts split per expert."""
+    """A local Hugging Face Qwen3-MoE-format model (fp32, CPU) with its experts split per expert.
+
+    A QUADS checkpoint (``hf_quant_config.json``, e.g. ``convert to-quads`` output) is loaded with
+    its NVFP4 linears dequantized: the analysis then starts from the NVFP4 weights, what an AQAT
+    trainer holds, not from the original high-precision ones."""
     from transformers import AutoModelForCausalLM
 
     from megatron_quads.rollout.hf_experts import split_experts
 
     if not Path(path, "config.json").exists():
         raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
-    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32, local_files_only=True).eval()
+    if Path(path, QUANT_CONFIG_FILE).exists():
+        model = load_quads_model(path)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32, local_files_only=True).eval()
     split_experts(model)
     modules = {name: m for name, m in model.named_modules() if _HF_EXPERT_LINEAR.match(name)}
     if not modules:
@@ -80,6 +89,24 @@ def load_hf_model(path: str) -> Target:
         vocab_size=model.config.vocab_size,
         description=f"Hugging Face model {path}",
     )
+
+
+def load_quads_model(path: str) -> torch.nn.Module:
+    """A QUADS checkpoint as a float32 transformers ``Qwen3MoeForCausalLM``: NVFP4 linears dequantized,
+    the other tensors as stored (its ``config.json`` without the ``quantization_config`` block)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from megatron_quads.rollout.hf_experts import load_checkpoint_weights
+    from megatron_quads.rollout.weights import load_quantized_weights
+
+    doc = json.loads(Path(path, "config.json").read_text())
+    doc.pop("quantization_config", None)
+    weights = load_quantized_weights(path)
+    tensors = {name: t.float() for name, t in weights.unquantized.items()}
+    tensors.update({f"{module}.weight": lin.dequantized_weight(torch.float32) for module, lin in weights.quantized.items()})
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**doc)).to(torch.float32)
+    load_checkpoint_weights(model, tensors)
+    return model.eval()
 
 
 def load_megatron_tiny(checkpoint: str | None, seed: int) -> Target:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_quads.nvfp4 import quantize
-from megatron_quads.rollout.calibration import ChannelStats, RacCalibrator
+from megatron_quads.rollout.calibration import ChannelStats, RacCalibrator, pool_stats
 from megatron_quads.rollout.rac import (
     ChannelStatistic,
     num_residual_channels,
@@ -198,6 +198,20 @@ def test_online_statistics_follow_the_stream() -> None:
     assert top == 60
     with pytest.raises(ValueError, match="momentum"):
         ChannelStats(8, momentum=0.0)
+
+
+def test_amax_is_the_largest_input_ever_seen_and_pooling_keeps_it() -> None:
+    a, b = ChannelStats(32, momentum=0.5), ChannelStats(32)
+    a.update(torch.full((4, 32), -3.0))
+    a.update(torch.ones(8, 32))  # momentum averages the means, not the amax
+    x = torch.randn(12, 32)
+    b.update(x)
+    assert a.amax == 3.0 and b.amax == float(x.abs().max())
+    pooled = pool_stats([a, b, ChannelStats(32)])  # a module that saw nothing adds nothing
+    assert pooled.tokens == 24 and pooled.amax == max(a.amax, b.amax)
+    assert torch.allclose(pooled.residual_sq, (12 * a.residual_sq + 12 * b.residual_sq) / 24)
+    with pytest.raises(ValueError, match="cannot pool statistics of 32 and 16 input features"):
+        pool_stats([a, ChannelStats(16)])
 
 
 def test_an_expert_without_tokens_gets_an_empty_output() -> None:

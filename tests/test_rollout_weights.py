@@ -170,6 +170,39 @@ def test_overwrite_and_no_partial_files(model: QuantizedModelWeights, tmp_path: 
     assert sorted(p.name for p in target.iterdir()) == [fmt.QUANT_CONFIG_FILE, fmt.SINGLE_FILE]
 
 
+def test_finish_runs_on_the_complete_directory_before_it_appears(model: QuantizedModelWeights, tmp_path: Path) -> None:
+    seen = []
+
+    def finish(tmp: Path) -> None:
+        assert not (tmp_path / "ckpt").exists()
+        seen.append(sorted(p.name for p in tmp.iterdir()))
+        (tmp / "extra.txt").write_text("added before the rename")
+
+    save_quantized_weights(model, tmp_path / "ckpt", finish=finish)
+    assert seen == [[fmt.QUANT_CONFIG_FILE, fmt.SINGLE_FILE]]
+    assert (tmp_path / "ckpt" / "extra.txt").read_text() == "added before the rename"
+
+    def fail(tmp: Path) -> None:
+        raise OSError("finish failed (simulated)")
+
+    with pytest.raises(OSError, match="simulated"):
+        save_quantized_weights(model, tmp_path / "other", finish=fail)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_with_input_amax_sets_or_drops_static_scales(model: QuantizedModelWeights) -> None:
+    amax = {m: 2688.0 * (i + 1) for i, m in enumerate(model.quantized)}
+    scaled = model.with_input_amax(amax)
+    assert [float(lin.input_scale) for lin in scaled.quantized.values()] == [float(i + 1) for i in range(len(amax))]
+    assert all(torch.equal(a.weight, b.weight) for a, b in zip(scaled.quantized.values(), model.quantized.values()))
+    assert not model.with_input_amax(None).input_scales
+    first = next(iter(model.quantized))
+    with pytest.raises(ValueError, match="input_amax has no entry for quantized module"):
+        model.with_input_amax({first: 1.0})
+    with pytest.raises(ValueError, match=f"{first}: activation amax must be one finite value > 0"):
+        model.with_input_amax({**amax, first: 0.0})
+
+
 # --------------------------------------------------------------------------------------------------
 # damaged checkpoints
 

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import re
-
 import torch
 
 from megatron_quads import embedded
 from megatron_quads.rollout.engine import Generation
+from megatron_quads.rollout.weight_calibration import calibrate_weights
 from megatron_quads.rollout.weights import QuantizedModelWeights, quantize_hf_weights, routed_expert_scope
 from megatron_quads.tasks import encode_prompt
 
 RATIO = 0.25
-_ENGINE_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up|down)\.(\d+)$")
 
 
 def embedded_hf_weights() -> tuple[dict[str, torch.Tensor], dict, object]:
@@ -43,19 +41,9 @@ def task_prompts(n: int, seed: int) -> list[list[int]]:
 def calibrated_weights(weights: dict[str, torch.Tensor], hf_config, prompts: list[list[int]],
                        version: int = 1) -> QuantizedModelWeights:
     """NVFP4 routed experts with the RAC channels the built-in engine chooses on ``prompts``."""
-    from megatron_quads.rollout.torch_engine import TorchRolloutEngine
-
     quantized = quantize_hf_weights(weights.items(), routed_expert_scope(), ratio=RATIO, weight_version=version,
                                     unquantized_dtype=torch.float32)
-    engine = TorchRolloutEngine(hf_config, precision="quads", ratio=RATIO, dtype=torch.float32)
-    engine.load_weights(quantized, version)
-    engine.calibrate(prompts)
-    channels = {}
-    for name, state in engine.states.items():
-        base, kind, expert = _ENGINE_EXPERT.match(name).groups()
-        for proj in (("gate_proj", "up_proj") if kind == "gate_up" else ("down_proj",)):
-            channels[f"{base}.{expert}.{proj}"] = state.channels[RATIO].cpu()
-    return quantized.with_residual_channels(channels, weight_version=version)
+    return calibrate_weights(quantized, hf_config, prompts).apply(quantized, weight_version=version)
 
 
 def perturbed(weights: dict[str, torch.Tensor], seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:

@@ -36,16 +36,17 @@ HF_BASE_DIR = "hf_base"
 DEFAULT_HF_SHARD_BYTES = 1_000_000_000
 
 
-def _command_line() -> str:
+def command_line() -> str:
+    """The command line that is running, for manifests."""
     return " ".join(["megatron-quads", *sys.argv[1:]]) if sys.argv and "megatron-quads" in sys.argv[0] else "python API"
 
 
-def _copy_hf_files(source: Path, target: Path, with_config: bool) -> list[str]:
+def copy_hf_files(source: Path | None, target: Path, with_config: bool = False) -> list[str]:
     """Copy the tokenizer files (and config.json) that exist in ``source`` into ``target``."""
     names = [*TOKENIZER_FILES, *([fmt.MODEL_CONFIG_FILE] if with_config else [])]
     copied = []
     for name in names:
-        if (source / name).is_file():
+        if source is not None and (source / name).is_file():
             target.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source / name, target / name)
             copied.append(name)
@@ -74,8 +75,8 @@ def hf_to_megatron(
     with atomic_directory(out, overwrite) as tmp:
         save_dist_checkpoint(SaveJob("hf", str(hf_dir), str(tmp), model, parallel, find_free_port(), progress))
         save_model_config(model, tmp)
-        _copy_hf_files(hf_dir, tmp / HF_BASE_DIR, with_config=True)
-        write_manifest(tmp, {"command": _command_line(), "source": str(hf_dir.resolve()), "kind": "megatron-dist",
+        copy_hf_files(hf_dir, tmp / HF_BASE_DIR, with_config=True)
+        write_manifest(tmp, {"command": command_line(), "source": str(hf_dir.resolve()), "kind": "megatron-dist",
                              "layout": _layout(parallel), "producer": fmt.producer_info()})
     logger.info("wrote %s (TP %d, EP %d) in %.1f s", out, parallel.tensor_parallel, parallel.expert_parallel,
                 time.perf_counter() - start)
@@ -98,7 +99,7 @@ def reshard(
         save_model_config(source.model, tmp)
         if (source.directory / HF_BASE_DIR).is_dir():
             shutil.copytree(source.directory / HF_BASE_DIR, tmp / HF_BASE_DIR)
-        write_manifest(tmp, {"command": _command_line(), "source": str(source.directory.resolve()),
+        write_manifest(tmp, {"command": command_line(), "source": str(source.directory.resolve()),
                              "kind": "megatron-dist", "layout": _layout(parallel), "producer": fmt.producer_info()})
     return Path(out)
 
@@ -156,8 +157,8 @@ def megatron_to_hf(
             (tmp / fmt.INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         (tmp / fmt.MODEL_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         if base_dir is not None:
-            _copy_hf_files(base_dir, tmp, with_config=False)
-        write_manifest(tmp, {"command": _command_line(), "source": str(source.directory.resolve()), "kind": "hf",
+            copy_hf_files(base_dir, tmp, with_config=False)
+        write_manifest(tmp, {"command": command_line(), "source": str(source.directory.resolve()), "kind": "hf",
                              "producer": fmt.producer_info()})
     logger.info("wrote %s (%d shard(s), %.1f MB) in %.1f s", out, len(shards), sum(sizes.values()) / 1e6,
                 time.perf_counter() - start)

@@ -10,7 +10,7 @@ Two ways to fill them, one accumulator:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -20,7 +20,8 @@ from megatron_quads.rollout.w4a4 import ActivationScale, activation_amax
 
 
 class ChannelStats:
-    """Running per-input-channel means of ``r^2`` (quantization residual) and ``|x|`` for one linear."""
+    """Running per-input-channel means of ``r^2`` (quantization residual) and ``|x|`` for one linear,
+    and ``amax``, the largest ``|x|`` seen (over all batches, also with ``momentum``)."""
 
     def __init__(self, in_features: int, momentum: float | None = None) -> None:
         if momentum is not None and not 0.0 < momentum <= 1.0:
@@ -30,6 +31,7 @@ class ChannelStats:
         self.tokens = 0
         self.residual_sq = torch.zeros(in_features, dtype=torch.float64)
         self.abs_activation = torch.zeros(in_features, dtype=torch.float64)
+        self.amax = 0.0
 
     @torch.no_grad()
     def update(self, x: torch.Tensor, mode: ActivationScale = ActivationScale.PER_TOKEN) -> None:
@@ -44,6 +46,7 @@ class ChannelStats:
         batch_r2 = (x2.float() - xq).double().square().mean(0).cpu()
         batch_abs = x2.double().abs().mean(0).cpu()
         n = x2.shape[0]
+        self.amax = max(self.amax, float(x2.abs().amax()))
         if self.momentum is None:  # exact running mean over all tokens seen
             total = self.tokens + n
             self.residual_sq += (batch_r2 - self.residual_sq) * (n / total)
@@ -133,18 +136,36 @@ def select_from_stats(
     return chosen
 
 
+def pool_stats(stats: Sequence[ChannelStats]) -> ChannelStats:
+    """One :class:`ChannelStats` for modules that read the same input: token-weighted means of the
+    statistics, the largest ``amax`` and the total token count (modules that saw no input add nothing)."""
+    if not stats:
+        raise ValueError("pool_stats needs at least one ChannelStats")
+    total = ChannelStats(stats[0].in_features)
+    for part in stats:
+        if part.in_features != total.in_features:
+            raise ValueError(f"cannot pool statistics of {total.in_features} and {part.in_features} input features")
+        if part.tokens == 0:
+            continue
+        weight = part.tokens / (total.tokens + part.tokens)
+        total.residual_sq += (part.residual_sq - total.residual_sq) * weight
+        total.abs_activation += (part.abs_activation - total.abs_activation) * weight
+        total.amax = max(total.amax, part.amax)
+        total.tokens += part.tokens
+    return total
+
+
 def _pooled(all_stats: Mapping[str, ChannelStats], pools: Mapping[str, str]) -> dict[str, ChannelStats]:
     """Token-weighted statistics of each group over its modules that saw input."""
-    pooled: dict[str, ChannelStats] = {}
+    groups: dict[str, list[ChannelStats]] = {}
     for name, stats in all_stats.items():
         group = pools.get(name)
-        if group is None or stats.tokens == 0:
-            continue
-        total = pooled.setdefault(group, ChannelStats(stats.in_features))
-        if total.in_features != stats.in_features:
-            raise ValueError(f"pool {group!r} mixes modules with {total.in_features} and {stats.in_features} input features")
-        weight = stats.tokens / (total.tokens + stats.tokens)
-        total.residual_sq += (stats.residual_sq - total.residual_sq) * weight
-        total.abs_activation += (stats.abs_activation - total.abs_activation) * weight
-        total.tokens += stats.tokens
+        if group is not None and stats.tokens:
+            groups.setdefault(group, []).append(stats)
+    pooled = {}
+    for group, members in groups.items():
+        try:
+            pooled[group] = pool_stats(members)
+        except ValueError as err:
+            raise ValueError(f"pool {group!r} mixes modules of different widths: {err}") from None
     return pooled

@@ -96,3 +96,33 @@ def checkpoint_weights(model: nn.Module) -> dict[str, torch.Tensor]:
         elif "rotary_emb" not in name:
             out[name] = tensor
     return out
+
+
+def load_checkpoint_weights(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Load checkpoint-named tensors (one gate/up/down per expert) into a transformers MoE model whose
+    experts are fused 3-D parameters: the inverse of :func:`checkpoint_weights`. Every parameter must
+    be given (a tied ``lm_head`` by its embedding) and no other tensor."""
+    state, used = {}, set()
+
+    def take(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise ValueError(f"the weights lack '{name}', which the model holds")
+        used.add(name)
+        return tensors[name]
+
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    for name, target in model.state_dict().items():
+        base, _, leaf = name.rpartition(".")
+        if leaf == "gate_up_proj" and target.ndim == 3:
+            state[name] = torch.stack([torch.cat([take(f"{base}.{e}.gate_proj.weight"), take(f"{base}.{e}.up_proj.weight")])
+                                       for e in range(target.shape[0])])
+        elif leaf == "down_proj" and target.ndim == 3:
+            state[name] = torch.stack([take(f"{base}.{e}.down_proj.weight") for e in range(target.shape[0])])
+        elif "rotary_emb" in name or (tied and name == "lm_head.weight" and name not in tensors):
+            continue
+        else:
+            state[name] = take(name)
+    extra = sorted(set(tensors) - used)
+    if extra:
+        raise ValueError(f"the weights hold {len(extra)} tensor(s) the model has no place for, e.g. '{extra[0]}'")
+    model.load_state_dict(state, strict=False)

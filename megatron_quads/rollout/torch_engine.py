@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from megatron_quads.nvfp4 import NVFP4Tensor, quantize
-from megatron_quads.rollout.calibration import RacCalibrator
+from megatron_quads.rollout.calibration import ChannelStats, RacCalibrator
 from megatron_quads.rollout.engine import ENGINE_PRECISIONS, Generation, SamplingParams
 from megatron_quads.rollout.grouped_experts import GroupedExperts
 from megatron_quads.rollout.hf_experts import split_experts
@@ -186,9 +186,10 @@ class TorchRolloutEngine:
         self.weight_version = version
         self._prepare_experts()
 
-    def calibrate(self, prompts: Sequence[Sequence[int]], statistic: ChannelStatistic = ChannelStatistic.OUTPUT_ERROR) -> None:
+    def calibrate(self, prompts: Sequence[Sequence[int]],
+                  statistic: ChannelStatistic = ChannelStatistic.OUTPUT_ERROR) -> dict[str, ChannelStats]:
         """Choose RAC channels from the experts' inputs on ``prompts`` (quads mode) and prepare the
-        grouped layers' tails for them.
+        grouped layers' tails for them; returns the recorded statistics by engine module name.
 
         The forward that records the inputs is the W4A16 one over the NVFP4 weights the engine holds
         (every expert linear computes ``x q(W)^T``, expert by expert, without RAC: the AQAT trainer's
@@ -219,6 +220,15 @@ class TorchRolloutEngine:
                 state.residual[self.ratio] = reblock_columns(state.quantized, channels) if channels.numel() else None
         finally:
             self._prepare_experts()
+        return calibrator.stats
+
+    def residual_channels(self) -> dict[str, torch.Tensor]:
+        """The RAC channel set (CPU int32) of every quantized expert linear at the engine's ratio, by
+        checkpoint module name: an expert's ``gate_proj`` and ``up_proj`` get their fused linear's set."""
+        if self.precision != "quads":
+            raise ValueError(f"RAC channels are held in the quads precision; this engine serves {self.precision!r}")
+        return {module: state.channels[self.ratio].cpu()
+                for name, state in self.states.items() for module in checkpoint_modules(name)}
 
     def _prepare_experts(self) -> None:
         """Set every expert linear to the engine's precision and build each MoE layer's grouped
@@ -302,6 +312,16 @@ class TorchRolloutEngine:
             out = self.model(input_ids=token[:, None].to(self.device), attention_mask=mask, position_ids=positions,
                              use_cache=True, **{self._cache_arg: cache})
         return results
+
+
+def checkpoint_modules(engine_module: str) -> list[str]:
+    """The checkpoint modules an engine expert linear holds: ``...experts.gate_up.E`` ->
+    ``[...experts.E.gate_proj, ...experts.E.up_proj]``, ``...experts.down.E`` -> ``[...experts.E.down_proj]``."""
+    match = _ENGINE_EXPERT.match(engine_module)
+    if match is None:
+        raise ValueError(f"{engine_module!r} is not an expert linear of the built-in engine (model.layers.N.mlp.experts.KIND.E)")
+    base, kind, expert = match.groups()
+    return [f"{base}.{expert}.{proj}" for proj in (("gate_proj", "up_proj") if kind == "gate_up" else ("down_proj",))]
 
 
 def _by_length(prompts: Sequence[Sequence[int]]) -> list[list[Sequence[int]]]:

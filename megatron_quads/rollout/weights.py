@@ -466,6 +466,7 @@ def reblocking_error(weight: QuantizedLinearWeight) -> float:
 
 _EXPERT_MODULE = re.compile(r"^(?P<experts>.+\.experts)\.\d+\.[^.]+$")
 _ROUTED_EXPERT_LINEAR = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)$")
+_ATTENTION_LINEAR = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|o_proj)$")
 
 
 def shared_scale_group(module: str) -> tuple[str, tuple[str, ...]] | None:
@@ -484,6 +485,23 @@ def routed_expert_scope(bf16_layers: Iterable[int] = ()) -> Callable[[str], bool
     def is_quantized(module: str) -> bool:
         match = _ROUTED_EXPERT_LINEAR.match(module)
         return match is not None and int(match.group(1)) not in skip
+
+    return is_quantized
+
+
+def is_attention_linear(module: str) -> bool:
+    """Whether ``module`` is an attention projection ``model.layers.N.self_attn.{q,k,v,o}_proj`` (Qwen3-MoE names)."""
+    return _ATTENTION_LINEAR.match(module) is not None
+
+
+def experts_and_attention_scope(bf16_layers: Iterable[int] = ()) -> Callable[[str], bool]:
+    """``is_quantized`` for routed-expert linears plus attention q/k/v/o projections, minus ``bf16_layers``."""
+    skip = frozenset(bf16_layers)
+    experts = routed_expert_scope(skip)
+
+    def is_quantized(module: str) -> bool:
+        match = _ATTENTION_LINEAR.match(module)
+        return experts(module) or (match is not None and int(match.group(1)) not in skip)
 
     return is_quantized
 
@@ -730,6 +748,20 @@ class QuantizedModelWeights:
             config["weight_version"] = weight_version
         return QuantizedModelWeights(quantized=quantized, unquantized=dict(self.unquantized), config=config)
 
+    def with_input_amax(self, input_amax: Mapping[str, ScaleLike] | None) -> QuantizedModelWeights:
+        """A copy with static activation scales ``input_scale = amax / 2688`` (``input_amax`` names
+        every quantized module, as :func:`quantize_hf_weights` requires), or none for ``None``."""
+        quantized = {}
+        for module, lin in self.quantized.items():
+            if input_amax is not None and module not in input_amax:
+                raise ValueError(f"input_amax has no entry for quantized module '{module}'; give one for every quantized module")
+            try:
+                scale = None if input_amax is None else input_scale_from_amax(input_amax[module])
+            except ValueError as err:
+                raise ValueError(f"{module}: {err}") from err
+            quantized[module] = lin.with_input_scale(scale)
+        return QuantizedModelWeights(quantized=quantized, unquantized=dict(self.unquantized), config=dict(self.config))
+
     def nbytes(self) -> int:
         """Bytes of every stored tensor."""
         return sum(lin.nbytes() for lin in self.quantized.values()) + sum(
@@ -887,13 +919,15 @@ def save_quantized_weights(
     include_residual: bool = True,
     model_config: Mapping[str, Any] | None = None,
     overwrite: bool = False,
+    finish: Callable[[Path], object] | None = None,
 ) -> Path:
     """Write ``weights`` as a safetensors checkpoint directory, atomically; return its path.
 
     Files: ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` + index when the tensors
     exceed ``max_shard_bytes``), ``hf_quant_config.json``, and ``config.json`` (``model_config``
     with a ``quantization_config`` block) when ``model_config`` is given. ``include_residual=False``
-    writes only the ModelOpt-named tensors: a plain ModelOpt NVFP4 checkpoint.
+    writes only the ModelOpt-named tensors: a plain ModelOpt NVFP4 checkpoint. ``finish(tmp)`` runs
+    on the complete temporary directory before it is renamed into place (more files, a manifest).
     """
     if not isinstance(weights, QuantizedModelWeights):
         raise TypeError(f"save_quantized_weights expects QuantizedModelWeights, got {type(weights).__name__}")
@@ -915,6 +949,7 @@ def save_quantized_weights(
         max_shard_bytes=max_shard_bytes,
         overwrite=overwrite,
         safetensors_metadata=metadata,
+        finish=finish,
     )
 
 
