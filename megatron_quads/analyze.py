@@ -118,21 +118,26 @@ def load_megatron_tiny(checkpoint: str | None, seed: int) -> Target:
         forward=_megatron_forward,
         layer_of=megatron_layer_of,
         vocab_size=model.vocab_size,
-        description="tiny Megatron GPT-MoE" + (f" from {checkpoint}" if checkpoint else " (random init)"),
+        description="Megatron GPT-MoE" + (f" from {checkpoint}" if checkpoint else " (tiny, random init)"),
     )
 
 
 def build_tiny_model(checkpoint: str | None, seed: int) -> torch.nn.Module:
-    """The embedded-default architecture (fp32, one CPU rank), random or loaded from a dist checkpoint."""
+    """A Megatron GPT-MoE in fp32 on one CPU rank: the architecture a dist checkpoint's
+    ``model_config.json`` records, loaded from it; without a checkpoint (or that file) the tiny
+    default architecture, random or loaded."""
     from megatron_quads.trainer.distributed import init_trainer_distributed
     from megatron_quads.trainer.model import (
         ParallelConfig,
         PolicyModelConfig,
         build_gpt_model,
+        load_model_config,
     )
 
     init_trainer_distributed(1, 0, ParallelConfig(), seed=seed)
-    model = build_gpt_model(PolicyModelConfig(dtype="fp32", init_method_std=0.05), ParallelConfig())
+    recorded = load_model_config(checkpoint) if checkpoint else None
+    cfg = (recorded or PolicyModelConfig(init_method_std=0.05)).model_copy(update={"dtype": "fp32"})
+    model = build_gpt_model(cfg, ParallelConfig())
     if checkpoint:
         from megatron.core import dist_checkpointing
 

@@ -209,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     analyze = sub.add_parser("analyze", help="decompose the rollout-vs-trainer gap into weight and activation error")
     analyze.add_argument("--out", default="runs/analysis", help="output directory (analysis.json, analysis.png)")
-    analyze.add_argument("--checkpoint", default=None, help="Megatron dist checkpoint of the tiny model (default: random init)")
+    analyze.add_argument("--checkpoint", default=None, help="Megatron dist checkpoint (its model_config.json is the architecture; default: the tiny model, random init)")
     analyze.add_argument("--hf-model", default=None, help="local Hugging Face Qwen3-MoE-format model directory")
     analyze.add_argument("--ratios", type=float, nargs="+", default=[0.125, 0.25, 0.5, 1.0], help="RAC ratios")
     analyze.add_argument(

@@ -109,6 +109,17 @@ def test_analyze_command_writes_report_and_plot(tmp_path, capsys: pytest.Capture
     assert "wrote" in capsys.readouterr().out
 
 
+def test_analyze_reads_the_architecture_of_a_dist_checkpoint(tmp_path) -> None:
+    from megatron_quads import embedded
+    from megatron_quads.cli import main
+
+    checkpoint = embedded.ASSET_DIR / "checkpoint"  # vocab 32, not the default architecture's 64
+    assert main(["analyze", "--checkpoint", str(checkpoint), "--out", str(tmp_path), "--ratios", "0.25",
+                 "--sequences", "2", "--seq-len", "8"]) == 0
+    report = json.loads((tmp_path / "analysis.json").read_text())
+    assert str(checkpoint) in report["model"]
+
+
 def _tiny_qwen3_moe(path) -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.Qwen3MoeConfig(
