@@ -122,10 +122,11 @@ def test_megatron_logits_equal_transformers_logits(converted: dict[str, Path], s
     state = dist_checkpointing.load(model.sharded_state_dict(), str(ckpt))
     model.load_state_dict({k: v.float() if torch.is_tensor(v) else v for k, v in state.items()})
     reference = transformers.AutoModelForCausalLM.from_pretrained(converted[shape], dtype=torch.float32).eval()
-    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU host Megatron makes its RoPE tables there
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0)).to(device)
     with torch.no_grad():
-        megatron_logits = model.eval()(ids, torch.arange(12).expand(2, 12), attention_mask=None)
-        hf_logits = reference(ids).logits
+        megatron_logits = model.to(device).eval()(ids, torch.arange(12, device=device).expand(2, 12), attention_mask=None)
+        hf_logits = reference.to(device)(ids).logits
     # fp32 on both sides; what differs is summation order
     assert (megatron_logits - hf_logits).abs().max() < 1e-4
     assert hf_logits.abs().max() > 0.1

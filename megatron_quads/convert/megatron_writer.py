@@ -154,12 +154,19 @@ def _entry(rank: int, job: SaveJob, world_size: int, errors) -> None:
 
 
 def save_dist_checkpoint(job: SaveJob) -> None:
-    """Run ``job`` on ``world_size_for(job.parallel)`` local ranks; :class:`ConversionError` if one fails."""
+    """Run ``job`` on ``world_size_for(job.parallel)`` local CPU ranks; :class:`ConversionError` if one fails.
+
+    Without a GPU the ranks are forked (they share the imported modules); on a GPU host they are
+    spawned with no GPU visible (a forked CUDA runtime cannot be used), so both run the CPU path.
+    """
     world_size = world_size_for(job.parallel)
-    # fork shares the imported modules (seconds of start-up per rank); a CUDA context must not be forked
-    method = "spawn" if torch.cuda.is_initialized() or sys.platform != "linux" else "fork"
+    fork = sys.platform == "linux" and not torch.cuda.is_available()
+    method = "fork" if fork else "spawn"
     errors = mp.get_context(method).SimpleQueue()
     Path(job.target).mkdir(parents=True, exist_ok=True)
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if not fork:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the spawned ranks' environment
     try:
         mp.start_processes(_entry, args=(job, world_size, errors), nprocs=world_size, join=True, start_method=method)
     except mp.ProcessExitedException as err:
@@ -168,3 +175,9 @@ def save_dist_checkpoint(job: SaveJob) -> None:
             logger.debug("rank %d traceback:\n%s", rank, trace)
             raise ConversionError(f"conversion rank {rank} failed: {message}") from None
         raise ConversionError(f"a conversion rank died: {err}") from None
+    finally:
+        if not fork:
+            if hidden is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = hidden
