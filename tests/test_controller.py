@@ -92,6 +92,51 @@ def test_grpo_from_a_converted_checkpoint_matches_grpo_from_the_embedded_default
     assert converted[0]["reward"] > 0.2  # the warm-started weights, not a random init
 
 
+def test_w4a16_rollout_at_temperature_zero_matches_the_aqat_trainer(tmp_path: Path) -> None:
+    """AQAT trainer + W4A16 rollout compute with the same NVFP4 weights and BF16 activations; greedy
+    decoding reports log-probs at temperature 1, the distribution the trainer scores."""
+    records = _run(tmp_path, "grpo.steps=2", "checkpoint.every=0", "precision.mode=w4a16", "rollout.temperature=0")
+    for r in records:
+        assert r["mismatch/num_tokens"] > 0
+        assert r["mismatch/gap_max_abs"] < 1e-3, r["mismatch/gap_max_abs"]
+
+
+def test_ppo_epochs_and_mini_batches_make_the_ratio_clip(tmp_path: Path) -> None:
+    records = _run(tmp_path, "grpo.steps=1", "checkpoint.every=0", "grpo.mini_batches=2", "grpo.epochs=2",
+                   "grpo.optim.lr=3e-3")
+    r = records[0]
+    assert r["train/updates"] == 4.0
+    assert r["train/last_clip_frac"] > 0.0  # three updates after logp_old, the ratio leaves [0.8, 1.2]
+    assert r["train/last_ratio_mean"] != 1.0
+
+
+def test_kl_penalty_to_the_starting_policy(tmp_path: Path) -> None:
+    records = _run(tmp_path, "grpo.steps=2", "checkpoint.every=0", "grpo.loss.kl_beta=0.1")
+    assert records[0]["train/kl"] == 0.0  # the reference is the weights of step 0
+    assert records[1]["train/kl"] > 0.0  # one update later the policy has moved away from it
+
+
+def test_engines_generate_concurrently() -> None:
+    """Every engine's request is in flight at once: the engines' busy intervals overlap."""
+    from megatron_quads.controller.run import Rollouts
+
+    @ray.remote(num_cpus=0)
+    class SlowEngine:
+        def generate(self, prompts: list, params: object) -> list:
+            start = time.time()
+            time.sleep(1.0)
+            end = time.time()
+            return [(p, start, end) for p in prompts]
+
+    rollouts = object.__new__(Rollouts)
+    rollouts.cfg = load_config(EXAMPLE, FAST)
+    rollouts.workers = [SlowEngine.remote() for _ in range(2)]
+    out = rollouts.generate([[i] for i in range(5)], None)
+    assert [p for p, _, _ in out] == [[i] for i in range(5)]  # merged back in prompt order
+    (start0, end0), (start1, end1) = {(s, e) for _, s, e in out}
+    assert max(start0, start1) < min(end0, end1)
+
+
 def test_resumed_run_reproduces_the_uninterrupted_metrics(tmp_path: Path) -> None:
     full = _run(tmp_path / "full", "grpo.steps=4", "checkpoint.every=2", "precision.mode=quads")
     _run(tmp_path / "split", "grpo.steps=2", "checkpoint.every=2", "precision.mode=quads")

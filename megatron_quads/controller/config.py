@@ -20,9 +20,10 @@ from megatron_quads.trainer.model import ParallelConfig, PolicyModelConfig, load
 from megatron_quads.trainer.policy import OptimConfig
 from megatron_quads.trainer.quads_config import QuadsTrainerConfig
 
-PRECISION_MODES = ("bf16", "naive-nvfp4", "aqat", "quads")
-"""bf16: BF16 trainer and rollout; naive-nvfp4: BF16 trainer, W4A4 rollout; aqat: AQAT trainer, W4A4
-rollout; quads: AQAT trainer, W4A4 + RAC rollout."""
+PRECISION_MODES = ("bf16", "naive-nvfp4", "w4a16", "aqat", "quads")
+"""bf16: BF16 trainer and rollout; naive-nvfp4: BF16 trainer, W4A4 rollout; w4a16: AQAT trainer, W4A16
+rollout (NVFP4 weights, BF16 activations); aqat: AQAT trainer, W4A4 rollout; quads: AQAT trainer,
+W4A4 + RAC rollout."""
 
 
 RUN_CHOSEN_FIELDS = ("max_sequence_length", "init_method_std", "moe_token_dispatcher", "moe_grouped_gemm",
@@ -49,8 +50,9 @@ class ModelSection(_Strict):
 class PrecisionSection(_Strict):
     """Numerics of trainer and rollout."""
 
-    mode: Literal["bf16", "naive-nvfp4", "aqat", "quads"] = Field(
-        "quads", description="bf16; naive-nvfp4 (BF16 trainer, W4A4 rollout); aqat (AQAT trainer, W4A4); quads (AQAT, W4A4 + RAC)"
+    mode: Literal["bf16", "naive-nvfp4", "w4a16", "aqat", "quads"] = Field(
+        "quads", description="bf16; naive-nvfp4 (BF16 trainer, W4A4 rollout); w4a16 (AQAT trainer, W4A16 rollout); "
+        "aqat (AQAT trainer, W4A4); quads (AQAT, W4A4 + RAC)"
     )
     rac_ratio: float = Field(0.25, ge=0.0, le=1.0, description="RAC residual-channel ratio (quads mode)")
 
@@ -111,9 +113,11 @@ class PlacementSection(_Strict):
 class GRPOSection(_Strict):
     """The RL algorithm."""
 
-    steps: int = Field(3, ge=1, description="optimizer steps of the run")
+    steps: int = Field(3, ge=1, description="GRPO steps of the run (each: one batch of rollouts)")
     prompts_per_step: int = Field(8, ge=1, description="distinct prompts per step")
     responses_per_prompt: int = Field(4, ge=2, description="GRPO group size")
+    mini_batches: int = Field(1, ge=1, description="optimizer steps per epoch: the step's batch split into this many")
+    epochs: int = Field(1, ge=1, description="passes over the step's batch (logp_old is computed once, before them)")
     micro_batch_size: int = Field(16, ge=1, description="sequences per trainer micro-batch")
     optim: OptimConfig = OptimConfig(lr=1e-4)
     loss: PolicyLossConfig = PolicyLossConfig()
@@ -175,6 +179,10 @@ class RunConfig(_Strict):
             )
         self._check_placement()
         self._check_architecture()
+        batch = self.grpo.prompts_per_step * self.grpo.responses_per_prompt
+        if self.grpo.mini_batches > batch:
+            raise ValueError(f"grpo.mini_batches {self.grpo.mini_batches} > the step's {batch} sequences "
+                             "(prompts_per_step x responses_per_prompt)")
         return self
 
     def _check_architecture(self) -> None:
@@ -238,11 +246,11 @@ class RunConfig(_Strict):
 
     def trainer_quads(self) -> QuadsTrainerConfig:
         """The trainer's fake-quant settings for this precision mode."""
-        return QuadsTrainerConfig(enabled=self.precision.mode in ("aqat", "quads"))
+        return QuadsTrainerConfig(enabled=self.precision.mode in ("w4a16", "aqat", "quads"))
 
     def engine_precision(self) -> str:
         """The rollout engine's precision for this mode."""
-        return {"bf16": "bf16", "naive-nvfp4": "w4a4", "aqat": "w4a4", "quads": "quads"}[self.precision.mode]
+        return {"bf16": "bf16", "naive-nvfp4": "w4a4", "w4a16": "w4a16", "aqat": "w4a4", "quads": "quads"}[self.precision.mode]
 
 
 class ConfigError(ValueError):

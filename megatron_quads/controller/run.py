@@ -61,13 +61,20 @@ class Trainers:
     def _shards(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         return [{k: v.chunk(size)[rank] for k, v in batch.items()} for rank, size in self.dp]
 
-    def compute_logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Log-probs of the whole batch (data-parallel shards gathered back in order)."""
-        shards = _trainer_get([a.compute_logprobs.remote(s["tokens"]) for a, s in zip(self.actors, self._shards({"tokens": tokens}), strict=True)])
+    def compute_logprobs(self, tokens: torch.Tensor, reference: bool = False) -> torch.Tensor:
+        """Log-probs of the whole batch (data-parallel shards gathered back in order), under the
+        current weights or (``reference``) the kept reference weights."""
+        method = "compute_reference_logprobs" if reference else "compute_logprobs"
+        shards = _trainer_get([getattr(a, method).remote(s["tokens"])
+                               for a, s in zip(self.actors, self._shards({"tokens": tokens}), strict=True)])
         by_dp_rank = {}  # ranks of one data-parallel replica return the same shard: keep one per replica
         for (dp_rank, _), part in zip(self.dp, shards, strict=True):
             by_dp_rank.setdefault(dp_rank, part)
         return torch.cat([by_dp_rank[r] for r in sorted(by_dp_rank)])
+
+    def keep_reference(self) -> int:
+        """Every rank keeps its current weights as the reference policy; returns rank 0's bytes."""
+        return _trainer_get([a.keep_reference.remote() for a in self.actors])[0]
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """One optimizer step over the whole batch."""
@@ -175,24 +182,51 @@ class Rollouts:
         self.restarts += 1
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list:
-        """Generations for all prompts, split across engines in order."""
+        """Generations for all prompts, split across engines in order. Every engine's request is in
+        flight at once; an engine that dies or passes ``rollout.timeout_s`` is restarted, re-synced
+        and asked again, up to ``rollout.max_retries`` times."""
         n = len(self.workers)
         chunks = [prompts[i::n] for i in range(n)]
+        timeout = self.cfg.rollout.timeout_s
+        pending = {i: (self.workers[i].generate.remote(chunk, params), time.monotonic() + timeout)
+                   for i, chunk in enumerate(chunks)}
+        attempts = dict.fromkeys(range(n), 0)
         outputs: list = [None] * n
-        for index, chunk in enumerate(chunks):
-            for attempt in range(self.cfg.rollout.max_retries + 1):
-                try:
-                    outputs[index] = ray.get(self.workers[index].generate.remote(chunk, params), timeout=self.cfg.rollout.timeout_s)
-                    break
-                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
-                    if attempt == self.cfg.rollout.max_retries:
-                        raise RuntimeError(f"rollout worker {index} failed {attempt + 1} times; last error: {err}") from err
-                    logger.warning("rollout worker %d failed (%s); restarting and retrying", index, type(err).__name__)
-                    self._restart(index)
+        while pending:
+            index, (ref, deadline) = next(iter(pending.items()))
+            try:
+                outputs[index] = ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0))
+                del pending[index]
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
+                if attempts[index] == self.cfg.rollout.max_retries:
+                    raise RuntimeError(f"rollout worker {index} failed {attempts[index] + 1} times; last error: {err}") from err
+                attempts[index] += 1
+                logger.warning("rollout worker %d failed (%s); restarting and retrying", index, type(err).__name__)
+                self._restart(index)
+                pending[index] = (self.workers[index].generate.remote(chunks[index], params), time.monotonic() + timeout)
         merged = [None] * len(prompts)
         for index, out in enumerate(outputs):
             merged[index::n] = out
         return merged
+
+
+def policy_updates(cfg: RunConfig, trainers: Trainers, batch: dict[str, torch.Tensor], step: int) -> dict[str, float]:
+    """``grpo.epochs`` passes over the step's batch, each in ``grpo.mini_batches`` optimizer steps on
+    a seeded shuffle of its sequences (PPO style; ``logp_old`` stays the pre-update log-probs, so
+    the ratio and its clipping act from the second update on). Returns each metric's mean over the
+    updates, the last update's under ``last_*`` and their count."""
+    size = batch["tokens"].shape[0]
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+    updates: list[dict[str, float]] = []
+    for _ in range(cfg.grpo.epochs):
+        order = torch.randperm(size, generator=gen) if cfg.grpo.mini_batches > 1 else torch.arange(size)
+        for part in order.tensor_split(cfg.grpo.mini_batches):
+            updates.append(trainers.train_step({k: v[part] for k, v in batch.items()}))
+    out = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0]}
+    if len(updates) > 1:
+        out.update({f"last_{k}": v for k, v in updates[-1].items()})
+    out["updates"] = float(len(updates))
+    return out
 
 
 def build_batch(prompts: list[list[int]], generations: list, pad_id: int) -> dict[str, torch.Tensor]:
@@ -316,6 +350,12 @@ def _train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts) -> Path:
     metrics_path = run_dir / "metrics.jsonl"
 
     resume = latest_checkpoint(cfg)
+    checkpoint = start_checkpoint(cfg)
+    if cfg.grpo.loss.kl_beta > 0:  # the reference policy is the run's starting weights, also on resume
+        if checkpoint:
+            trainers.load(checkpoint, with_optimizer=False)
+        logger.info("kept the reference policy for the KL penalty: %.1f MB per trainer rank (host memory)",
+                    trainers.keep_reference() / 1e6)
     if resume is not None:
         state = json.loads((resume / "controller.json").read_text())
         trainers.load(str(resume / "trainer"), with_optimizer=True)
@@ -325,8 +365,7 @@ def _train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts) -> Path:
         metrics_path.write_text("".join(line + "\n" for line in kept))
         logger.info("resumed from %s at step %d", resume, start)
     else:
-        checkpoint = start_checkpoint(cfg)
-        if checkpoint:
+        if checkpoint and not cfg.grpo.loss.kl_beta > 0:
             trainers.load(checkpoint, with_optimizer=False)
         start = 0
         metrics_path.write_text("")
@@ -351,9 +390,11 @@ def _train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts) -> Path:
         batch["advantages"] = group_advantages(rewards, n, cfg.grpo.advantages)
         t_reward = time.perf_counter()
         batch["logp_old"] = trainers.compute_logprobs(batch["tokens"])                    # trainer log-probs
+        if cfg.grpo.loss.kl_beta > 0:
+            batch["logp_ref"] = trainers.compute_logprobs(batch["tokens"], reference=True)
         mismatch = mismatch_metrics(batch["logp_rollout"], batch["logp_old"], batch["mask"][:, 1:])
         t_logp = time.perf_counter()
-        train = trainers.train_step(batch)                                                # policy update
+        train = policy_updates(cfg, trainers, batch, step)                                # policy update(s)
         t_train = time.perf_counter()
         record = {
             "step": step, "reward": float(rewards.mean()),

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from megatron_quads.controller.config import RunConfig
+from megatron_quads.rollout.engine import logprob_temperature
 
 EXPERT_MODULE = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj$")
 
@@ -101,11 +102,19 @@ class TrainerWorker:
 
     def compute_logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
         """Per-token log-probs of this rank's shard under the current weights."""
-        return self.worker.compute_logprobs(tokens, temperature=max(self.cfg.rollout.temperature, 1e-6))
+        return self.worker.compute_logprobs(tokens, temperature=logprob_temperature(self.cfg.rollout.temperature))
+
+    def keep_reference(self) -> int:
+        """Keep the current weights (host copy) as the KL penalty's reference policy; returns its bytes."""
+        return self.worker.keep_reference()
+
+    def compute_reference_logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Per-token log-probs of this rank's shard under the reference weights."""
+        return self.worker.compute_reference_logprobs(tokens, temperature=logprob_temperature(self.cfg.rollout.temperature))
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """One optimizer step on this rank's shard with the GRPO policy loss."""
-        return self.worker.train_step(batch, self.loss, temperature=max(self.cfg.rollout.temperature, 1e-6))
+        return self.worker.train_step(batch, self.loss, temperature=logprob_temperature(self.cfg.rollout.temperature))
 
     def export_rollout_weights(self, version: int):
         """Weights for the rollout engines, quantized once, as (bounded buckets, {bytes, export_s})

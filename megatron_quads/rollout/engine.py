@@ -30,6 +30,17 @@ class SamplingParams:
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature of the distribution whose log-probs engines report: ``temperature``, or 1
+        when greedy (the policy's own distribution; greedy picks its argmax either way)."""
+        return logprob_temperature(self.temperature)
+
+
+def logprob_temperature(temperature: float) -> float:
+    """``temperature``, or 1 for greedy decoding (``temperature == 0``): what trainer and engines divide logits by."""
+    return temperature if temperature > 0 else 1.0
+
 
 @dataclass
 class Generation:

@@ -293,8 +293,7 @@ class TorchRolloutEngine:
         stop = torch.tensor(params.stop_token_ids, dtype=torch.long)
         for _ in range(params.max_new_tokens):
             logits = out.logits[:, -1].float().cpu()
-            temperature = params.temperature if params.temperature > 0 else 1.0
-            logp = torch.log_softmax(logits / temperature, dim=-1)
+            logp = torch.log_softmax(logits / params.logprob_temperature, dim=-1)
             token = logp.argmax(-1) if params.temperature == 0 else _sample_top_p(logp, params.top_p, gen)
             token_logp = logp.gather(-1, token[:, None])[:, 0]
             for i in torch.nonzero(~done).flatten().tolist():

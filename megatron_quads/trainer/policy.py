@@ -175,6 +175,31 @@ class PolicyWorker:
         self.ddp.train()
         return torch.cat(out)
 
+    def keep_reference(self) -> int:
+        """Keep a host copy of the current weights as the reference policy (the KL penalty's);
+        returns its bytes (one copy of this rank's parameters)."""
+        self._reference = {name: p.detach().to("cpu", copy=True) for name, p in self.model.named_parameters()}
+        return sum(t.nbytes for t in self._reference.values())
+
+    @torch.no_grad()
+    def compute_reference_logprobs(self, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """:meth:`compute_logprobs` under the weights :meth:`keep_reference` kept: they are copied
+        into the parameters for the call and the current weights copied back after it."""
+        reference = getattr(self, "_reference", None)
+        if reference is None:
+            raise RuntimeError("no reference policy: call keep_reference first")
+        params = dict(self.model.named_parameters())
+        current = {name: p.detach().to("cpu", copy=True) for name, p in params.items()}
+        try:
+            for name, p in params.items():
+                p.copy_(reference[name])
+            invalidate_fake_quant_caches(self.model)
+            return self.compute_logprobs(tokens, temperature)
+        finally:
+            for name, p in params.items():
+                p.copy_(current[name])
+            invalidate_fake_quant_caches(self.model)
+
     def train_step(
         self, batch: dict[str, torch.Tensor], loss_fn: LossFn, temperature: float = 1.0
     ) -> dict[str, float]:
