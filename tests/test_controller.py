@@ -111,9 +111,16 @@ def test_ppo_epochs_and_mini_batches_make_the_ratio_clip(tmp_path: Path) -> None
 
 
 def test_kl_penalty_to_the_starting_policy(tmp_path: Path) -> None:
+    from megatron_quads import embedded
+
     records = _run(tmp_path, "grpo.steps=2", "checkpoint.every=0", "grpo.loss.kl_beta=0.1")
     assert records[0]["train/kl"] == 0.0  # the reference is the weights of step 0
     assert records[1]["train/kl"] > 0.0  # one update later the policy has moved away from it
+    # quads mode: RAC calibration is its own step, on the step's distinct prompts (each once)
+    stream, tok = embedded.task(split="train").stream(seed=0), embedded.tokenizer()
+    for r in records:
+        distinct = sum(len(tok.encode(p.text, add_bos=True)) for p in stream.next_batch(4))
+        assert r["calibration/tokens"] == distinct and r["time/calibrate"] > 0
 
 
 def test_engines_generate_concurrently() -> None:
@@ -173,7 +180,7 @@ def test_a_killed_vllm_rollout_worker_is_restarted_and_resynced(tmp_path: Path) 
 
     cfg = load_config(EXAMPLE, [f"run_dir={tmp_path}", "precision.mode=aqat", "rollout.timeout_s=120"])
     trainers, rollouts = Trainers(cfg), Rollouts(cfg)
-    rollouts.sync(trainers, 7, [[1, 4, 13, 5, 17]])
+    rollouts.sync(trainers, 7)
     ray.kill(rollouts.workers[0], no_restart=True)
     out = rollouts.generate([[1, 4, 13, 5, 17], [1, 6, 14, 3, 17]], SamplingParams(max_new_tokens=3, temperature=0.0))
     assert len(out) == 2 and all(len(g.token_ids) >= 1 for g in out)
@@ -356,7 +363,8 @@ def test_collective_weight_broadcast_survives_an_engine_restart(tmp_path: Path) 
                                 "rollout.weight_transfer=collective", "rollout.timeout_s=120"])
     trainers, rollouts = Trainers(cfg), Rollouts(cfg)
     prompts = [[1, 4, 13, 5, 17], [1, 6, 14, 3, 17]]
-    stats = rollouts.sync(trainers, 3, prompts)
+    stats = rollouts.sync(trainers, 3)
+    assert rollouts.calibrate(prompts)["calibration_tokens"] == 10.0
     assert stats["bytes"] > 0 and rollouts.group_generation == 1
     assert ray.get([w.ping.remote() for w in rollouts.workers]) == [3, 3]
     params = SamplingParams(max_new_tokens=3, temperature=0.0)
@@ -365,7 +373,7 @@ def test_collective_weight_broadcast_survives_an_engine_restart(tmp_path: Path) 
     after = rollouts.generate(prompts, params)  # engine 1 restarts; the group is rebuilt and re-sent
     assert rollouts.restarts == 1 and rollouts.group_generation == 2
     assert [g.token_ids for g in after] == [g.token_ids for g in before]  # same weights, greedy
-    rollouts.sync(trainers, 4, prompts)
+    rollouts.sync(trainers, 4)
     assert ray.get([w.ping.remote() for w in rollouts.workers]) == [4, 4]
     trainers.kill()
     rollouts.kill()

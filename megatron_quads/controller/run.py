@@ -138,7 +138,7 @@ class Rollouts:
         joins += [w.join_sync_group.remote(address, port, i + 1, world, self.group_generation) for i, w in enumerate(self.workers)]
         ray.get(joins, timeout=self.cfg.rollout.timeout_s)
 
-    def _load(self, trainers: Trainers, workers: list, version: int, calibration: list[list[int]]) -> tuple[list, dict]:
+    def _load(self, trainers: Trainers, workers: list, version: int) -> tuple[list, dict]:
         """Export once and load into ``workers``; returns their (version, timing) and the export stats."""
         collective = self.cfg.weight_transport() == "collective"
         if collective and self.group_generation == 0:
@@ -146,7 +146,7 @@ class Rollouts:
         buckets, stats = trainers.export_rollout_weights(version)
         held_by_sender = self.cfg.weight_transport() != "object_store"
         try:
-            loads = [w.load_weights.remote(buckets, version, calibration) for w in workers]
+            loads = [w.load_weights.remote(buckets, version) for w in workers]
             if collective:  # the sender's broadcast runs while the engines receive, then frees its buffers
                 loads.append(trainers.actors[0].broadcast_sync_buffers.remote())
             loaded = ray.get(loads, timeout=self.cfg.rollout.timeout_s)
@@ -158,17 +158,25 @@ class Rollouts:
             trainers.release_sync_buffers()
         return loaded[: len(workers)], stats
 
-    def sync(self, trainers: Trainers, version: int, calibration: list[list[int]]) -> dict[str, float]:
+    def sync(self, trainers: Trainers, version: int) -> dict[str, float]:
         """Export the trainer's weights once and load them into every engine (each checks names,
         shapes and the version); CUDA IPC / broadcast buffers are freed after. Returns payload bytes
-        and the trainer's export seconds plus the slowest engine's wake / receive / load / calibrate."""
-        self.trainers, self.version, self.calibration = trainers, version, calibration
-        loaded, stats = self._load(trainers, self.workers, version, calibration)
+        and the trainer's export seconds plus the slowest engine's wake / receive / load."""
+        self.trainers, self.version = trainers, version
+        loaded, stats = self._load(trainers, self.workers, version)
         held = [v for v, _ in loaded]
         if any(v != version for v in held):
             raise RuntimeError(f"rollout engines hold weight versions {held}, expected {version}")
         slowest = {k: max(t[k] for _, t in loaded) for k in loaded[0][1]}
         return {k: float(v) for k, v in {**stats, **slowest}.items()}
+
+    def calibrate(self, prompts: list[list[int]], workers: list | None = None) -> dict[str, float]:
+        """Every engine (or ``workers``) re-chooses its RAC channels on ``prompts`` (quads mode; the
+        others return at once), all at the same time, on the same prompts, so they choose the same
+        channels. Returns the slowest engine's seconds and the prompt tokens."""
+        self.calibration = prompts
+        done = ray.get([w.calibrate.remote(prompts) for w in (workers or self.workers)], timeout=self.cfg.rollout.timeout_s)
+        return {k: max(d[k] for d in done) for k in done[0]}
 
     def _restart(self, index: int) -> None:
         ray.kill(self.workers[index], no_restart=True)
@@ -176,9 +184,11 @@ class Rollouts:
         if self.cfg.weight_transport() == "collective":
             # a broadcast needs every member: rebuild the group and re-send to all engines
             self._form_sync_group(self.trainers)
-            self._load(self.trainers, self.workers, self.version, self.calibration)
+            self._load(self.trainers, self.workers, self.version)
         else:  # re-export: IPC buffers are freed after each sync
-            self._load(self.trainers, [self.workers[index]], self.version, self.calibration)
+            self._load(self.trainers, [self.workers[index]], self.version)
+        if self.calibration:
+            self.calibrate(self.calibration, [self.workers[index]])
         self.restarts += 1
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list:
@@ -379,9 +389,12 @@ def _train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts) -> Path:
     for step in progress:
         t0 = time.perf_counter()
         prompts = stream.next_batch(cfg.grpo.prompts_per_step)
-        prompt_ids = [tok.encode(p.text, add_bos=True) for p in prompts for _ in range(n)]
-        sync = rollouts.sync(trainers, step, prompt_ids)                                  # weight sync (quantize once)
+        unique_ids = [tok.encode(p.text, add_bos=True) for p in prompts]
+        prompt_ids = [ids for ids in unique_ids for _ in range(n)]
+        sync = rollouts.sync(trainers, step)                                              # weight sync (quantize once)
         t_sync = time.perf_counter()
+        calibration = rollouts.calibrate(unique_ids)                                      # RAC calibration (quads)
+        t_calibrate = time.perf_counter()
         generations = rollouts.generate(prompt_ids, dataclasses.replace(params, seed=cfg.seed * 100003 + step))
         freed = rollouts.sleep() if release else 0                                        # colocated: free the GPU
         t_gen = time.perf_counter()
@@ -401,7 +414,8 @@ def _train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts) -> Path:
             "response_length": float(batch["mask"].sum(1).mean()),
             **{f"mismatch/{k}": float(v) for k, v in mismatch.items()},
             **{f"train/{k}": v for k, v in train.items()},
-            "time/sync": t_sync - t0, "time/generate": t_gen - t_sync, "time/reward": t_reward - t_gen,
+            "time/sync": t_sync - t0, "time/calibrate": t_calibrate - t_sync, "time/generate": t_gen - t_calibrate,
+            "time/reward": t_reward - t_gen, "calibration/tokens": calibration["calibration_tokens"],
             "time/logprobs": t_logp - t_reward, "time/train": t_train - t_logp, "rollout_restarts": rollouts.restarts,
             **{f"sync/{k}": v for k, v in sync.items()}, "rollout/gpu_bytes_released": float(freed),
         }

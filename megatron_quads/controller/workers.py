@@ -218,11 +218,11 @@ class RolloutWorker:
         device = torch.device("cuda", torch.cuda.current_device()) if self.device.type == "cuda" else self.device
         self.sync_group = WeightSyncGroup(address, port, rank, world, generation, device, self.cfg.rollout.timeout_s)
 
-    def load_weights(self, buckets: list, version: int, calibration_prompts: list[list[int]]) -> tuple[int, dict]:
-        """Fetch the buckets, check and swap in the weights; in quads mode re-choose the RAC channels.
+    def load_weights(self, buckets: list, version: int) -> tuple[int, dict]:
+        """Fetch the buckets, check and swap in the weights.
 
         Returns (the weight version now held, seconds spent waking up (colocated: weights back on the
-        GPU) / receiving / loading / calibrating).
+        GPU) / receiving / loading).
         """
         import ray
 
@@ -239,12 +239,16 @@ class RolloutWorker:
         receive_s = _elapsed(start)
         self.engine.load_weights(weights, version)
         del weights, received
-        load_s = _elapsed(start) - receive_s
-        if self.engine.precision == "quads":
-            self.engine.calibrate(calibration_prompts)
-        timing = {"wake_s": wake_s, "receive_s": receive_s, "load_s": load_s,
-                  "calibrate_s": _elapsed(start) - receive_s - load_s}
-        return self.engine.weight_version, timing
+        return self.engine.weight_version, {"wake_s": wake_s, "receive_s": receive_s, "load_s": _elapsed(start) - receive_s}
+
+    def calibrate(self, prompts: list[list[int]]) -> dict[str, float]:
+        """Re-choose the RAC channels on ``prompts`` (quads; a no-op otherwise): seconds and prompt tokens."""
+        if self.engine.precision != "quads":
+            return {"calibrate_s": 0.0, "calibration_tokens": 0.0}
+        self.wake_up()
+        start = time.perf_counter()
+        self.engine.calibrate(prompts)
+        return {"calibrate_s": _elapsed(start), "calibration_tokens": float(sum(len(p) for p in prompts))}
 
     def generate(self, prompts: list[list[int]], params) -> list:
         """Generations for ``prompts`` (see TorchRolloutEngine.generate)."""
