@@ -110,6 +110,18 @@ def test_ppo_epochs_and_mini_batches_make_the_ratio_clip(tmp_path: Path) -> None
     assert r["train/last_ratio_mean"] != 1.0
 
 
+def test_evaluation_before_every_other_step_and_after_the_last(tmp_path: Path) -> None:
+    from megatron_quads import embedded
+
+    _run(tmp_path, "grpo.steps=3", "checkpoint.every=0", "eval.every=2", "eval.prompts=32", "rollout.max_new_tokens=8")
+    evals = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 2, 3]
+    # greedy on held-out problems: the warm-started model's accuracy, not a random init's
+    accuracy = embedded.verify(embedded.ASSET_DIR / "checkpoint")["heldout_greedy_accuracy"]
+    assert abs(evals[0]["eval/pass@1"] - accuracy) < 0.2, evals[0]
+    assert all(0.0 <= e["eval/pass@1"] <= 1.0 and e["eval/response_length"] > 0 for e in evals)
+
+
 def test_kl_penalty_to_the_starting_policy(tmp_path: Path) -> None:
     from megatron_quads import embedded
 

@@ -130,6 +130,20 @@ class TaskSection(_Strict):
     kind: Literal["arithmetic", "gsm8k", "math", "qa"] = "arithmetic"
     options: dict[str, Any] = Field(default_factory=dict, description="megatron_quads.tasks.make_task options, e.g. path")
     tokenizer: str = Field("char", description="'char' or a Hugging Face tokenizer directory")
+    eval_options: dict[str, Any] | None = Field(
+        None, description="make_task options of the held-out problems (default: arithmetic's eval split; a file "
+        "task needs one to evaluate, e.g. the path of its test file)"
+    )
+
+
+class EvalSection(_Strict):
+    """Held-out evaluation with the rollout engines: pass@1 on the task's eval split."""
+
+    every: int = Field(0, ge=0, description="evaluate before steps 0, N, 2N, ... and after the last step (0: never)")
+    prompts: int = Field(64, ge=1, description="held-out problems, the same ones at every evaluation")
+    samples: int = Field(1, ge=1, description="responses per problem; pass@1 is the mean correctness over them")
+    temperature: float = Field(0.0, ge=0.0, description="sampling temperature of the evaluation (0: greedy)")
+    max_new_tokens: int | None = Field(None, ge=1, description="default: rollout.max_new_tokens")
 
 
 class CheckpointSection(_Strict):
@@ -160,6 +174,7 @@ class RunConfig(_Strict):
     grpo: GRPOSection = GRPOSection()
     task: TaskSection | None = Field(None, description="unset: the embedded arithmetic task and character tokenizer")
     checkpoint: CheckpointSection = CheckpointSection()
+    eval: EvalSection = EvalSection()
     logging: LoggingSection = LoggingSection()
 
     @model_validator(mode="after")

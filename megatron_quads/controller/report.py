@@ -12,8 +12,8 @@ from megatron_quads.controller.config import RunConfig
 class MetricsSink:
     """Per-step metrics to JSONL (always) and to wandb (offline unless configured otherwise)."""
 
-    def __init__(self, cfg: RunConfig, path: Path) -> None:
-        self.path = path
+    def __init__(self, cfg: RunConfig, path: Path, eval_path: Path | None = None) -> None:
+        self.path, self.eval_path = path, eval_path
         self.wandb_run = None
         if cfg.logging.wandb != "disabled":
             import wandb
@@ -30,23 +30,40 @@ class MetricsSink:
         if self.wandb_run is not None:
             self.wandb_run.log(record, step=record["step"])
 
+    def log_eval(self, record: dict) -> None:
+        """Append one evaluation's record (``step``: the updates its weights had) to the eval JSONL."""
+        with open(self.eval_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log(record, step=record["step"])
+
     def close(self) -> None:
         """Flush wandb."""
         if self.wandb_run is not None:
             self.wandb_run.finish()
 
 
-def plot_run(metrics_path: Path, out_path: Path) -> Path:
-    """Reward and rollout-vs-trainer gap over steps, as a PNG."""
+def _records(path: Path | None) -> list[dict]:
+    if path is None or not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_run(metrics_path: Path, out_path: Path, eval_path: Path | None = None) -> Path:
+    """Reward (and held-out pass@1, when evaluated) and rollout-vs-trainer gap over steps, as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    records = _records(metrics_path)
     steps = [r["step"] for r in records]
     fig, (ax_reward, ax_gap) = plt.subplots(1, 2, figsize=(11, 4))
-    ax_reward.plot(steps, [r["reward"] for r in records], marker="o")
+    ax_reward.plot(steps, [r["reward"] for r in records], marker="o", label="train reward")
+    evals = _records(eval_path)
+    if evals:
+        ax_reward.plot([r["step"] for r in evals], [r["eval/pass@1"] for r in evals], marker="s", label="held-out pass@1")
+        ax_reward.legend()
     ax_reward.set_xlabel("step")
     ax_reward.set_ylabel("mean reward")
     ax_reward.set_title("reward")

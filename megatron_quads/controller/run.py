@@ -349,6 +349,41 @@ def task_and_tokenizer(cfg: RunConfig):
     return make_task(cfg.task.kind, **dict(cfg.task.options)), load_tokenizer(cfg.task.tokenizer)
 
 
+def eval_task(cfg: RunConfig):
+    """The held-out problems of the run's task (None when it has none and evaluation is off)."""
+    from megatron_quads import embedded
+    from megatron_quads.tasks import make_task
+
+    if cfg.task is None:
+        return embedded.task(split="eval")
+    if cfg.task.eval_options is not None:
+        return make_task(cfg.task.kind, **dict(cfg.task.eval_options))
+    if cfg.task.kind == "arithmetic":
+        return make_task("arithmetic", **{**dict(cfg.task.options), "split": "eval"})
+    if cfg.eval.every:
+        raise ValueError(f"eval.every is set but task kind {cfg.task.kind!r} has no held-out split: set "
+                         "task.eval_options (e.g. path of the test file)")
+    return None
+
+
+def evaluate(cfg: RunConfig, rollouts: Rollouts, task, tok, step: int) -> dict[str, float]:
+    """pass@1 of the engines' current weights on ``eval.prompts`` fixed held-out problems
+    (``eval.samples`` responses each, at ``eval.temperature``): the mean correctness of the responses."""
+    start = time.perf_counter()
+    problems = task.sample_prompts(cfg.eval.prompts, seed=cfg.seed)
+    k = cfg.eval.samples
+    ids = [tok.encode(p.text, add_bos=True) for p in problems for _ in range(k)]
+    params = SamplingParams(max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
+                            temperature=cfg.eval.temperature, top_p=1.0 if cfg.eval.temperature == 0 else cfg.rollout.top_p,
+                            seed=cfg.seed * 100003 + step + 7, stop_token_ids=(tok.eos_id,))
+    generations = rollouts.generate(ids, params)
+    results = task.score_batch([p for p in problems for _ in range(k)], [decode_response(tok, g.token_ids) for g in generations])
+    return {"step": step, "eval/pass@1": sum(r.correct for r in results) / len(results),
+            "eval/reward": sum(r.reward for r in results) / len(results),
+            "eval/response_length": sum(len(g.token_ids) for g in generations) / len(generations),
+            "time/eval": time.perf_counter() - start}
+
+
 def _train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts) -> Path:
     run_dir = Path(cfg.run_dir)
     task, tok = task_and_tokenizer(cfg)
@@ -357,7 +392,8 @@ def _train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts) -> Path:
         raise ValueError(f"the tokenizer has {tok.vocab_size} tokens but the model's vocab_size is {vocab}: "
                          "set model.architecture.vocab_size >= the tokenizer's")
     stream = task.stream(seed=cfg.seed)
-    metrics_path = run_dir / "metrics.jsonl"
+    metrics_path, eval_path = run_dir / "metrics.jsonl", run_dir / "eval.jsonl"
+    held_out = eval_task(cfg) if cfg.eval.every else None
 
     resume = latest_checkpoint(cfg)
     checkpoint = start_checkpoint(cfg)
@@ -371,20 +407,22 @@ def _train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts) -> Path:
         trainers.load(str(resume / "trainer"), with_optimizer=True)
         stream.load_state_dict(state["stream"])
         start = state["step"]
-        kept = [line for line in metrics_path.read_text().splitlines() if json.loads(line)["step"] < start] if metrics_path.exists() else []
-        metrics_path.write_text("".join(line + "\n" for line in kept))
+        for path in (metrics_path, eval_path):  # records of steps the resumed run does again
+            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] < start] if path.exists() else []
+            path.write_text("".join(line + "\n" for line in kept))
         logger.info("resumed from %s at step %d", resume, start)
     else:
         if checkpoint and not cfg.grpo.loss.kl_beta > 0:
             trainers.load(checkpoint, with_optimizer=False)
         start = 0
         metrics_path.write_text("")
+        eval_path.write_text("")
 
     params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                             top_p=cfg.rollout.top_p, stop_token_ids=(tok.eos_id,))
     n = cfg.grpo.responses_per_prompt
     release = cfg.placement.mode == "colocated" and cfg.rollout_on_gpu() and cfg.rollout.release_memory_during_training
-    sink = MetricsSink(cfg, metrics_path)
+    sink = MetricsSink(cfg, metrics_path, eval_path)
     progress = tqdm(range(start, cfg.grpo.steps), initial=start, total=cfg.grpo.steps, desc="GRPO", unit="step")
     for step in progress:
         t0 = time.perf_counter()
@@ -395,6 +433,9 @@ def _train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts) -> Path:
         t_sync = time.perf_counter()
         calibration = rollouts.calibrate(unique_ids)                                      # RAC calibration (quads)
         t_calibrate = time.perf_counter()
+        if held_out is not None and step % cfg.eval.every == 0:
+            sink.log_eval(evaluate(cfg, rollouts, held_out, tok, step))                   # evaluation
+        t_eval = time.perf_counter()
         generations = rollouts.generate(prompt_ids, dataclasses.replace(params, seed=cfg.seed * 100003 + step))
         freed = rollouts.sleep() if release else 0                                        # colocated: free the GPU
         t_gen = time.perf_counter()
@@ -414,7 +455,7 @@ def _train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts) -> Path:
             "response_length": float(batch["mask"].sum(1).mean()),
             **{f"mismatch/{k}": float(v) for k, v in mismatch.items()},
             **{f"train/{k}": v for k, v in train.items()},
-            "time/sync": t_sync - t0, "time/calibrate": t_calibrate - t_sync, "time/generate": t_gen - t_calibrate,
+            "time/sync": t_sync - t0, "time/calibrate": t_calibrate - t_sync, "time/generate": t_gen - t_eval,
             "time/reward": t_reward - t_gen, "calibration/tokens": calibration["calibration_tokens"],
             "time/logprobs": t_logp - t_reward, "time/train": t_train - t_logp, "rollout_restarts": rollouts.restarts,
             **{f"sync/{k}": v for k, v in sync.items()}, "rollout/gpu_bytes_released": float(freed),
@@ -423,6 +464,10 @@ def _train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts) -> Path:
         progress.set_postfix(reward=f"{record['reward']:.3f}", gap=f"{record['mismatch/gap_max_abs']:.3f}")
         if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0:
             save_checkpoint(cfg, trainers, step + 1, stream)                               # checkpoint
+    if held_out is not None and start < cfg.grpo.steps:  # the final weights
+        rollouts.sync(trainers, cfg.grpo.steps)
+        rollouts.calibrate(rollouts.calibration)
+        sink.log_eval(evaluate(cfg, rollouts, held_out, tok, cfg.grpo.steps))
     sink.close()
-    plot_run(metrics_path, run_dir / "metrics.png")
+    plot_run(metrics_path, run_dir / "metrics.png", eval_path)
     return metrics_path
