@@ -322,6 +322,7 @@ def run(cfg: RunConfig) -> Path:
     try:
         trainers = Trainers(cfg, placement.trainer_slots)
         rollouts = Rollouts(cfg, placement.rollout_slots)
+        record_placement(run_dir / "placement.json", trainers, rollouts)
         return _train(cfg, trainers, rollouts)
     except TrainerFailure as err:
         raise TrainerFailure(f"{err}\n{_resume_hint(cfg)}") from err.__cause__
@@ -330,6 +331,16 @@ def run(cfg: RunConfig) -> Path:
             if group is not None:
                 group.kill()
         placement.remove()
+
+
+def record_placement(path: Path, trainers: Trainers, rollouts: Rollouts) -> dict[str, list[str]]:
+    """Write which Ray node each trainer rank and rollout engine runs on (``placement.json``)."""
+    nodes = {"trainer_ranks": _trainer_get([a.node_id.remote() for a in trainers.actors]),
+             "rollout_engines": ray.get([w.node_id.remote() for w in rollouts.workers], timeout=rollouts.cfg.rollout.timeout_s)}
+    write_text_atomic(path, json.dumps(nodes, indent=1) + "\n")
+    logger.info("trainer ranks on %d node(s), rollout engines on %d node(s)", len(set(nodes["trainer_ranks"])),
+                len(set(nodes["rollout_engines"])))
+    return nodes
 
 
 def save_config(cfg: RunConfig, path: Path) -> None:

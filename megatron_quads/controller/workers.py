@@ -58,6 +58,12 @@ class TrainerWorker:
         self._sync_buffers = None
         self.sync_group = None
 
+    def node_id(self) -> str:
+        """The Ray node this rank runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def rendezvous_address(self) -> tuple[str, int]:
         """(this node's IP address, a free TCP port on it) for the process group's rendezvous."""
         import ray
@@ -286,6 +292,12 @@ class RolloutWorker:
         if self.device.type != "cuda":
             return {"allocated": 0, "reserved": 0}
         return {"allocated": torch.cuda.memory_allocated(self.device), "reserved": torch.cuda.memory_reserved(self.device)}
+
+    def node_id(self) -> str:
+        """The Ray node this engine runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
     def ping(self) -> int:
         """Liveness check: the weight version held."""
