@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Run the embedded default in bf16, naive-nvfp4 and quads, and plot reward and gap side by side.
+"""Run the embedded default in bf16, naive-nvfp4, w4a16 and quads, and plot reward and gap side by side.
 
     python examples/compare_precisions.py [--steps 20] [--out runs/compare] [key=value ...]
 
@@ -20,7 +20,7 @@ from megatron_quads.atomic_io import save_figure_atomic
 from megatron_quads.controller.config import load_config
 from megatron_quads.controller.run import run
 
-MODES = ("bf16", "naive-nvfp4", "quads")
+MODES = ("bf16", "naive-nvfp4", "w4a16", "quads")
 CONFIG = Path(__file__).with_name("embedded_default.yaml")
 
 
