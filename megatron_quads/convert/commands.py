@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -20,13 +21,13 @@ from typing import Any
 from safetensors.torch import save_file
 
 from megatron_quads.atomic_io import atomic_directory
-from megatron_quads.trainer.hf_config import hf_config_from_policy
 from megatron_quads.convert.hf_source import TOKENIZER_FILES, HfCheckpoint
 from megatron_quads.convert.megatron_source import MegatronCheckpoint, Unit
-from megatron_quads.convert.progress import progress_bar
 from megatron_quads.convert.megatron_writer import SaveJob, check_layout, save_dist_checkpoint
+from megatron_quads.convert.progress import progress_bar
 from megatron_quads.manifest import write_manifest
 from megatron_quads.rollout import checkpoint_format as fmt
+from megatron_quads.trainer.hf_config import hf_config_from_policy
 from megatron_quads.trainer.model import ParallelConfig, PolicyModelConfig, save_model_config
 
 logger = logging.getLogger(__name__)
@@ -37,8 +38,8 @@ DEFAULT_HF_SHARD_BYTES = 1_000_000_000
 
 
 def command_line() -> str:
-    """The command line that is running, for manifests."""
-    return " ".join(["megatron-quads", *sys.argv[1:]]) if sys.argv and "megatron-quads" in sys.argv[0] else "python API"
+    """The command line of this process (program name and arguments), for manifests."""
+    return shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]) if sys.argv else "python"
 
 
 def copy_hf_files(source: Path | None, target: Path, with_config: bool = False) -> list[str]:

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from megatron_quads.trainer.hf_config import policy_config_from_hf
 from megatron_quads.convert.names import hf_tensor_shapes
 from megatron_quads.rollout import checkpoint_format as fmt
+from megatron_quads.trainer.hf_config import policy_config_from_hf
 from megatron_quads.trainer.model import PolicyModelConfig
 
 # HF files a converted model keeps beside its weights (what tokenizers and vLLM read)

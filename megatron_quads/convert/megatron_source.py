@@ -18,7 +18,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_quads.convert.names import MegatronTensor, hf_from_megatron, megatron_tensors
+from megatron_quads.convert.names import (
+    MegatronTensor,
+    hf_from_megatron,
+    hf_tensor_shapes,
+    megatron_from_hf,
+    megatron_tensors,
+)
 from megatron_quads.trainer.model import PolicyModelConfig, load_model_config
 
 DIST_METADATA = "metadata.json"
@@ -82,14 +88,13 @@ class MegatronCheckpoint:
         return (*stack, *slice_shape)
 
     def _check(self) -> None:
-        from megatron_quads.convert.names import hf_tensor_shapes
-
-        hf_shapes = hf_tensor_shapes(self.model)
+        # the shape of one slice of each global tensor, built from shape-only (meta) HF tensors
+        probe = {name: torch.empty(shape, device="meta") for name, shape in hf_tensor_shapes(self.model).items()}
         index = {0: (), 1: (0,), 2: (0, 0)}
         for tensor in self.tensors:
             if tensor.key not in self.metadata:
                 raise ValueError(f"{self.directory} lacks tensor '{tensor.key}' that a model of its architecture holds")
-            slice_shape = self._slice_shape(tensor, hf_shapes, index[tensor.depth])
+            slice_shape = tuple(megatron_from_hf(tensor.key, index[tensor.depth], probe.__getitem__, self.model).shape)
             expected = self._expected_shape(tensor, slice_shape)
             found = tuple(self.metadata[tensor.key].global_shape)
             if found != expected:
@@ -103,12 +108,6 @@ class MegatronCheckpoint:
                 raise ValueError(
                     f"{self.directory} holds tensor '{key}', which has no Hugging Face (Qwen3-MoE) counterpart"
                 )
-
-    def _slice_shape(self, tensor: MegatronTensor, hf_shapes: dict, index: tuple[int, ...]) -> tuple[int, ...]:
-        probe = {name: torch.empty(shape, device="meta") for name, shape in hf_shapes.items()}
-        from megatron_quads.convert.names import megatron_from_hf
-
-        return tuple(megatron_from_hf(tensor.key, index, probe.__getitem__, self.model).shape)
 
     @property
     def dtype(self) -> torch.dtype:
