@@ -34,7 +34,7 @@ from results_io import save_record  # noqa: E402
 RESULTS = Path(__file__).parent / "results"
 SHAPE = dict(vocab_size=32768, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=512, num_hidden_layers=12,
              num_attention_heads=8, num_key_value_heads=2, head_dim=128, num_experts=48, num_experts_per_tok=4)
-SHARD_BOUNDS = ("1GB", "200MB")
+SHARD_BOUNDS = {"1GB": 10**9, "200MB": 200 * 10**6}
 
 _CHILD = """
 import json, sys, time
@@ -88,11 +88,6 @@ def write_synthetic_hf(directory: Path) -> tuple[int, int]:
     return total, largest
 
 
-def _bytes(text: str) -> int:
-    units = {"GB": 10**9, "MB": 10**6}
-    return int(float(text[:-2]) * units[text[-2:]])
-
-
 def markdown(record: dict) -> str:
     lines = [
         "# megatron-to-hf on CPU: peak memory and throughput", "",
@@ -127,9 +122,9 @@ def main() -> None:
         hf_to_megatron(root / "hf", root / "megatron", ParallelConfig(expert_parallel=2), progress=False)
         to_megatron_s = time.perf_counter() - start
         runs = []
-        for bound in SHARD_BOUNDS:
+        for bound, bound_bytes in SHARD_BOUNDS.items():
             out = root / f"hf_{bound}"
-            done = subprocess.run([sys.executable, "-c", _CHILD, str(root / "megatron"), str(out), str(_bytes(bound))],
+            done = subprocess.run([sys.executable, "-c", _CHILD, str(root / "megatron"), str(out), str(bound_bytes)],
                                   check=True, capture_output=True, text=True)
             measured = json.loads(done.stdout.strip().splitlines()[-1])
             above = measured["peak_rss"] - measured["import_rss"]

@@ -18,7 +18,7 @@ def embedded_hf_weights() -> tuple[dict[str, torch.Tensor], dict, object]:
     transformers config."""
     from megatron.core import dist_checkpointing
 
-    from megatron_quads.controller.workers import hf_config_json
+    from megatron_quads.trainer.hf_config import hf_config_from_policy
     from megatron_quads.trainer.distributed import init_trainer_distributed
     from megatron_quads.trainer.hf_export import export_hf_weights, qwen3_moe_config
     from megatron_quads.trainer.model import ParallelConfig, PolicyModelConfig, build_gpt_model
@@ -29,7 +29,7 @@ def embedded_hf_weights() -> tuple[dict[str, torch.Tensor], dict, object]:
     state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(embedded.ASSET_DIR / "checkpoint"))
     model.load_state_dict(state["model"])
     weights = {name: t.detach().clone().contiguous() for name, t in export_hf_weights(model)}
-    return weights, hf_config_json(cfg), qwen3_moe_config(cfg)
+    return weights, hf_config_from_policy(cfg), qwen3_moe_config(cfg)
 
 
 def task_prompts(n: int, seed: int) -> list[list[int]]:

@@ -407,10 +407,11 @@ def _train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts) -> Path:
     held_out = eval_task(cfg) if cfg.eval.every else None
 
     resume = latest_checkpoint(cfg)
+    kl = cfg.grpo.loss.kl_beta > 0
     checkpoint = start_checkpoint(cfg)
-    if cfg.grpo.loss.kl_beta > 0:  # the reference policy is the run's starting weights, also on resume
-        if checkpoint:
-            trainers.load(checkpoint, with_optimizer=False)
+    if checkpoint and (resume is None or kl):  # the starting weights; with KL, also the reference on resume
+        trainers.load(checkpoint, with_optimizer=False)
+    if kl:
         logger.info("kept the reference policy for the KL penalty: %.1f MB per trainer rank (host memory)",
                     trainers.keep_reference() / 1e6)
     if resume is not None:
@@ -423,8 +424,6 @@ def _train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts) -> Path:
             path.write_text("".join(line + "\n" for line in kept))
         logger.info("resumed from %s at step %d", resume, start)
     else:
-        if checkpoint and not cfg.grpo.loss.kl_beta > 0:
-            trainers.load(checkpoint, with_optimizer=False)
         start = 0
         metrics_path.write_text("")
         eval_path.write_text("")
@@ -455,7 +454,7 @@ def _train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts) -> Path:
         batch["advantages"] = group_advantages(rewards, n, cfg.grpo.advantages)
         t_reward = time.perf_counter()
         batch["logp_old"] = trainers.compute_logprobs(batch["tokens"])                    # trainer log-probs
-        if cfg.grpo.loss.kl_beta > 0:
+        if kl:
             batch["logp_ref"] = trainers.compute_logprobs(batch["tokens"], reference=True)
         mismatch = mismatch_metrics(batch["logp_rollout"], batch["logp_old"], batch["mask"][:, 1:])
         t_logp = time.perf_counter()

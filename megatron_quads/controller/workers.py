@@ -182,13 +182,6 @@ class TrainerWorker:
         return self.release_sync_buffers()
 
 
-def hf_config_json(model_cfg) -> dict:
-    """The policy's Hugging Face ``config.json`` content (architecture and dtype included)."""
-    from megatron_quads.trainer.hf_config import hf_config_from_policy
-
-    return hf_config_from_policy(model_cfg)
-
-
 class RolloutWorker:
     """A rollout engine that generates responses with the weights it was last sent."""
 
@@ -199,11 +192,12 @@ class RolloutWorker:
         self.cfg = cfg
         self.device = torch.device("cuda" if cfg.rollout_on_gpu() else "cpu")
         if cfg.rollout.engine == "vllm":
+            from megatron_quads.trainer.hf_config import hf_config_from_policy
             from megatron_quads.vllm_plugin.engine import VllmOptions, VllmRolloutEngine
 
             colocated_gpu = cfg.placement.mode == "colocated" and self.device.type == "cuda"
             options = VllmOptions(**cfg.rollout.vllm.model_dump(), enable_sleep_mode=colocated_gpu)
-            self.engine = VllmRolloutEngine(hf_config_json(model), precision=cfg.engine_precision(),
+            self.engine = VllmRolloutEngine(hf_config_from_policy(model), precision=cfg.engine_precision(),
                                             ratio=cfg.precision.rac_ratio, dtype=model.torch_dtype, options=options,
                                             seed=cfg.seed)
         else:

@@ -131,13 +131,11 @@ def _rank_main(rank: int, job: SaveJob, world_size: int) -> None:
         model = build_gpt_model(job.model, p, initialize=False)
         if job.model.dtype == "bf16":
             model.bfloat16()  # what the trainer's Float16Module does: its checkpoints hold bf16 norms too
-        total = sum(1 for _ in model.parameters())
         with progress_bar(rank == 0 and job.progress, f"filling parameters (rank 0 of {world_size})") as advance:
             if job.kind == "hf":
                 _fill_from_hf(model, job.source, job.model, advance)
             else:
                 _fill_from_megatron(model, job.source)
-        logger.debug("rank %d filled %d parameters", rank, total)
         dist.barrier()
         dist_checkpointing.save(model.sharded_state_dict(), job.target)
         dist.barrier()
