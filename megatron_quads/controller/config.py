@@ -96,6 +96,10 @@ class RolloutSection(_Strict):
     grouped_experts: bool = Field(
         True, description="built-in engine: each MoE layer's experts as grouped NVFP4 GEMMs (false: a per-expert loop)"
     )
+    router_replay: Literal["none", "r3"] = Field(
+        "none", description="r3: engines return each token's routed experts and the trainer replays them "
+        "(log-probs and updates route as the rollout did)"
+    )
 
 
 class PlacementSection(_Strict):
@@ -194,6 +198,12 @@ class RunConfig(_Strict):
             )
         self._check_placement()
         self._check_architecture()
+        vllm = self.rollout.vllm
+        if (self.rollout.engine == "vllm" and self.rollout.router_replay == "r3"
+                and (vllm.multiprocess or vllm.tensor_parallel_size > 1 or not vllm.enforce_eager)):
+            raise ValueError("rollout.router_replay=r3 with rollout.engine=vllm captures the routing in the routers' "
+                             "hooks, in the engine's process: set rollout.vllm.multiprocess=false, "
+                             "rollout.vllm.tensor_parallel_size=1 and rollout.vllm.enforce_eager=true")
         batch = self.grpo.prompts_per_step * self.grpo.responses_per_prompt
         if self.grpo.mini_batches > batch:
             raise ValueError(f"grpo.mini_batches {self.grpo.mini_batches} > the step's {batch} sequences "

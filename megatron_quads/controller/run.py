@@ -28,6 +28,7 @@ from megatron_quads.controller.workers import (
 from megatron_quads.rl.advantages import group_advantages
 from megatron_quads.rl.metrics import mismatch_metrics
 from megatron_quads.rollout.engine import SamplingParams
+from megatron_quads.rollout.routing import routing_batch
 
 logger = logging.getLogger(__name__)
 
@@ -61,16 +62,27 @@ class Trainers:
     def _shards(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         return [{k: v.chunk(size)[rank] for k, v in batch.items()} for rank, size in self.dp]
 
-    def compute_logprobs(self, tokens: torch.Tensor, reference: bool = False) -> torch.Tensor:
+    def compute_logprobs(self, tokens: torch.Tensor, reference: bool = False,
+                         routed_experts: torch.Tensor | None = None) -> torch.Tensor:
         """Log-probs of the whole batch (data-parallel shards gathered back in order), under the
-        current weights or (``reference``) the kept reference weights."""
+        current weights or (``reference``) the kept reference weights; ``routed_experts``: the
+        routing every rank replays (router replay)."""
         method = "compute_reference_logprobs" if reference else "compute_logprobs"
-        shards = _trainer_get([getattr(a, method).remote(s["tokens"])
-                               for a, s in zip(self.actors, self._shards({"tokens": tokens}), strict=True)])
+        batch = {"tokens": tokens} if routed_experts is None else {"tokens": tokens, "routed_experts": routed_experts}
+        shards = _trainer_get([getattr(a, method).remote(s["tokens"], s.get("routed_experts"))
+                               for a, s in zip(self.actors, self._shards(batch), strict=True)])
         by_dp_rank = {}  # ranks of one data-parallel replica return the same shard: keep one per replica
         for (dp_rank, _), part in zip(self.dp, shards, strict=True):
             by_dp_rank.setdefault(dp_rank, part)
         return torch.cat([by_dp_rank[r] for r in sorted(by_dp_rank)])
+
+    def routing_disagreement(self) -> float:
+        """The fraction of routed (token, layer) pairs of the last replayed :meth:`compute_logprobs`
+        that the trainer's own routers would have sent to other experts (every rank routes its own
+        tokens, or its own sequence chunk under sequence parallelism: the counts add up)."""
+        counts = _trainer_get([a.routing_counts.remote() for a in self.actors])
+        routed, differ = (sum(c[i] for c in counts) for i in (0, 1))
+        return differ / routed if routed else 0.0
 
     def keep_reference(self) -> int:
         """Every rank keeps its current weights as the reference policy; returns rank 0's bytes."""
@@ -240,7 +252,8 @@ def policy_updates(cfg: RunConfig, trainers: Trainers, batch: dict[str, torch.Te
 
 
 def build_batch(prompts: list[list[int]], generations: list, pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded [prompt + response] tokens, the response mask and the rollout log-probs [b, s-1]."""
+    """Right-padded [prompt + response] tokens, the response mask and the rollout log-probs [b, s-1];
+    with routing in the generations also ``routed_experts`` [b, s, layers, k] (:func:`routing_batch`)."""
     seqs = [p + g.token_ids for p, g in zip(prompts, generations, strict=True)]
     width = max(len(s) for s in seqs)
     tokens = torch.full((len(seqs), width), pad_id, dtype=torch.long)
@@ -250,7 +263,10 @@ def build_batch(prompts: list[list[int]], generations: list, pad_id: int) -> dic
         tokens[i, : len(p) + len(g.token_ids)] = torch.tensor(p + g.token_ids)
         mask[i, len(p) : len(p) + len(g.token_ids)] = 1.0
         logp_rollout[i, len(p) - 1 : len(p) - 1 + len(g.logprobs)] = torch.tensor(g.logprobs)
-    return {"tokens": tokens, "mask": mask, "logp_rollout": logp_rollout}
+    batch = {"tokens": tokens, "mask": mask, "logp_rollout": logp_rollout}
+    if any(g.routed_experts is not None for g in generations):
+        batch["routed_experts"] = routing_batch(generations, width)
+    return batch
 
 
 def decode_response(tok, ids: list[int]) -> str:
@@ -429,7 +445,8 @@ def _train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts) -> Path:
         eval_path.write_text("")
 
     params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-                            top_p=cfg.rollout.top_p, stop_token_ids=(tok.eos_id,))
+                            top_p=cfg.rollout.top_p, stop_token_ids=(tok.eos_id,),
+                            return_routed_experts=cfg.rollout.router_replay == "r3")
     n = cfg.grpo.responses_per_prompt
     release = cfg.placement.mode == "colocated" and cfg.rollout_on_gpu() and cfg.rollout.release_memory_during_training
     sink = MetricsSink(cfg, metrics_path, eval_path)
@@ -453,9 +470,11 @@ def _train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts) -> Path:
         batch = build_batch(prompt_ids, generations, tok.pad_id)
         batch["advantages"] = group_advantages(rewards, n, cfg.grpo.advantages)
         t_reward = time.perf_counter()
-        batch["logp_old"] = trainers.compute_logprobs(batch["tokens"])                    # trainer log-probs
+        routed = batch.get("routed_experts")
+        batch["logp_old"] = trainers.compute_logprobs(batch["tokens"], routed_experts=routed)  # trainer log-probs
+        replay = {} if routed is None else {"mismatch/routing_disagreement": trainers.routing_disagreement()}
         if kl:
-            batch["logp_ref"] = trainers.compute_logprobs(batch["tokens"], reference=True)
+            batch["logp_ref"] = trainers.compute_logprobs(batch["tokens"], reference=True, routed_experts=routed)
         mismatch = mismatch_metrics(batch["logp_rollout"], batch["logp_old"], batch["mask"][:, 1:])
         t_logp = time.perf_counter()
         train = policy_updates(cfg, trainers, batch, step)                                # policy update(s)
@@ -463,7 +482,7 @@ def _train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts) -> Path:
         record = {
             "step": step, "reward": float(rewards.mean()),
             "response_length": float(batch["mask"].sum(1).mean()),
-            **{f"mismatch/{k}": float(v) for k, v in mismatch.items()},
+            **{f"mismatch/{k}": float(v) for k, v in mismatch.items()}, **replay,
             **{f"train/{k}": v for k, v in train.items()},
             "time/sync": t_sync - t0, "time/calibrate": t_calibrate - t_sync, "time/generate": t_gen - t_eval,
             "time/reward": t_reward - t_gen, "calibration/tokens": calibration["calibration_tokens"],

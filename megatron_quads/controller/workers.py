@@ -87,6 +87,7 @@ class TrainerWorker:
         self.worker = PolicyWorker(PolicyWorkerConfig(
             model=policy_model_config(cfg), parallel=cfg.parallel, quads=cfg.trainer_quads(),
             optim=cfg.grpo.optim, micro_batch_size=cfg.grpo.micro_batch_size, seed=cfg.seed,
+            router_replay=cfg.rollout.router_replay == "r3",
         ))
         self.loss = PolicyLoss(cfg.grpo.loss)
         self.dp_rank = parallel_state.get_data_parallel_rank()
@@ -106,17 +107,24 @@ class TrainerWorker:
         """Save model, optimizer and RNG (collective)."""
         self.worker.save_checkpoint(path)
 
-    def compute_logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Per-token log-probs of this rank's shard under the current weights."""
-        return self.worker.compute_logprobs(tokens, temperature=logprob_temperature(self.cfg.rollout.temperature))
+    def compute_logprobs(self, tokens: torch.Tensor, routed_experts: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-token log-probs of this rank's shard under the current weights (replaying
+        ``routed_experts`` under router replay)."""
+        return self.worker.compute_logprobs(tokens, logprob_temperature(self.cfg.rollout.temperature), routed_experts)
+
+    def routing_counts(self) -> tuple[int, int]:
+        """(routed (token, layer) pairs, pairs the router's own top-k would have routed elsewhere) of
+        this rank's last :meth:`compute_logprobs` with routing."""
+        return self.worker.routing_counts
 
     def keep_reference(self) -> int:
         """Keep the current weights (host copy) as the KL penalty's reference policy; returns its bytes."""
         return self.worker.keep_reference()
 
-    def compute_reference_logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
+    def compute_reference_logprobs(self, tokens: torch.Tensor, routed_experts: torch.Tensor | None = None) -> torch.Tensor:
         """Per-token log-probs of this rank's shard under the reference weights."""
-        return self.worker.compute_reference_logprobs(tokens, temperature=logprob_temperature(self.cfg.rollout.temperature))
+        return self.worker.compute_reference_logprobs(tokens, logprob_temperature(self.cfg.rollout.temperature),
+                                                      routed_experts)
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """One optimizer step on this rank's shard with the GRPO policy loss."""
@@ -196,7 +204,8 @@ class RolloutWorker:
             from megatron_quads.vllm_plugin.engine import VllmOptions, VllmRolloutEngine
 
             colocated_gpu = cfg.placement.mode == "colocated" and self.device.type == "cuda"
-            options = VllmOptions(**cfg.rollout.vllm.model_dump(), enable_sleep_mode=colocated_gpu)
+            options = VllmOptions(**cfg.rollout.vllm.model_dump(), enable_sleep_mode=colocated_gpu,
+                                  routed_experts=cfg.rollout.router_replay == "r3")
             self.engine = VllmRolloutEngine(hf_config_from_policy(model), precision=cfg.engine_precision(),
                                             ratio=cfg.precision.rac_ratio, dtype=model.torch_dtype, options=options,
                                             seed=cfg.seed)

@@ -21,6 +21,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    return_routed_experts: bool = False  # fill Generation.routed_experts (router replay)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -48,12 +49,15 @@ class Generation:
 
     Log-probs are of ``softmax(logits / temperature)`` (``temperature`` 1 when greedy), before top-p
     truncation: the same quantity the trainer recomputes, so the two can be compared token by token.
+    ``routed_experts`` (when asked for): the experts each fed token was routed to,
+    ``[len(prompt_ids) + len(token_ids) - 1, layers, k]`` int16 (:mod:`megatron_quads.rollout.routing`).
     """
 
     prompt_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str = "length"
+    routed_experts: torch.Tensor | None = None
 
 
 class RolloutEngine(Protocol):

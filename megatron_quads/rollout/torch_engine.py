@@ -27,6 +27,7 @@ from megatron_quads.rollout.grouped_experts import GroupedExperts
 from megatron_quads.rollout.hf_experts import split_experts
 from megatron_quads.rollout.precision import LinearState, Precision, QuantizedLinear
 from megatron_quads.rollout.rac import DEFAULT_RATIO, ChannelStatistic, reblock_columns
+from megatron_quads.rollout.routing import RoutingRecorder, SequenceRouting, recording
 from megatron_quads.rollout.weights import QuantizedModelWeights
 
 _CKPT_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)$")
@@ -279,19 +280,32 @@ class TorchRolloutEngine:
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
-        """Continue every prompt (see :class:`Generation` for the log-prob convention)."""
+        """Continue every prompt (see :class:`Generation` for the log-prob convention and, with
+        ``params.return_routed_experts``, the routing recorded for every fed token)."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs at least one prompt and no empty prompt")
         if self.weight_version < 0:
             raise RuntimeError("no weights loaded: call load_weights first")
+        if not params.return_routed_experts:
+            return self._generate(prompts, params, None)
+        with recording(self.model) as recorder:
+            return self._generate(prompts, params, recorder)
+
+    def _generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                  recorder: RoutingRecorder | None) -> list[Generation]:
         gen = torch.Generator().manual_seed(params.seed)
         batch = self._batch(prompts)
         mask, positions = batch["attention_mask"], batch["position_ids"]
         out = self.model(**batch, use_cache=True)
+        routing = None
+        if recorder is not None:
+            prefill = recorder.take()
+            routing = SequenceRouting([len(p) for p in prompts], params.max_new_tokens, *prefill.shape[1:])
+            routing.add_prefill(prefill, mask.shape[1])
         results = [Generation(prompt_ids=list(p)) for p in prompts]
         done = torch.zeros(len(prompts), dtype=torch.bool)
         stop = torch.tensor(params.stop_token_ids, dtype=torch.long)
-        for _ in range(params.max_new_tokens):
+        for step in range(params.max_new_tokens):
             logits = out.logits[:, -1].float().cpu()
             logp = torch.log_softmax(logits / params.logprob_temperature, dim=-1)
             token = logp.argmax(-1) if params.temperature == 0 else _sample_top_p(logp, params.top_p, gen)
@@ -303,13 +317,18 @@ class TorchRolloutEngine:
             for i in torch.nonzero(finished).flatten().tolist():
                 results[i].finish_reason = "stop"
             done |= finished
-            if bool(done.all()):
+            if bool(done.all()) or step == params.max_new_tokens - 1:
                 break
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
             positions = positions[:, -1:] + 1
             cache = getattr(out, "cache", None) or out.past_key_values
             out = self.model(input_ids=token[:, None].to(self.device), attention_mask=mask, position_ids=positions,
                              use_cache=True, **{self._cache_arg: cache})
+            if routing is not None:
+                routing.add_decode(recorder.take(), step, torch.nonzero(~done).flatten().tolist())
+        if routing is not None:
+            for i, result in enumerate(results):
+                result.routed_experts = routing.result(i, len(result.token_ids))
         return results
 
 

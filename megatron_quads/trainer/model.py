@@ -87,10 +87,11 @@ class PolicyModelConfig(BaseModel):
 
 
 def build_transformer_config(
-    model: PolicyModelConfig, parallel: ParallelConfig, initialize: bool = True
+    model: PolicyModelConfig, parallel: ParallelConfig, initialize: bool = True, routing_replay: bool = False
 ) -> TransformerConfig:
     """Megatron TransformerConfig for ``model`` under ``parallel``; ``initialize=False`` leaves the
-    parameters uninitialised (for a caller that fills every one, e.g. a checkpoint converter)."""
+    parameters uninitialised (for a caller that fills every one, e.g. a checkpoint converter);
+    ``routing_replay`` gives every router Megatron's routing replay (:mod:`.router_replay`)."""
     tp = parallel.tensor_parallel
     if model.num_experts % parallel.expert_parallel:
         raise ValueError(
@@ -137,6 +138,7 @@ def build_transformer_config(
         expert_model_parallel_size=parallel.expert_parallel,
         expert_tensor_parallel_size=parallel.expert_tensor_parallel or tp,
         sequence_parallel=parallel.sequence_parallel or tp > 1,
+        moe_enable_routing_replay=routing_replay,
     )
 
 
@@ -157,13 +159,15 @@ def build_gpt_model(
     quads: QuadsTrainerConfig | None = None,
     layer_spec: ModuleSpec | TransformerBlockSubmodules | None = None,
     initialize: bool = True,
+    routing_replay: bool = False,
 ) -> GPTModel:
     """A Megatron GPTModel for this rank; QUADS fake quant applied when ``quads`` is enabled.
 
     Needs ``parallel_state`` initialized with the same layout as ``parallel``. ``initialize=False``:
-    parameters are allocated but not initialised (the caller loads every one).
+    parameters are allocated but not initialised (the caller loads every one). ``routing_replay``:
+    the routers can replay given experts (:mod:`.router_replay`).
     """
-    config = build_transformer_config(model, parallel, initialize)
+    config = build_transformer_config(model, parallel, initialize, routing_replay)
     fix_router_without_te()
     if model.moe_grouped_gemm and provide_grouped_gemm_fallback():
         logger.warning("grouped_gemm is not installed: GroupedMLP uses a per-expert torch matmul loop")

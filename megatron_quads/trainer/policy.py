@@ -50,6 +50,14 @@ from megatron_quads.trainer.model import (
     save_model_config,
 )
 from megatron_quads.trainer.quads_config import QuadsTrainerConfig
+from megatron_quads.trainer.router_replay import (
+    RoutingAgreement,
+    check_routing,
+    local_routing,
+    replay_targets,
+    replaying,
+    reset_router_replay,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +93,7 @@ class PolicyWorkerConfig(BaseModel):
     optim: OptimConfig = OptimConfig()
     micro_batch_size: int = Field(8, ge=1)
     seed: int = 1234
+    router_replay: bool = Field(False, description="the routers replay given experts (batches carry routed_experts)")
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -112,7 +121,9 @@ class PolicyWorker:
             )
         self.cfg = cfg
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
-        self.model = build_gpt_model(cfg.model, cfg.parallel, cfg.quads)
+        if cfg.router_replay:
+            reset_router_replay()
+        self.model = build_gpt_model(cfg.model, cfg.parallel, cfg.quads, routing_replay=cfg.router_replay)
         mark_expert_params_for_expert_dp(self.model)  # Megatron 0.16.1 expert-DP grad bug
         config = self.model.config
         # before DDP: it picks its gradient scaling (none: finalize_model_grads divides by tokens) from this
@@ -150,15 +161,32 @@ class PolicyWorker:
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = self.optimizer.scale_loss
         self.steps_done = 0
+        self._agreement: RoutingAgreement | None = None
+        self.routing_counts = (0, 0)
+        """(routed (token, layer) pairs, pairs whose own top-k differs from the replayed experts) of
+        this rank's last :meth:`compute_logprobs` with ``routed_experts``."""
 
     @property
     def device(self) -> torch.device:
         """Device the model computes on."""
         return next(self.model.parameters()).device
 
-    def _forward_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+    def _forward_logits(self, tokens: torch.Tensor, routed_experts: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of ``tokens``; given ``routed_experts [b, s, layers, k]``, every router replays them."""
         positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-        return self.ddp(tokens, positions, None)
+        if routed_experts is None:
+            if self.cfg.router_replay:
+                raise ValueError("this worker replays routing (router_replay=True): every batch needs routed_experts")
+            return self.ddp(tokens, positions, None)
+        if not self.cfg.router_replay:
+            raise ValueError("the batch carries routed_experts but the worker was built without router_replay")
+        m = self.cfg.model
+        check_routing(routed_experts, m.num_layers, m.moe_router_topk, m.num_experts, tokens)
+        local = local_routing(routed_experts, self.model.config.sequence_parallel)
+        if self._agreement is not None:
+            self._agreement.expect(local)
+        with replaying(replay_targets(local)):
+            return self.ddp(tokens, positions, None)
 
     def _micro_batches(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         size = batch["tokens"].shape[0]
@@ -166,13 +194,25 @@ class PolicyWorker:
         return [{k: v[i : i + mbs].to(self.device) for k, v in batch.items()} for i in range(0, size, mbs)]
 
     @torch.no_grad()
-    def compute_logprobs(self, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-        """Per-token log-probs ``[b, s-1]`` (fp32, CPU) of ``tokens[:, 1:]``, in micro-batches."""
+    def compute_logprobs(self, tokens: torch.Tensor, temperature: float = 1.0,
+                         routed_experts: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-token log-probs ``[b, s-1]`` (fp32, CPU) of ``tokens[:, 1:]``, in micro-batches;
+        ``routed_experts [b, s, layers, k]``: the routing to replay (router_replay workers)."""
         self.ddp.eval()
+        batch = {"tokens": tokens} if routed_experts is None else {"tokens": tokens, "routed_experts": routed_experts}
+        if routed_experts is not None:
+            self._agreement = RoutingAgreement([layer.mlp.router for layer in self.model.decoder.layers])
         out = []
-        for mb in self._micro_batches({"tokens": tokens}):
-            out.append(token_logprobs(self._forward_logits(mb["tokens"]), mb["tokens"], temperature).cpu())
-        self.ddp.train()
+        try:
+            for mb in self._micro_batches(batch):
+                logits = self._forward_logits(mb["tokens"], mb.get("routed_experts"))
+                out.append(token_logprobs(logits, mb["tokens"], temperature).cpu())
+        finally:
+            if self._agreement is not None:
+                self.routing_counts = (self._agreement.routed, self._agreement.differ)
+                self._agreement.remove()
+                self._agreement = None
+            self.ddp.train()
         return torch.cat(out)
 
     def keep_reference(self) -> int:
@@ -182,7 +222,8 @@ class PolicyWorker:
         return sum(t.nbytes for t in self._reference.values())
 
     @torch.no_grad()
-    def compute_reference_logprobs(self, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    def compute_reference_logprobs(self, tokens: torch.Tensor, temperature: float = 1.0,
+                                   routed_experts: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`compute_logprobs` under the weights :meth:`keep_reference` kept: they are copied
         into the parameters for the call and the current weights copied back after it."""
         reference = getattr(self, "_reference", None)
@@ -194,7 +235,7 @@ class PolicyWorker:
             for name, p in params.items():
                 p.copy_(reference[name])
             invalidate_fake_quant_caches(self.model)
-            return self.compute_logprobs(tokens, temperature)
+            return self.compute_logprobs(tokens, temperature, routed_experts)
         finally:
             for name, p in params.items():
                 p.copy_(current[name])
@@ -203,7 +244,8 @@ class PolicyWorker:
     def train_step(
         self, batch: dict[str, torch.Tensor], loss_fn: LossFn, temperature: float = 1.0
     ) -> dict[str, float]:
-        """One optimizer step on this rank's ``batch`` (must hold ``tokens [b, s]``).
+        """One optimizer step on this rank's ``batch`` (must hold ``tokens [b, s]``; router_replay
+        workers also ``routed_experts [b, s, layers, k]``).
 
         The gradient is ``sum(loss_sum) / sum(count)`` over all micro-batches and data-parallel
         ranks. Returns the averaged metrics, ``grad_norm`` and ``update_successful``.
@@ -213,7 +255,7 @@ class PolicyWorker:
 
         def forward_step(data_iterator: Iterator, model: torch.nn.Module):
             mb = next(data_iterator)
-            logits = self._forward_logits(mb["tokens"])
+            logits = self._forward_logits(mb["tokens"], mb.get("routed_experts"))
             return token_logprobs(logits, mb["tokens"], temperature), partial(loss_fn_wrapper, mb)
 
         def loss_fn_wrapper(mb: dict[str, torch.Tensor], logprobs: torch.Tensor):

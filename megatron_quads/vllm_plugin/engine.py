@@ -59,6 +59,7 @@ class VllmOptions:
     enable_expert_parallel: bool = False  # routed experts expert-parallel over those GPUs (the QUADS MoE method's sharding)
     enable_sleep_mode: bool = False  # GPU, colocated: sleep() frees weights and KV cache for the trainer
     cpu_threads_bind: str = "nobind"  # CPU: VLLM_CPU_OMP_THREADS_BIND ("auto" pins OpenMP threads to cores)
+    routed_experts: bool = False  # generate can return each token's experts (router capture; prefix caching off)
 
 
 @contextmanager
@@ -119,6 +120,9 @@ class VllmRolloutEngine:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", self.options.cpu_threads_bind)
         from vllm import LLM
 
+        if self.options.routed_experts and not (self.in_process and self.options.enforce_eager):
+            raise ValueError("routed experts from vLLM are captured in the routers' hooks: they need the in-process "
+                             "engine (rollout.vllm.multiprocess=false, tensor_parallel_size=1) and enforce_eager=true")
         max_len = self.options.max_model_len or int(self.hf_config.get("max_position_embeddings", 2048))
         served = None if self.precision == "bf16" else f"quads@{self.ratio}" if self.precision == "quads" else self.precision
         with _environment(PRECISION_ENV, served):
@@ -129,6 +133,8 @@ class VllmRolloutEngine:
                 enable_sleep_mode=self.options.enable_sleep_mode, logprobs_mode="processed_logprobs", seed=self.seed,
                 worker_extension_cls=WORKER_EXTENSION, tensor_parallel_size=self.options.tensor_parallel_size,
                 enable_expert_parallel=self.options.enable_expert_parallel,
+                # a cached prefix is not computed, so its tokens' routing could not be captured
+                enable_prefix_caching=not self.options.routed_experts,
             )
         self.weight_version = self._version_of(directory)
 
@@ -243,6 +249,9 @@ class VllmRolloutEngine:
         """Continue every prompt (see :class:`Generation` for the log-prob convention); a seed
         reproduces the same tokens (prompt ``i`` samples with seed ``params.seed + i``)."""
         self._check_prompts(prompts)
+        if params.return_routed_experts and not self.options.routed_experts:
+            raise ValueError("this vLLM engine was started without routed experts: build it with "
+                             "VllmOptions(routed_experts=True) (the controller does under rollout.router_replay=r3)")
         if self.llm is None:
             raise RuntimeError("no weights loaded: call load_weights first")
         if params.top_p < 1.0:
@@ -253,12 +262,42 @@ class VllmRolloutEngine:
         requests = [VllmSamplingParams(max_tokens=params.max_new_tokens, temperature=params.temperature,
                                        seed=params.seed + i, stop_token_ids=list(params.stop_token_ids), logprobs=0)
                     for i in range(len(prompts))]
-        outputs = self.llm.generate(self._prompts(prompts), requests, use_tqdm=False)
+        if params.return_routed_experts:
+            self.llm.collective_rpc("quads_start_routing_capture")
+        try:
+            outputs = self.llm.generate(self._prompts(prompts), requests, use_tqdm=False)
+        finally:
+            routing = _by_external_id(self.llm.collective_rpc("quads_take_routing")[0]) if params.return_routed_experts else None
         results = []
         for prompt, output in zip(prompts, outputs):
             completion = output.outputs[0]
             tokens = list(completion.token_ids)
             logprobs = [float(step[token].logprob) for token, step in zip(tokens, completion.logprobs)]
-            results.append(Generation(prompt_ids=list(prompt), token_ids=tokens, logprobs=logprobs,
-                                      finish_reason="stop" if completion.finish_reason == "stop" else "length"))
+            result = Generation(prompt_ids=list(prompt), token_ids=tokens, logprobs=logprobs,
+                                finish_reason="stop" if completion.finish_reason == "stop" else "length")
+            if routing is not None:
+                result.routed_experts = _fed_rows(routing, output.request_id, len(prompt) + len(tokens) - 1)
+            results.append(result)
         return results
+
+
+def _by_external_id(routing: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Captured routing keyed by the request ids outputs carry: vLLM's workers see
+    ``f"{request_id}-{8 random characters}"`` (unless request-id randomisation is off)."""
+    out: dict[str, torch.Tensor] = {}
+    for internal, rows in routing.items():
+        external = internal.rsplit("-", 1)[0] if "-" in internal else internal
+        if external in out:
+            raise RuntimeError(f"two captured vLLM requests map to request id {external!r}")
+        out[external] = rows
+    return out
+
+
+def _fed_rows(routing: Mapping[str, torch.Tensor], request_id: str, fed: int) -> torch.Tensor:
+    """A request's captured routing cut to its ``fed`` positions (vLLM may compute one token more:
+    the last sampled token of a request that finished at the end of a step)."""
+    rows = routing.get(request_id)
+    if rows is None or rows.shape[0] < fed:
+        got = 0 if rows is None else rows.shape[0]
+        raise RuntimeError(f"vLLM request {request_id}: routing captured for {got} positions, {fed} needed")
+    return rows[:fed].clone()

@@ -62,6 +62,25 @@ class QuadsWorkerExtension:
 
         return {"pid": os.getpid(), "registered": QUANT_NAME in QUANTIZATION_METHODS}
 
+    def quads_start_routing_capture(self) -> int:
+        """Record every MoE router's experts for every token the forwards compute until
+        :meth:`quads_take_routing`; returns the routers hooked."""
+        from megatron_quads.vllm_plugin.routing_capture import RoutingCapture
+
+        if getattr(self, "_quads_routing", None) is None:
+            self._quads_routing = RoutingCapture(self.model_runner)
+        self._quads_routing.take()  # nothing left from an interrupted capture
+        self._quads_routing.active = True
+        return self._quads_routing.num_layers
+
+    def quads_take_routing(self) -> dict[str, object]:
+        """``{request id: int16 [positions, layers, k]}`` recorded since the capture started, which
+        ends it (tensors: in-process engines only)."""
+        capture = getattr(self, "_quads_routing", None)
+        if capture is None:
+            raise RuntimeError("routing capture was not started (quads_start_routing_capture)")
+        return capture.take()
+
     def quads_parameter_storage(self) -> dict[str, tuple[int, int]]:
         """``{parameter name: (data_ptr, nbytes)}`` of every model parameter."""
         model = self.model_runner.get_model()
