@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-from results_io import load_records, save_record, write_text_atomic
+from results_io import load_records, profile_markdown_path, save_record, write_text_atomic
 
 PROFILES = {
     "cpu": dict(
@@ -150,11 +150,6 @@ def markdown(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def markdown_path(out: Path, profile: str) -> Path:
-    """Where the table of ``profile`` goes, beside the JSON file ``out``."""
-    return out.with_name(f"{out.stem}_{profile}.md")
-
-
 def main() -> None:
     """Run every setting of the chosen profile and store the record in the results file."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -164,7 +159,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.render:
         for profile, record in load_records(args.out).items():
-            write_text_atomic(markdown_path(args.out, profile), markdown(record))
+            write_text_atomic(profile_markdown_path(args.out, profile), markdown(record))
         return
 
     from megatron_quads.trainer.cpu_compat import find_free_port
@@ -183,7 +178,7 @@ def main() -> None:
         "model": profile["model"],
         "results": results,
     }
-    save_record(args.out, args.profile, record, markdown_path(args.out, args.profile),
+    save_record(args.out, args.profile, record, profile_markdown_path(args.out, args.profile),
                 lambda records: markdown(records[args.profile]))
     print(markdown(record))
 

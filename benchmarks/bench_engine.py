@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import torch
-from results_io import load_records, save_record, write_text_atomic
+from results_io import load_records, profile_markdown_path, save_record, write_text_atomic
 
 from megatron_quads.rollout.engine import ENGINE_PRECISIONS, SamplingParams
 from megatron_quads.rollout.torch_engine import TorchRolloutEngine
@@ -46,11 +46,6 @@ def markdown(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def markdown_path(out: Path, profile: str) -> Path:
-    """Where the table of ``profile`` goes, beside the JSON file ``out``."""
-    return out.with_name(f"{out.stem}_{profile}.md")
-
-
 def main() -> None:
     """Time greedy generation for each precision and record tokens/s."""
     from megatron_quads.trainer.hf_export import qwen3_moe_config
@@ -63,7 +58,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.render:
         for profile, record in load_records(args.out).items():
-            write_text_atomic(markdown_path(args.out, profile), markdown(record))
+            write_text_atomic(profile_markdown_path(args.out, profile), markdown(record))
         return
     profile = PROFILES[args.profile]
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -103,7 +98,7 @@ def main() -> None:
         "profile": args.profile, "command": f"python benchmarks/bench_engine.py --profile {args.profile}",
         "batch": profile["batch"], "prompt_tokens": profile["prompt"], "new_tokens": profile["new_tokens"], "rows": rows,
     }
-    save_record(args.out, args.profile, record, markdown_path(args.out, args.profile),
+    save_record(args.out, args.profile, record, profile_markdown_path(args.out, args.profile),
                 lambda records: markdown(records[args.profile]))
     print(markdown(record))
 

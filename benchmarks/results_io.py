@@ -14,7 +14,8 @@ from pathlib import Path
 
 from megatron_quads.atomic_io import write_text_atomic
 
-__all__ = ["REQUIRED_FIELDS", "load_records", "save_record", "write_records", "write_text_atomic"]
+__all__ = ["REQUIRED_FIELDS", "load_records", "profile_markdown_path", "save_record", "write_records",
+           "write_text_atomic"]
 
 REQUIRED_FIELDS = ("date", "device", "command")
 """What every record must say: when it was measured, on what, and the command that measured it."""
@@ -29,6 +30,12 @@ def _check_record(key: str, record: dict) -> None:
     if missing:
         raise ValueError(f"the record under {key!r} lacks {', '.join(missing)}: every record says "
                          f"{', '.join(REQUIRED_FIELDS)}")
+
+
+def profile_markdown_path(json_path: Path, profile: str) -> Path:
+    """Where a profile's Markdown table goes, beside its results file: ``<stem>_<profile>.md``."""
+    json_path = Path(json_path)
+    return json_path.with_name(f"{json_path.stem}_{profile}.md")
 
 
 def load_records(json_path: Path) -> dict[str, dict]:

@@ -336,8 +336,8 @@ def run(cfg: RunConfig) -> Path:
     placement = Placement(cfg)
     trainers = rollouts = None
     try:
-        trainers = Trainers(cfg, placement.trainer_slots)
-        rollouts = Rollouts(cfg, placement.rollout_slots)
+        rollouts = Rollouts(cfg, placement.rollout_slots)  # engine actors start in the background ...
+        trainers = Trainers(cfg, placement.trainer_slots)  # ... while the trainer ranks set up
         record_placement(run_dir / "placement.json", trainers, rollouts)
         return _train(cfg, trainers, rollouts)
     except TrainerFailure as err:
