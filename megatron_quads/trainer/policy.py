@@ -161,7 +161,6 @@ class PolicyWorker:
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = self.optimizer.scale_loss
         self.steps_done = 0
-        self._agreement: RoutingAgreement | None = None
         self.routing_counts = (0, 0)
         """(routed (token, layer) pairs, pairs whose own top-k differs from the replayed experts) of
         this rank's last :meth:`compute_logprobs` with ``routed_experts``."""
@@ -171,8 +170,10 @@ class PolicyWorker:
         """Device the model computes on."""
         return next(self.model.parameters()).device
 
-    def _forward_logits(self, tokens: torch.Tensor, routed_experts: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits of ``tokens``; given ``routed_experts [b, s, layers, k]``, every router replays them."""
+    def _forward_logits(self, tokens: torch.Tensor, routed_experts: torch.Tensor | None = None,
+                        agreement: RoutingAgreement | None = None) -> torch.Tensor:
+        """Logits of ``tokens``; given ``routed_experts [b, s, layers, k]``, every router replays them
+        (and ``agreement`` counts where the routers' own top-k differs)."""
         positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         if routed_experts is None:
             if self.cfg.router_replay:
@@ -183,8 +184,8 @@ class PolicyWorker:
         m = self.cfg.model
         check_routing(routed_experts, m.num_layers, m.moe_router_topk, m.num_experts, tokens)
         local = local_routing(routed_experts, self.model.config.sequence_parallel)
-        if self._agreement is not None:
-            self._agreement.expect(local)
+        if agreement is not None:
+            agreement.expect(local)
         with replaying(replay_targets(local)):
             return self.ddp(tokens, positions, None)
 
@@ -200,18 +201,17 @@ class PolicyWorker:
         ``routed_experts [b, s, layers, k]``: the routing to replay (router_replay workers)."""
         self.ddp.eval()
         batch = {"tokens": tokens} if routed_experts is None else {"tokens": tokens, "routed_experts": routed_experts}
-        if routed_experts is not None:
-            self._agreement = RoutingAgreement([layer.mlp.router for layer in self.model.decoder.layers])
+        agreement = (None if routed_experts is None
+                     else RoutingAgreement([layer.mlp.router for layer in self.model.decoder.layers]))
         out = []
         try:
             for mb in self._micro_batches(batch):
-                logits = self._forward_logits(mb["tokens"], mb.get("routed_experts"))
+                logits = self._forward_logits(mb["tokens"], mb.get("routed_experts"), agreement)
                 out.append(token_logprobs(logits, mb["tokens"], temperature).cpu())
         finally:
-            if self._agreement is not None:
-                self.routing_counts = (self._agreement.routed, self._agreement.differ)
-                self._agreement.remove()
-                self._agreement = None
+            if agreement is not None:
+                self.routing_counts = (agreement.routed, agreement.differ)
+                agreement.remove()
             self.ddp.train()
         return torch.cat(out)
 

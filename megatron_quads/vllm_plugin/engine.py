@@ -294,8 +294,8 @@ def _by_external_id(routing: Mapping[str, torch.Tensor]) -> dict[str, torch.Tens
 
 
 def _fed_rows(routing: Mapping[str, torch.Tensor], request_id: str, fed: int) -> torch.Tensor:
-    """A request's captured routing cut to its ``fed`` positions (vLLM may compute one token more:
-    the last sampled token of a request that finished at the end of a step)."""
+    """A request's captured routing cut to its ``fed`` positions (rows past them, had vLLM computed
+    any, belong to no token of the response)."""
     rows = routing.get(request_id)
     if rows is None or rows.shape[0] < fed:
         got = 0 if rows is None else rows.shape[0]

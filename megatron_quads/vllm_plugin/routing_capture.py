@@ -19,7 +19,7 @@ import torch
 from megatron_quads.rollout.routing import NOT_ROUTED, ROUTED_EXPERTS_DTYPE
 
 
-def moe_routers(model: torch.nn.Module) -> list:
+def capturable_routers(model: torch.nn.Module) -> list:
     """The routers of the model's MoE layers, in layer order (modules with a ``router`` that
     takes a capture callback)."""
     return [module.router for module in model.modules()
@@ -32,7 +32,7 @@ class RoutingCapture:
 
     def __init__(self, model_runner) -> None:
         self.runner = model_runner
-        routers = moe_routers(model_runner.get_model())
+        routers = capturable_routers(model_runner.get_model())
         if not routers:
             raise ValueError("the served model has no MoE router whose routing can be captured")
         self.num_layers = len(routers)
@@ -67,7 +67,7 @@ class RoutingCapture:
         self._steps = []
         out = {}
         for owner, pieces in parts.items():
-            length = int(max(int(positions.max()) for positions, _ in pieces)) + 1
+            length = max(int(positions.max()) for positions, _ in pieces) + 1
             routed = torch.full((length, *pieces[0][1].shape[1:]), NOT_ROUTED, dtype=ROUTED_EXPERTS_DTYPE)
             for positions, ids in pieces:  # in step order: a recomputed position keeps its latest routing
                 routed[positions] = ids
