@@ -4,14 +4,17 @@
     python benchmarks/bench_weight_sync.py --profile cpu   # a small expert set on CPU
 
 A synthetic routed-expert set (per layer: ``gate_up [E, 2I, H]`` and ``down [E, H, I]`` in bf16, on
-the device) is timed four ways:
+the device) is timed these ways:
 
 - ``bf16 copy, stacked``: one ``copy_`` per stacked tensor (the floor: the bytes a BF16 sync moves);
 - ``bf16 copy, per tensor``: one ``copy_`` per expert linear (what a per-tensor export launches);
-- ``nvfp4 stacked quantize``: one ``quantize`` per stacked tensor with per-expert amax (gate and up
-  share it; on GPU the project's Triton kernel without its NaN scan): what a layer-by-layer export
-  needs at least;
-- ``quantize_hf_weights``: today's export path, tensor by tensor, on ``--path-layers`` layers
+- ``amax + quantize, stacked``: the per-expert amax and one ``quantize`` per stacked tensor (no
+  residual): the least an NVFP4 export does;
+- ``export, bf16`` / ``export, nvfp4`` / ``export, nvfp4 + residual``: the weight sync's export
+  (``rollout.wire.encode_wire``: per-expert amax with gate and up sharing it, quantization, ``W_S``
+  for sorted random channel sets of ``--ratio`` of each projection's inputs, one value check for
+  the whole set);
+- ``quantize_hf_weights``: the per-linear path, tensor by tensor, on ``--path-layers`` layers
   (scaled to the whole set: it is linear in the layers).
 
 The record replaces the profile's older one in ``benchmarks/results/weight_sync.json`` (``--out``)
@@ -70,6 +73,20 @@ def _expert_set(p: dict, device: torch.device) -> list[tuple[torch.Tensor, torch
             for _ in range(p["layers"])]
 
 
+def _channel_sets(p: dict, ratio: float, device: torch.device) -> dict[str, torch.Tensor]:
+    """Sorted random channel sets, ``ratio`` of each projection's inputs (a multiple of 16) per expert."""
+    from megatron_quads.rollout.wire import channels_key
+
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    out = {}
+    for layer in range(p["layers"]):
+        for projection, k in (("gate_up_proj", p["hidden"]), ("down_proj", p["ffn"])):
+            count = int(k * ratio) // 16 * 16
+            rows = [torch.randperm(k, generator=gen)[:count].sort().values for _ in range(p["experts"])]
+            out[channels_key(layer, projection)] = torch.stack(rows).to(device=device, dtype=torch.int32)
+    return out
+
+
 def _hf_tensors(layer: int, gate_up: torch.Tensor, down: torch.Tensor):
     """One layer's experts as Hugging Face ``(name, [N, K])`` pairs."""
     inter = down.shape[2]
@@ -80,15 +97,20 @@ def _hf_tensors(layer: int, gate_up: torch.Tensor, down: torch.Tensor):
         yield f"{base}.down_proj.weight", down[e]
 
 
-def measure(p: dict) -> dict:
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def measure(p: dict, ratio: float) -> dict:
     """Seconds of each way over the whole expert set, and its bytes."""
-    from megatron_quads.nvfp4 import quantize
+    from megatron_quads.rollout.expert_stacks import ExpertStack, _quantize_rows, expert_amax
     from megatron_quads.rollout.weights import quantize_hf_weights, routed_expert_scope
+    from megatron_quads.rollout.wire import encode_wire
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     experts = _expert_set(p, device)
-    bf16_bytes = sum(t.numel() * t.element_size() for pair in experts for t in pair)
-    out = {"bf16_bytes": bf16_bytes, "linears": 3 * p["experts"] * p["layers"]}
+    bf16_bytes = _nbytes(t for pair in experts for t in pair)
+    out = {"bf16_bytes": bf16_bytes, "linears": 3 * p["experts"] * p["layers"], "ratio": ratio}
 
     targets = [(torch.empty_like(a), torch.empty_like(b)) for a, b in experts]
 
@@ -107,61 +129,55 @@ def measure(p: dict) -> dict:
     out["bf16_copy_per_tensor_s"] = _best_seconds(copy_per_tensor, p["repeats"])
     del targets
 
-    if device.type == "cuda":  # the Triton kernel without its NaN scan: no host sync
-        from megatron_quads.nvfp4.quantize_kernel import quantize_kernel
+    def amax_quantize() -> list:
+        return [_quantize_rows(w, expert_amax(w)) for pair in experts for w in pair]
 
-        def quantize_stacked(w: torch.Tensor, amax: torch.Tensor):
-            return quantize_kernel(w, amax, validate=False)
-    else:
-        def quantize_stacked(w: torch.Tensor, amax: torch.Tensor):
-            return quantize(w, global_amax=amax)
-
-    def stacked_quantize() -> list:
-        held = []
-        for a, b in experts:
-            for w in (a, b):
-                amax = w.abs().amax(dim=(1, 2)).float()[:, None]  # per expert; gate and up share it
-                held.append(quantize_stacked(w, amax))
-        return held
-
-    out["nvfp4_stacked_quantize_s"] = _best_seconds(stacked_quantize, p["repeats"])
-    nvfp4 = stacked_quantize()
-    out["nvfp4_bytes"] = sum(t.codes.numel() + t.scales.numel() + 4 * t.weight_scale_2.numel() for t in nvfp4)
-    del nvfp4
+    out["amax_quantize_s"] = _best_seconds(amax_quantize, p["repeats"])
+    stacks = [ExpertStack(layer, 0, a, b) for layer, (a, b) in enumerate(experts)]
+    channels = _channel_sets(p, ratio, device)
+    ways = {"export_bf16": dict(quantized=False), "export_nvfp4": dict(quantized=True),
+            "export_nvfp4_residual": dict(quantized=True, residual_channels=channels)}
+    for key, kwargs in ways.items():
+        out[f"{key}_s"] = _best_seconds(lambda kwargs=kwargs: encode_wire(stacks, dtype=torch.bfloat16, **kwargs),
+                                        p["repeats"])
+        out[f"{key}_bytes"] = _nbytes(encode_wire(stacks, dtype=torch.bfloat16, **kwargs).values())
 
     scope = routed_expert_scope()
     layers = p["path_layers"]
 
-    def today() -> None:
+    def per_linear() -> None:
         for layer, (a, b) in enumerate(experts[:layers]):
             quantize_hf_weights(_hf_tensors(layer, a, b), scope)
 
-    out["quantize_hf_weights_s"] = _best_seconds(today, 1) * p["layers"] / layers
+    out["quantize_hf_weights_s"] = _best_seconds(per_linear, 1) * p["layers"] / layers
     out["quantize_hf_weights_measured_layers"] = layers
     return out
 
 
 def markdown(record: dict) -> str:
-    """The record as a Markdown table (seconds and the ratio to the floor)."""
+    """The record as a Markdown table (seconds, the ratio to the floor, bytes)."""
     r = record["results"]
     copy = r["bf16_copy_stacked_s"]
+    mb = lambda key: f"{r[key] / 1e6:.1f}"  # noqa: E731
     rows = [
-        ("bf16 copy, stacked (floor)", r["bf16_copy_stacked_s"]),
-        ("bf16 copy, per tensor", r["bf16_copy_per_tensor_s"]),
-        ("nvfp4 stacked quantize, per-expert amax", r["nvfp4_stacked_quantize_s"]),
+        ("bf16 copy, stacked (floor)", r["bf16_copy_stacked_s"], mb("bf16_bytes")),
+        ("bf16 copy, per tensor", r["bf16_copy_per_tensor_s"], mb("bf16_bytes")),
+        ("amax + quantize, stacked", r["amax_quantize_s"], ""),
+        ("export, bf16", r["export_bf16_s"], mb("export_bf16_bytes")),
+        ("export, nvfp4", r["export_nvfp4_s"], mb("export_nvfp4_bytes")),
+        (f"export, nvfp4 + residual (ratio {r['ratio']})", r["export_nvfp4_residual_s"], mb("export_nvfp4_residual_bytes")),
         (f"quantize_hf_weights (measured on {r['quantize_hf_weights_measured_layers']} layers, scaled)",
-         r["quantize_hf_weights_s"]),
+         r["quantize_hf_weights_s"], ""),
     ]
     p = record["profile"]
     lines = [
         f"# Weight-sync export vs a BF16 copy ({record['date']}, {record['device']})", "",
         f"Command: `{record['command']}`. {p['layers']} layers x {p['experts']} experts, hidden {p['hidden']}, "
-        f"ffn {p['ffn']}: {r['linears']} expert linears, {r['bf16_bytes'] / 1e6:.1f} MB in bf16, "
-        f"{r['nvfp4_bytes'] / 1e6:.1f} MB in NVFP4 (codes, block scales, decode scales). Best of "
-        f"{p['repeats']} after a warm-up, except today's path (one timed call).", "",
-        "| way | seconds | vs the floor |", "|---|---:|---:|",
+        f"ffn {p['ffn']}: {r['linears']} expert linears. Best of {p['repeats']} after a warm-up, except "
+        "quantize_hf_weights (one timed call).", "",
+        "| way | seconds | vs the floor | payload MB |", "|---|---:|---:|---:|",
     ]
-    lines += [f"| {name} | {seconds:.4f} | {seconds / copy:.2f}x |" for name, seconds in rows]
+    lines += [f"| {name} | {seconds:.4f} | {seconds / copy:.2f}x | {size} |" for name, seconds, size in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -170,6 +186,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", choices=sorted(PROFILES), default="gpu" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--ratio", type=float, default=0.5, help="RAC ratio of the residual export")
     parser.add_argument("--render", action="store_true", help="only rewrite the Markdown tables from the JSON file")
     args = parser.parse_args()
     if args.render:
@@ -182,7 +199,7 @@ def main() -> None:
         "device": _device_name(),
         "command": " ".join(["python", *sys.argv]),
         "profile": p,
-        "results": measure(p),
+        "results": measure(p, args.ratio),
     }
     save_record(args.out, args.profile, record)
     text = markdown(record)

@@ -130,6 +130,30 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
+def _rollout_payload_check(worker, full: dict[str, torch.Tensor]) -> dict:
+    """This rank's weight-sync payload against today's whole-model quantization of the full export:
+    which sender it is, which experts it sends, and how many of its tensors differ by a byte."""
+    from megatron_quads.rollout.weights import quantize_hf_weights, routed_expert_scope
+    from megatron_quads.rollout.wire import decode_wire
+    from megatron_quads.trainer.rollout_export import export_rollout_tensors, weight_sender
+
+    payload = export_rollout_tensors(worker.model, "nvfp4", torch.float32)
+    sender = weight_sender()
+    if payload is None:
+        return {"sender": None}
+    expected = quantize_hf_weights(full.items(), routed_expert_scope(), unquantized_dtype=torch.float32).state_dict()
+    got = decode_wire(payload, quantized=True, weight_version=0).state_dict()
+
+    def raw(t: torch.Tensor) -> torch.Tensor:
+        return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+    differ = [n for n, t in got.items() if t.dtype != expected[n].dtype or not torch.equal(raw(t), raw(expected[n]))]
+    experts = sorted({int(n.split(".")[5]) for n in got if ".mlp.experts." in n})
+    dense = sorted(n for n in got if ".mlp.experts." not in n)
+    return {"sender": list(sender), "experts": experts, "dense": dense, "differ": differ[:5],
+            "expected_dense": sorted(n for n in expected if ".mlp.experts." not in n)}
+
+
 def _job(rank: int, port: int, out_dir: str) -> None:
     from megatron_quads.trainer.distributed import init_trainer_distributed
     from megatron_quads.trainer.model import ParallelConfig
@@ -158,13 +182,14 @@ def _job(rank: int, port: int, out_dir: str) -> None:
             worker.load_checkpoint(ckpt_ref)
             loaded = _export(worker)
             fq = _fake_quant_uses_full_tensor_amax(worker, loaded)
+            payload = _rollout_payload_check(worker, loaded)
             logprobs = worker.compute_logprobs(_local_batch(rank))
             metrics = worker.train_step({"tokens": _local_batch(rank)}, _token_mean_nll)
             after = _export(worker)
             if name == "ep2":
                 worker.save_checkpoint(ckpt_ep2)
             record(
-                name, loaded_diff=_max_diff(loaded, ref_full), fake_quant=fq,
+                name, loaded_diff=_max_diff(loaded, ref_full), fake_quant=fq, payload=payload,
                 logprob_diff=max(abs(a - b) for ra, rb in zip(_gather_logprobs(logprobs), record.results["reference"]["logprobs"]) for a, b in zip(ra, rb)),
                 metrics=metrics, after_diff=_max_diff(after, ref_after),
             )
@@ -224,6 +249,22 @@ def test_every_rank_fake_quantizes_with_the_full_tensor_scale(job: dict, layout:
     for r in get(job, layout):
         fq = r["fake_quant"]
         assert fq["checked"] > 0 and fq["mismatched"] == 0
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_each_expert_parallel_rank_sends_its_own_experts_as_todays_quantization(job: dict, layout: str) -> None:
+    """One sender per EP rank (expert-TP and expert-DP rank 0), each with its own experts only;
+    sender 0 adds every other tensor; every tensor is byte for byte the whole-model quantization."""
+    payloads = [r["payload"] for r in get(job, layout)]
+    ep = LAYOUTS[layout].get("expert_parallel", 1)
+    senders = [p for p in payloads if p["sender"] is not None]
+    assert sorted(tuple(p["sender"]) for p in senders) == [(i, ep) for i in range(ep)]
+    per_rank = MODEL["num_experts"] // ep
+    for p in senders:
+        index = p["sender"][0]
+        assert p["experts"] == list(range(index * per_rank, (index + 1) * per_rank))
+        assert p["differ"] == []
+        assert p["dense"] == (p["expected_dense"] if index == 0 else [])
 
 
 def test_tensor_parallel_shards_need_the_amax_reduction(job: dict) -> None:

@@ -355,6 +355,23 @@ def _amax_kernel(x_ptr, out_ptr, n_blocks, n_iter, BLOCK: tl.constexpr):
     tl.atomic_max(out_ptr, tl.max(acc, axis=0).to(tl.int32, bitcast=True))
 
 
+@triton.jit(do_not_specialize=["n_blocks", "n_iter"])
+def _leading_amax_kernel(x_ptr, out_ptr, n_blocks, n_iter, BLOCK: tl.constexpr):
+    """Grid ``(P, n)``: ``max|x[i]|`` of each of the ``n`` leading slices (``16 * n_blocks`` elements
+    each) into ``out_ptr[i]`` (int32 bits of zeroed fp32s), ``P`` programs a slice. NaN wins: its
+    bits order above every other non-negative float's."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    base = tl.program_id(1).to(tl.int64) * n_blocks * 16
+    acc = tl.zeros([BLOCK], tl.int32)
+    for i in range(n_iter):
+        offs = (pid + i * nprog).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + base + offs, mask=offs < n_blocks * 16, other=0, eviction_policy="evict_first")
+        # |x| as int32 bits: they order like the floats, with NaN above inf (a float max may drop NaN)
+        acc = tl.maximum(acc, _to_f32(x).to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+    tl.atomic_max(out_ptr + tl.program_id(1), tl.max(acc, axis=0))
+
+
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _quantize_kernel(w_ptr, amax_ptr, codes_ptr, scales_ptr, R, mat_rows, amax_div, KB, m_bucket,
                      BLOCK_2D: tl.constexpr, IS_BF16: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr,
@@ -660,6 +677,22 @@ def amax_kernel(x: torch.Tensor) -> torch.Tensor:
         _amax_kernel[(grid,)](_bits_view(x), bits, n // BLOCK_SIZE, triton.cdiv(n_chunks, grid),
                               BLOCK=_AMAX_BLOCK, num_warps=8)
     return bits.view(torch.float32).reshape(())
+
+
+def leading_amax_kernel(x: torch.Tensor) -> torch.Tensor:
+    """``max(|x[i]|)`` of each slice along the first dimension, fp32 ``[x.shape[0]]``, no host sync."""
+    x = x.contiguous()
+    n = x.shape[0] if x.ndim else 1
+    bits = torch.zeros(n, dtype=torch.int32, device=x.device)
+    per = x.numel() // n if n else 0
+    if per:
+        if per % BLOCK_SIZE:
+            raise ValueError(f"leading_amax_kernel needs slices of a multiple of {BLOCK_SIZE} elements, got {tuple(x.shape)}")
+        n_chunks = triton.cdiv(per, _AMAX_BLOCK)
+        programs = max(1, min(n_chunks, triton.cdiv(4 * _num_sms(x.device), n)))
+        _leading_amax_kernel[(programs, n)](_bits_view(x), bits, per // BLOCK_SIZE, triton.cdiv(n_chunks, programs),
+                                            BLOCK=_AMAX_BLOCK, num_warps=8)
+    return bits.view(torch.float32)
 
 
 def _launch_quantize(x: torch.Tensor, amax_rows: tuple[torch.Tensor, int], codes: torch.Tensor,

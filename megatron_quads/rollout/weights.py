@@ -335,6 +335,15 @@ class QuantizedLinearWeight:
         base = cls(weight=q.codes, weight_scale=q.scales, weight_scale_2=q.weight_scale_2.reshape(()), input_scale=scale)
         return base.with_residual_channels(channels)
 
+    @classmethod
+    def from_checked_fields(cls, **fields: torch.Tensor | None) -> QuantizedLinearWeight:
+        """Build from fields that were already checked (as part of a checked stack of experts,
+        ``expert_stacks.StackedLinearWeight``) without reading any value again."""
+        linear = object.__new__(cls)
+        for name in cls.__dataclass_fields__:
+            object.__setattr__(linear, name, fields.get(name))
+        return linear
+
     @property
     def out_features(self) -> int:
         """N, the number of output features (rows)."""
@@ -620,6 +629,20 @@ class QuantizedModelWeights:
 
     def __post_init__(self) -> None:
         """Validate the config, names, dtypes and cross-module rules."""
+        self._validate(shared_scales=True)
+
+    @classmethod
+    def from_checked_linears(
+        cls, quantized: dict[str, QuantizedLinearWeight], unquantized: dict[str, torch.Tensor], config: dict[str, Any]
+    ) -> QuantizedModelWeights:
+        """Build from linears whose fused siblings already share one ``weight_scale_2`` tensor (views
+        of one checked expert stack): every rule but that value comparison is checked."""
+        weights = object.__new__(cls)
+        weights.quantized, weights.unquantized, weights.config = quantized, unquantized, config
+        weights._validate(shared_scales=False)
+        return weights
+
+    def _validate(self, shared_scales: bool) -> None:
         validate_quant_config(self.config)
         for module, lin in self.quantized.items():
             if not isinstance(module, str) or not module:
@@ -632,7 +655,8 @@ class QuantizedModelWeights:
             if name in reserved:
                 raise ValueError(f"unquantized tensor '{name}' collides with a tensor of quantized module '{name.rpartition('.')[0]}'")
         self._check_input_scales()
-        self._check_shared_scales()
+        if shared_scales:
+            self._check_shared_scales()
         self._check_excludes()
 
     def _check_input_scales(self) -> None:

@@ -1,9 +1,11 @@
 """Export a Megatron GPT-MoE's weights as full tensors under Hugging Face (Qwen3-MoE) names.
 
-Every rank of the model-parallel group runs :func:`export_hf_weights` in step (it all-gathers tensor-
-and expert-parallel shards) and receives every full tensor; the caller decides which rank sends them
-on. Tensors come one at a time, so peak extra memory is one full tensor times the gather width.
-Pipeline parallelism is not supported yet.
+Every rank of the model-parallel group runs an export in step (they all-gather shards).
+:func:`export_hf_weights` gives every rank every full tensor, routed experts one by one (gathered
+over expert parallelism too); :func:`export_rollout_parts` gives each rank the experts its
+expert-parallel rank holds, one stack per layer, for the weight sync (each EP rank sends its own).
+Tensors come one at a time (or one layer's stack), so peak extra memory is one of them times the
+gather width. Pipeline parallelism is not supported yet.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import unwrap_model
+
+from megatron_quads.rollout.expert_stacks import ExpertStack
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -106,19 +110,39 @@ def _local_expert_shards(name: str, param: torch.Tensor, config: TransformerConf
         yield i, fc, view[i].t()
 
 
-def export_hf_weights(model: torch.nn.Module | list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, full_tensor)`` for every weight of the model, gathered over TP and EP."""
+def _export_setup(model: torch.nn.Module | list[torch.nn.Module], caller: str):
+    """(GPT model, its config, expert-TP group, EP group, experts per EP rank) of an export."""
     gpt = unwrap_model(model[0] if isinstance(model, list) else model)
     config: TransformerConfig = gpt.config
     if config.pipeline_model_parallel_size > 1:
-        raise NotImplementedError("export_hf_weights does not support pipeline parallelism yet")
-    tp_group = parallel_state.get_tensor_model_parallel_group()
-    etp_group = parallel_state.get_expert_tensor_parallel_group()
+        raise NotImplementedError(f"{caller} does not support pipeline parallelism yet")
     ep_group = parallel_state.get_expert_model_parallel_group()
-    ep_size, num_experts = dist.get_world_size(ep_group), config.num_moe_experts or 0
-    num_local = num_experts // ep_size if num_experts else 0
+    num_local = (config.num_moe_experts or 0) // dist.get_world_size(ep_group)
+    return gpt, config, parallel_state.get_expert_tensor_parallel_group(), ep_group, num_local
+
+
+def export_hf_weights(model: torch.nn.Module | list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full_tensor)`` for every weight of the model, gathered over TP and EP."""
+    gpt, config, etp_group, ep_group, num_local = _export_setup(model, "export_hf_weights")
 
     for name, param in gpt.named_parameters():
+        match = _LAYER.match(name)
+        local = match.group(2) if match else ""
+        if _LOCAL_EXPERT.match(local) or _GROUPED_EXPERT.match(local):
+            prefix = f"model.layers.{match.group(1)}"
+            for i, fc, weight in _local_expert_shards(local, param, config, num_local):
+                # every EP rank holds experts [ep_rank * num_local, ...): gather them over EP
+                for ep_rank, shard in enumerate(_gather(weight.contiguous(), ep_group)):
+                    yield from _expert_tensors(prefix, ep_rank * num_local + i, fc, shard, etp_group)
+        else:
+            yield from _hf_tensors(gpt, [(name, param)])
+
+
+def _hf_tensors(gpt: torch.nn.Module, params) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF ``(name, full tensor)`` of non-expert Megatron ``(name, param)`` pairs, gathered over TP."""
+    config: TransformerConfig = gpt.config
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    for name, param in params:
         if name in _TOP_NAMES:
             if name == "output_layer.weight" and gpt.share_embeddings_and_output_weights:
                 continue
@@ -128,12 +152,7 @@ def export_hf_weights(model: torch.nn.Module | list[torch.nn.Module]) -> Iterato
         if not match:
             raise KeyError(f"export_hf_weights: no Hugging Face name for Megatron parameter {name!r}")
         prefix, local = f"model.layers.{match.group(1)}", match.group(2)
-        if _LOCAL_EXPERT.match(local) or _GROUPED_EXPERT.match(local):
-            for i, fc, weight in _local_expert_shards(local, param, config, num_local):
-                # every EP rank holds experts [ep_rank * num_local, ...): gather them over EP
-                for ep_rank, shard in enumerate(_gather(weight.contiguous(), ep_group)):
-                    yield from _expert_tensors(prefix, ep_rank * num_local + i, fc, shard, etp_group)
-        elif local == "self_attention.linear_qkv.weight":
+        if local == "self_attention.linear_qkv.weight":
             q, k, v = _split_qkv(_tp_full(param, tp_group), config)
             yield f"{prefix}.self_attn.q_proj.weight", q
             yield f"{prefix}.self_attn.k_proj.weight", k
@@ -146,6 +165,49 @@ def export_hf_weights(model: torch.nn.Module | list[torch.nn.Module]) -> Iterato
             yield f"{prefix}.{_LAYER_NAMES[local]}", _tp_full(param, tp_group)
         else:
             raise KeyError(f"export_hf_weights: no Hugging Face name for Megatron parameter {name!r}")
+
+
+def _stack_over_etp(gate_up: torch.Tensor, down: torch.Tensor, etp_group: dist.ProcessGroup | None):
+    """Full ``gate_up [n, 2I, H]`` and ``down [n, H, I]`` from this rank's expert-TP shards (one gather each)."""
+    up_shards = _gather(gate_up.contiguous(), etp_group)
+    if len(up_shards) > 1:  # each shard holds [gate_shard; up_shard] along the rows
+        halves = [shard.chunk(2, dim=1) for shard in up_shards]
+        gate_up = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=1)
+    down_shards = _gather(down.contiguous(), etp_group)
+    return gate_up, torch.cat(down_shards, dim=2) if len(down_shards) > 1 else down
+
+
+def export_rollout_parts(model: torch.nn.Module | list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor] | ExpertStack]:
+    """Every weight for the rollout engines: each tensor that is not a routed expert as
+    ``(hf_name, full_tensor)`` (gathered over TP), and each MoE layer's experts held by this
+    expert-parallel rank as one :class:`ExpertStack` (gathered over expert TP, not over EP).
+
+    Collective: every rank of the model-parallel world iterates it in step."""
+    gpt, config, etp_group, ep_group, num_local = _export_setup(model, "export_rollout_parts")
+    first_expert = dist.get_rank(ep_group) * num_local
+    pending: dict[int, dict[str, dict[int, torch.Tensor]]] = {}
+
+    dense = {}
+    for name, param in gpt.named_parameters():
+        match = _LAYER.match(name)
+        local = match.group(2) if match else ""
+        if not (_LOCAL_EXPERT.match(local) or _GROUPED_EXPERT.match(local)):
+            dense[name] = param
+            continue
+        layer = int(match.group(1))
+        experts = pending.setdefault(layer, {"1": {}, "2": {}})
+        for i, fc, weight in _local_expert_shards(local, param, config, num_local):
+            experts[fc][i] = weight
+        if all(len(experts[fc]) == num_local for fc in ("1", "2")):
+            del pending[layer]
+            yield from _hf_tensors(gpt, dense.items())
+            dense = {}
+            gate_up = torch.stack([experts["1"][i] for i in range(num_local)])
+            down = torch.stack([experts["2"][i] for i in range(num_local)])
+            yield ExpertStack(layer, first_expert, *_stack_over_etp(gate_up, down, etp_group))
+    if pending:
+        raise KeyError(f"export_rollout_parts: layers {sorted(pending)} are missing expert weights")
+    yield from _hf_tensors(gpt, dense.items())
 
 
 def qwen3_moe_config(model_cfg) -> object:

@@ -1,0 +1,288 @@
+"""A MoE layer's routed experts as stacks, quantized once per projection on their own device.
+
+An :class:`ExpertStack` holds experts ``[first, first + n)`` of one layer in high precision:
+``gate_up [n, 2I, H]`` (each expert's gate rows, then its up rows) and ``down [n, H, I]``.
+:func:`quantize_stack` turns one projection's stack into a :class:`StackedLinearWeight`: the fields
+of :class:`~megatron_quads.rollout.weights.QuantizedLinearWeight` with a leading expert dimension.
+It is byte for byte what :func:`~megatron_quads.rollout.weights.quantize_hf_weights` makes expert by
+expert (one global amax per expert, gate and up sharing it; ``W_S`` re-blocked from ``q(W)``), but
+every step is a batched tensor operation on the device: no host synchronisation per expert.
+Problems that need a value look (non-finite weights) are gathered in a :class:`DeferredChecks` and
+raised once for the whole export.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_quads.nvfp4 import BLOCK_SIZE, GLOBAL_SCALE_DIVISOR, NVFP4Tensor, decode_scale_from_amax, quantize
+from megatron_quads.nvfp4.format import e2m1_lut
+from megatron_quads.rollout.weights import QuantizedLinearWeight
+
+_FP8 = torch.float8_e4m3fn
+_PACKED_BLOCK = BLOCK_SIZE // 2
+_AMAX_CANDIDATES = 4  # ulps searched each way for an amax with amax / 2688 == weight_scale_2
+_SMALL_FLAGS = 4096  # flags up to this many elements are kept whole until the one read-back
+
+
+@dataclass(frozen=True)
+class ExpertStack:
+    """High-precision weights of experts ``[first_expert, first_expert + n)`` of MoE layer ``layer``."""
+
+    layer: int
+    first_expert: int
+    gate_up: torch.Tensor  # [n, 2 * ffn, hidden]: gate rows, then up rows
+    down: torch.Tensor  # [n, hidden, ffn]
+
+    @property
+    def num_experts(self) -> int:
+        """n, the experts in the stack."""
+        return self.gate_up.shape[0]
+
+
+@dataclass
+class DeferredChecks:
+    """Device-side failure flags, read back once (:meth:`raise_if_failed`); ``hint`` says how to fix."""
+
+    hint: str = ("NVFP4 has no encoding for NaN or Inf: find where they come from upstream (the optimizer step, a "
+                 "loaded checkpoint)")
+    flags: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+
+    def add(self, what: str, failed: torch.Tensor) -> None:
+        """Record a boolean tensor that is True where ``what`` failed (small ones are kept as they are,
+        so recording launches nothing)."""
+        flat = failed.reshape(-1)
+        self.flags.append((what, flat if flat.numel() <= _SMALL_FLAGS else flat.any().reshape(1)))
+
+    def raise_if_failed(self) -> None:
+        """Raise ValueError naming every recorded failure (one host synchronisation)."""
+        if not self.flags:
+            return
+        flags, self.flags = self.flags, []
+        failed = torch.cat([f for _, f in flags]).cpu()
+        bad, start = [], 0
+        for what, f in flags:
+            if bool(failed[start : start + f.numel()].any()):
+                bad.append(what)
+            start += f.numel()
+        if bad:
+            raise ValueError(f"{len(bad)} check(s) failed: {', '.join(bad[:3])}; {self.hint}")
+
+
+@dataclass(frozen=True, eq=False)
+class StackedLinearWeight:
+    """NVFP4-plus-residual weights of ``n`` experts' same projection ``[N, K]``.
+
+    Fields as :class:`QuantizedLinearWeight` with a leading expert dimension: ``weight`` uint8
+    ``[n, N, K/2]``, ``weight_scale`` e4m3 ``[n, N, K/16]``, ``weight_scale_2`` fp32 ``[n]``,
+    ``residual_channels`` int32 ``[n, |S|]``, ``residual_weight`` uint8 ``[n, N, |S|/2]``,
+    ``residual_weight_scale`` e4m3 ``[n, N, |S|/16]``.
+    """
+
+    weight: torch.Tensor
+    weight_scale: torch.Tensor
+    weight_scale_2: torch.Tensor
+    residual_channels: torch.Tensor
+    residual_weight: torch.Tensor
+    residual_weight_scale: torch.Tensor
+
+    FIELDS = ("weight", "weight_scale", "weight_scale_2", "residual_channels", "residual_weight", "residual_weight_scale")
+
+    def __post_init__(self) -> None:
+        """Check dtypes and shapes (no value is read: no host synchronisation)."""
+        check_stack_fields({f: getattr(self, f) for f in self.FIELDS}, "")
+
+    @property
+    def num_experts(self) -> int:
+        """n."""
+        return self.weight.shape[0]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The fields by name."""
+        return {f: getattr(self, f) for f in self.FIELDS}
+
+    def expert(self, index: int, rows: slice = slice(None)) -> QuantizedLinearWeight:
+        """Rows ``rows`` of expert ``index`` as a :class:`QuantizedLinearWeight` (views, not copies).
+
+        The stack's fields were checked as a whole, so the linear is built without checking again.
+        """
+        return QuantizedLinearWeight.from_checked_fields(
+            weight=self.weight[index, rows],
+            weight_scale=self.weight_scale[index, rows],
+            weight_scale_2=self.weight_scale_2[index],
+            residual_channels=self.residual_channels[index],
+            residual_weight=self.residual_weight[index, rows],
+            residual_weight_scale=self.residual_weight_scale[index, rows],
+        )
+
+
+_STACK_DTYPES = {
+    "weight": torch.uint8,
+    "weight_scale": _FP8,
+    "weight_scale_2": torch.float32,
+    "residual_channels": torch.int32,
+    "residual_weight": torch.uint8,
+    "residual_weight_scale": _FP8,
+}
+
+
+def check_stack_fields(fields: dict[str, torch.Tensor], prefix: str) -> None:
+    """Raise ValueError naming ``<prefix><field>`` unless the stacked fields' dtypes, shapes and
+    devices fit together (values are not read)."""
+    for name, dtype in _STACK_DTYPES.items():
+        t = fields.get(name)
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"missing tensor '{prefix}{name}' of a stacked expert projection")
+        if t.dtype != dtype:
+            raise ValueError(f"'{prefix}{name}' has dtype {t.dtype}; a stacked expert projection needs {dtype}")
+    w = fields["weight"]
+    if w.ndim != 3 or 0 in w.shape or w.shape[2] % _PACKED_BLOCK:
+        raise ValueError(f"'{prefix}weight' has shape {tuple(w.shape)}; expected uint8 [experts, N, K/2] with K a multiple of 16")
+    n, rows, k = w.shape[0], w.shape[1], 2 * w.shape[2]
+    s = fields["residual_channels"].shape[-1] if fields["residual_channels"].ndim == 2 else -1
+    expected = {
+        "weight_scale": (n, rows, k // BLOCK_SIZE),
+        "weight_scale_2": (n,),
+        "residual_channels": (n, s),
+        "residual_weight": (n, rows, s // 2),
+        "residual_weight_scale": (n, rows, s // BLOCK_SIZE),
+    }
+    for name, shape in expected.items():
+        if tuple(fields[name].shape) != shape or s < 0 or s % BLOCK_SIZE or s > k:
+            raise ValueError(
+                f"'{prefix}{name}' has shape {tuple(fields[name].shape)}; expected {shape} for weight "
+                f"{tuple(w.shape)} and residual_channels [experts, |S|] with |S| a multiple of 16 and at most K={k}"
+            )
+    devices = {t.device for t in fields.values()}
+    if len(devices) > 1:
+        raise ValueError(f"'{prefix}*' tensors live on different devices {sorted(map(str, devices))}; move them to one")
+
+
+def expert_amax(weight: torch.Tensor) -> torch.Tensor:
+    """``max |w|`` of each expert of a ``[n, N, K]`` stack, fp32 ``[n]`` (exact: a max is not rounded;
+    NaN where an expert holds one)."""
+    from megatron_quads.nvfp4.backend import use_kernels
+
+    if use_kernels(weight):
+        from megatron_quads.nvfp4.quantize_kernel import leading_amax_kernel
+
+        return leading_amax_kernel(weight)
+    return torch.linalg.vector_norm(weight.reshape(weight.shape[0], -1), ord=float("inf"), dim=1).to(torch.float32)
+
+
+def _quantize_rows(x: torch.Tensor, amax: torch.Tensor) -> NVFP4Tensor:
+    """``quantize`` of a ``[n, N, K]`` stack with one amax per expert, without the host-side NaN scan."""
+    if x.is_cuda:
+        from megatron_quads.nvfp4.backend import use_kernels
+
+        if use_kernels(x):
+            from megatron_quads.nvfp4.quantize_kernel import quantize_kernel
+
+            return quantize_kernel(x, amax[:, None], validate=False)
+    return quantize(x, global_amax=amax[:, None])
+
+
+def amax_for_decode_scale(weight_scale_2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per expert, the fp32 amax :func:`~megatron_quads.rollout.weights.amax_from_weight_scale_2`
+    picks (the same candidates in the same order), and a flag that is True where none exists."""
+    ws2 = weight_scale_2.to(torch.float32).reshape(-1)
+    guess = ws2 * torch.tensor(GLOBAL_SCALE_DIVISOR, dtype=torch.float32, device=ws2.device)
+    candidates, up, down = [guess], guess, guess
+    for _ in range(_AMAX_CANDIDATES):
+        up = torch.nextafter(up, torch.full_like(up, float("inf")))
+        down = torch.nextafter(down, torch.full_like(down, float("-inf")))
+        candidates += [up, down]
+    stacked = torch.stack(candidates, dim=1)  # [n, 9] in the reference's order
+    ok = torch.isfinite(stacked) & (stacked >= 0) & (decode_scale_from_amax(stacked) == ws2[:, None])
+    first = ok.to(torch.int8).argmax(dim=1)
+    return stacked.gather(1, first[:, None]).squeeze(1), ~ok.any(dim=1)
+
+
+def reblock_residual_stack(
+    weight: NVFP4Tensor, channels: torch.Tensor, checks: DeferredChecks | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``W_S`` of every expert of a stacked ``[n, N, K]`` NVFP4 weight for channels ``[n, |S|]``:
+    ``(codes uint8 [n, N, |S|/2], scales e4m3 [n, N, |S|/16])``, equal byte for byte to
+    :func:`~megatron_quads.rollout.weights.reblock_residual` expert by expert.
+
+    A block of 16 gathered channels that is one block of ``weight`` is copied; the others are the
+    NVFP4 quantization of the gathered columns of ``dequantize(weight)`` with the amax recovered
+    from the expert's ``weight_scale_2``. Channels must be sorted and unique per expert (the stack's
+    producer guarantees it; nothing here reads them on the host). On CUDA one Triton kernel
+    (``kernels.reblock``) does it all.
+    """
+    n, rows, k = weight.shape
+    s = channels.shape[1]
+    device = weight.codes.device
+    if s == 0:
+        return (torch.zeros(n, rows, 0, dtype=torch.uint8, device=device), torch.zeros(n, rows, 0, dtype=_FP8, device=device))
+    amax, no_amax = amax_for_decode_scale(weight.weight_scale_2)
+    if checks is not None:
+        checks.add("a weight_scale_2 that is not amax / 2688 for any fp32 amax", no_amax)
+    from megatron_quads.nvfp4.backend import use_kernels
+
+    if use_kernels(weight.codes):
+        from megatron_quads.kernels.reblock import reblock_residual_kernel
+
+        return reblock_residual_kernel(weight.codes, weight.scales, weight.weight_scale_2, amax, channels)
+    ch = channels.to(device=device, dtype=torch.int64)
+    blocks = ch.view(n, s // BLOCK_SIZE, BLOCK_SIZE)
+    first = blocks[..., 0]
+    aligned = (first % BLOCK_SIZE == 0) & (blocks[..., -1] - first == BLOCK_SIZE - 1)  # [n, S/16]
+    # the copied blocks
+    source = (first // BLOCK_SIZE)[:, None, :].expand(n, rows, -1)
+    code_blocks = weight.codes.view(n, rows, k // BLOCK_SIZE, _PACKED_BLOCK)
+    copied_codes = code_blocks.gather(2, source[..., None].expand(-1, -1, -1, _PACKED_BLOCK))
+    scale_bytes = weight.scales.view(torch.uint8)
+    copied_scales = scale_bytes.gather(2, source)
+    # the re-quantized blocks: dequantize(weight)[..., ch] exactly as dequantize computes it
+    # (indices are broadcast views over the rows: nothing [n, N, |S|]-sized is built for them)
+    def over_rows(index: torch.Tensor) -> torch.Tensor:
+        return index[:, None, :].expand(n, rows, s)
+
+    packed = weight.codes.gather(2, over_rows(ch // 2))
+    nibbles = torch.where(over_rows(ch % 2 == 1), packed >> 4, packed & 0xF)
+    values = e2m1_lut(device)[nibbles.to(torch.int32)]
+    block_values = values * weight.scales.to(torch.float32).gather(2, over_rows(ch // BLOCK_SIZE))
+    gathered = block_values * weight.weight_scale_2.to(torch.float32).reshape(n, 1, 1)
+    requant = _quantize_rows(gathered, amax)
+    keep = aligned[:, None, :]
+    codes = torch.where(keep[..., None], copied_codes, requant.codes.view(n, rows, -1, _PACKED_BLOCK))
+    scales = torch.where(keep, copied_scales, requant.scales.view(torch.uint8))
+    return codes.reshape(n, rows, s // 2), scales.view(_FP8)
+
+
+def quantize_stack(
+    weight: torch.Tensor,
+    channels: torch.Tensor | None = None,
+    checks: DeferredChecks | None = None,
+    what: str = "expert stack",
+) -> StackedLinearWeight:
+    """NVFP4-plus-residual weights of a high-precision ``[n, N, K]`` stack, one global amax per
+    expert; ``channels`` ``[n, |S|]`` (sorted, unique per expert; None: no residual) give ``W_S``.
+
+    Non-finite weights are flagged in ``checks`` (raised by :meth:`DeferredChecks.raise_if_failed`).
+    """
+    if weight.ndim != 3 or weight.shape[2] % BLOCK_SIZE or not weight.is_floating_point():
+        raise ValueError(f"{what}: a stack is a floating-point [experts, N, K] tensor with K a multiple of 16, got "
+                         f"{tuple(weight.shape)} {weight.dtype}")
+    n, rows, k = weight.shape
+    amax = expert_amax(weight)
+    if checks is not None:
+        checks.add(f"{what} (NaN or Inf weights)", ~torch.isfinite(amax))
+    try:
+        q = _quantize_rows(weight, amax)
+    except ValueError as err:  # the reference path checks values itself
+        raise ValueError(f"{what}: {err}") from err
+    ws2 = q.weight_scale_2.reshape(n)
+    if channels is None:
+        channels = torch.zeros(n, 0, dtype=torch.int32, device=weight.device)
+    if channels.ndim != 2 or channels.shape[0] != n:
+        raise ValueError(f"{what}: residual channels must be [experts={n}, |S|], got {tuple(channels.shape)}")
+    stacked = NVFP4Tensor(codes=q.codes, scales=q.scales, weight_scale_2=ws2, shape=torch.Size((n, rows, k)),
+                          dtype=torch.float32)
+    residual, residual_scales = reblock_residual_stack(stacked, channels, checks)
+    return StackedLinearWeight(q.codes, q.scales.view(_FP8), ws2, channels.to(device=weight.device, dtype=torch.int32),
+                               residual, residual_scales)

@@ -1,0 +1,163 @@
+"""The weight-sync wire format: what a trainer rank sends to rollout engines, and its decoding.
+
+A sender's payload is one ``{name: tensor}`` dict:
+
+- every tensor that is not a routed expert under its Hugging Face name, in the run's dtype;
+- each MoE layer's routed experts ``[first, last]`` that the sender holds as stacks, under
+  ``model.layers.<L>.mlp.experts.<first>-<last>.<projection>.<field>`` with ``projection``
+  ``gate_up_proj`` (``[n, 2I, H]``: every expert's gate rows, then its up rows) or ``down_proj``
+  (``[n, H, I]``). In BF16 the field is ``weight``; in NVFP4 the fields are those of
+  :class:`~megatron_quads.rollout.expert_stacks.StackedLinearWeight` (codes, block scales, one decode
+  scale per expert, and the RAC channels and ``W_S``).
+
+:func:`encode_wire` builds a payload from the trainer's export; :func:`decode_wire` turns the union
+of every sender's payloads into what engines load (BF16 tensors by HF name, or a
+:class:`~megatron_quads.rollout.weights.QuantizedModelWeights` whose expert linears are views of the
+stacks). Neither reads a value on the host per tensor: each checks its values once per payload.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from megatron_quads.rollout.expert_stacks import (
+    DeferredChecks,
+    ExpertStack,
+    StackedLinearWeight,
+    check_stack_fields,
+    quantize_stack,
+)
+from megatron_quads.rollout.weights import (
+    QuantizedLinearWeight,
+    QuantizedModelWeights,
+    excluded_modules,
+    make_quant_config,
+)
+
+PROJECTIONS = ("gate_up_proj", "down_proj")
+_STACK_NAME = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)-(\d+)\.(gate_up_proj|down_proj)\.(\w+)$")
+
+
+def stack_module(layer: int, first: int, count: int, projection: str) -> str:
+    """The wire module name of experts ``[first, first + count)`` of one layer's projection."""
+    return f"model.layers.{layer}.mlp.experts.{first}-{first + count - 1}.{projection}"
+
+
+def channels_key(layer: int, projection: str) -> str:
+    """Key of one layer's projection in a residual-channel mapping (``[experts, |S|]`` per key)."""
+    return f"model.layers.{layer}.mlp.experts.{projection}"
+
+
+def encode_wire(
+    parts: Iterable[tuple[str, torch.Tensor] | ExpertStack],
+    quantized: bool,
+    dtype: torch.dtype,
+    residual_channels: Mapping[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """A sender's payload from HF-named tensors and expert stacks (tensors are copied: later updates
+    of the trainer's parameters do not reach it). ``quantized``: stacks in NVFP4 (else ``dtype``).
+
+    ``residual_channels`` maps :func:`channels_key` to every expert's sorted channels ``[experts,
+    |S|]`` (the stack's rows are taken); without it ``W_S`` is empty.
+    """
+    out: dict[str, torch.Tensor] = {}
+    checks = DeferredChecks()
+    for part in parts:
+        if not isinstance(part, ExpertStack):
+            name, tensor = part
+            out[name] = tensor.detach().to(dtype, copy=True).contiguous()
+            continue
+        n = part.num_experts
+        for projection, weight in zip(PROJECTIONS, (part.gate_up, part.down), strict=True):
+            module = stack_module(part.layer, part.first_expert, n, projection)
+            if not quantized:
+                out[f"{module}.weight"] = weight.detach().to(dtype, copy=True).contiguous()
+                continue
+            channels = None
+            if residual_channels is not None:
+                every = residual_channels[channels_key(part.layer, projection)]
+                channels = every[part.first_expert : part.first_expert + n].to(weight.device)
+            stack = quantize_stack(weight.detach(), channels, checks, what=module)
+            out.update({f"{module}.{f}": t for f, t in stack.tensors().items()})
+    checks.raise_if_failed()
+    return out
+
+
+def _value_checks(stack: StackedLinearWeight, in_features: int, module: str, checks: DeferredChecks) -> None:
+    """Flag what the per-linear checks of the format would reject, for a whole stack at once."""
+    for name in ("weight_scale", "residual_weight_scale"):
+        b = getattr(stack, name).view(torch.uint8)
+        checks.add(f"'{module}.{name}' (negative or NaN block scales)", (b & 0x80).ne(0) | (b & 0x7F).eq(0x7F))
+    ws2 = stack.weight_scale_2
+    checks.add(f"'{module}.weight_scale_2' (not finite and >= 0)", ~(torch.isfinite(ws2) & (ws2 >= 0)))
+    ch = stack.residual_channels
+    if ch.shape[1]:
+        bad = (ch < 0) | (ch >= in_features)
+        checks.add(f"'{module}.residual_channels' (outside [0, K={in_features}))", bad)
+        checks.add(f"'{module}.residual_channels' (not sorted and unique per expert)", ch[:, 1:] <= ch[:, :-1])
+
+
+def decode_wire(
+    tensors: Mapping[str, torch.Tensor], quantized: bool, weight_version: int, ratio: float = 0.0
+) -> QuantizedModelWeights | dict[str, torch.Tensor]:
+    """The union of every sender's payload as engines load it: BF16 tensors by HF name, or (``quantized``)
+    a QuantizedModelWeights with per-expert linears that view the stacks. A stack whose fields do
+    not fit, or hold values NVFP4 cannot (checked once for the whole payload), raises ValueError
+    naming the tensor."""
+    dense: dict[str, torch.Tensor] = {}
+    stacks: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        match = _STACK_NAME.match(name)
+        if match is None:
+            dense[name] = tensor
+        else:
+            stacks.setdefault(name.rpartition(".")[0], {})[match.group(5)] = tensor
+    linears: dict[str, QuantizedLinearWeight] = {}
+    checks = DeferredChecks(hint="the payload is damaged or was not made by the weight-sync export (encode_wire)")
+    for module, fields in stacks.items():
+        layer, first, last, projection, _ = _STACK_NAME.match(f"{module}.weight").groups()
+        first, count = int(first), int(last) - int(first) + 1
+        base = f"model.layers.{layer}.mlp.experts"
+        if not quantized:
+            if set(fields) != {"weight"}:
+                raise ValueError(f"BF16 expert stack '{module}' has fields {sorted(fields)}; expected only 'weight'")
+            _split_dense(fields["weight"], base, first, count, projection, module, dense)
+            continue
+        check_stack_fields(fields, f"{module}.")
+        stack = StackedLinearWeight(**{f: fields[f] for f in StackedLinearWeight.FIELDS})
+        if stack.num_experts != count:
+            raise ValueError(f"'{module}.weight' holds {stack.num_experts} experts; its name says {count}")
+        _value_checks(stack, 2 * stack.weight.shape[2], module, checks)
+        rows = stack.weight.shape[1]
+        if projection == "gate_up_proj" and rows % 2:
+            raise ValueError(f"'{module}.weight' has {rows} rows; gate_up stacks hold 2 * ffn rows")
+        for i in range(count):
+            prefix = f"{base}.{first + i}"
+            if projection == "down_proj":
+                linears[f"{prefix}.down_proj"] = stack.expert(i)
+            else:
+                linears[f"{prefix}.gate_proj"] = stack.expert(i, slice(0, rows // 2))
+                linears[f"{prefix}.up_proj"] = stack.expert(i, slice(rows // 2, rows))
+    if not quantized:
+        return dense
+    checks.raise_if_failed()
+    config = make_quant_config(ratio, excluded_modules(linears, dense), weight_version)
+    return QuantizedModelWeights.from_checked_linears(linears, dense, config)
+
+
+def _split_dense(weight: torch.Tensor, base: str, first: int, count: int, projection: str, module: str,
+                 out: dict[str, torch.Tensor]) -> None:
+    """Per-expert HF tensors (views) of a BF16 stack."""
+    if weight.ndim != 3 or weight.shape[0] != count:
+        raise ValueError(f"'{module}.weight' has shape {tuple(weight.shape)}; expected [{count}, N, K]")
+    for i in range(count):
+        prefix = f"{base}.{first + i}"
+        if projection == "down_proj":
+            out[f"{prefix}.down_proj.weight"] = weight[i]
+        else:
+            gate, up = weight[i].chunk(2)
+            out[f"{prefix}.gate_proj.weight"] = gate
+            out[f"{prefix}.up_proj.weight"] = up

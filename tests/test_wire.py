@@ -1,0 +1,114 @@
+"""The weight-sync wire format: stacked expert quantization is today's per-linear quantization, byte for byte."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_quads.rollout.expert_stacks import ExpertStack
+from megatron_quads.rollout.weights import quantize_hf_weights, routed_expert_scope
+from megatron_quads.rollout.wire import channels_key, decode_wire, encode_wire, stack_module
+
+EXPERTS, HIDDEN, FFN = 4, 64, 32
+
+
+def _stack(layer: int, seed: int) -> ExpertStack:
+    gen = torch.Generator().manual_seed(seed)
+    gate_up = torch.randn(EXPERTS, 2 * FFN, HIDDEN, generator=gen, dtype=torch.float32).to(torch.bfloat16)
+    down = torch.randn(EXPERTS, HIDDEN, FFN, generator=gen, dtype=torch.float32).to(torch.bfloat16)
+    gate_up[1, FFN:] *= 8.0  # expert 1: the amax sits in up, gate must share it
+    down[2] = 0.0  # an all-zero expert: amax 0
+    return ExpertStack(layer, 0, gate_up, down)
+
+
+def _channels(k: int, count: int, seed: int) -> torch.Tensor:
+    """[experts, count] sorted channel sets: expert 0 one aligned block plus scattered channels."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for e in range(EXPERTS):
+        if e == 0:
+            rest = torch.randperm(k - 16, generator=gen)[: count - 16] + 16
+            rows.append(torch.cat([torch.arange(16), rest]).sort().values)
+        else:
+            rows.append(torch.randperm(k, generator=gen)[:count].sort().values)
+    return torch.stack(rows).to(torch.int32)
+
+
+def _hf_named(stacks: list[ExpertStack], dense: dict[str, torch.Tensor]):
+    yield from dense.items()
+    for s in stacks:
+        for e in range(s.num_experts):
+            base = f"model.layers.{s.layer}.mlp.experts.{s.first_expert + e}"
+            yield f"{base}.gate_proj.weight", s.gate_up[e, :FFN].float()
+            yield f"{base}.up_proj.weight", s.gate_up[e, FFN:].float()
+            yield f"{base}.down_proj.weight", s.down[e].float()
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+@pytest.mark.parametrize("with_channels", [False, True])
+def test_stacked_quantization_equals_quantize_hf_weights_byte_for_byte(with_channels: bool) -> None:
+    stacks = [_stack(0, 1), _stack(1, 2)]
+    dense = {"model.norm.weight": torch.randn(HIDDEN), "model.layers.0.mlp.gate.weight": torch.randn(EXPERTS, HIDDEN)}
+    channels = None
+    per_module = None
+    if with_channels:
+        channels = {channels_key(s.layer, p): _channels(k, 32 if p == "gate_up_proj" else 16, 10 * s.layer + i)
+                    for s in stacks for i, (p, k) in enumerate((("gate_up_proj", HIDDEN), ("down_proj", FFN)))}
+        per_module = {}
+        for s in stacks:
+            for e in range(EXPERTS):
+                base = f"model.layers.{s.layer}.mlp.experts.{e}"
+                per_module[f"{base}.gate_proj"] = per_module[f"{base}.up_proj"] = channels[channels_key(s.layer, "gate_up_proj")][e]
+                per_module[f"{base}.down_proj"] = channels[channels_key(s.layer, "down_proj")][e]
+    payload = encode_wire([*dense.items(), *stacks], quantized=True, dtype=torch.bfloat16, residual_channels=channels)
+    assert f"{stack_module(0, 0, EXPERTS, 'gate_up_proj')}.weight" in payload
+    got = decode_wire(payload, quantized=True, weight_version=3)
+    expected = quantize_hf_weights(_hf_named(stacks, dense), routed_expert_scope(), per_module, weight_version=3)
+    assert got.config == expected.config
+    got_tensors, expected_tensors = got.state_dict(), expected.state_dict()
+    assert got_tensors.keys() == expected_tensors.keys()
+    for name, tensor in expected_tensors.items():
+        assert got_tensors[name].dtype == tensor.dtype, name
+        assert torch.equal(_raw(got_tensors[name]), _raw(tensor)), name
+    if with_channels:
+        assert got.residual_fraction > 0.3
+
+
+def test_bf16_stacks_decode_to_per_expert_views() -> None:
+    stack = _stack(3, 4)
+    payload = encode_wire([stack], quantized=False, dtype=torch.bfloat16)
+    got = decode_wire(payload, quantized=False, weight_version=0)
+    assert len(got) == 3 * EXPERTS
+    assert torch.equal(got["model.layers.3.mlp.experts.2.up_proj.weight"], stack.gate_up[2, FFN:])
+    assert torch.equal(got["model.layers.3.mlp.experts.1.down_proj.weight"], stack.down[1])
+    stack.gate_up.zero_()  # the payload is a snapshot
+    assert got["model.layers.3.mlp.experts.0.gate_proj.weight"].abs().sum() > 0
+
+
+def test_non_finite_weights_are_refused_naming_the_stack() -> None:
+    stack = _stack(5, 6)
+    stack.down[3, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"model\.layers\.5\.mlp\.experts\.0-3\.down_proj"):
+        encode_wire([stack], quantized=True, dtype=torch.bfloat16)
+
+
+def test_damaged_payloads_are_refused_naming_the_tensor() -> None:
+    payload = encode_wire([_stack(0, 7)], quantized=True, dtype=torch.bfloat16,
+                          residual_channels={channels_key(0, "gate_up_proj"): _channels(HIDDEN, 32, 1),
+                                             channels_key(0, "down_proj"): _channels(FFN, 16, 2)})
+    module = stack_module(0, 0, EXPERTS, "gate_up_proj")
+    scales = dict(payload)
+    scales[f"{module}.weight_scale"] = payload[f"{module}.weight_scale"].clone()
+    scales[f"{module}.weight_scale"].view(torch.uint8)[1, 2, 3] = 0x7F  # a NaN block scale
+    with pytest.raises(ValueError, match=rf"{module}\.weight_scale.*NaN"):
+        decode_wire(scales, quantized=True, weight_version=0)
+    unsorted = dict(payload)
+    unsorted[f"{module}.residual_channels"] = payload[f"{module}.residual_channels"].flip(1).contiguous()
+    with pytest.raises(ValueError, match=rf"{module}\.residual_channels.*sorted"):
+        decode_wire(unsorted, quantized=True, weight_version=0)
+    missing = {k: v for k, v in payload.items() if not k.endswith(f"{module}.residual_weight")}
+    with pytest.raises(ValueError, match=rf"missing tensor '{module}\.residual_weight'"):
+        decode_wire(missing, quantized=True, weight_version=0)
