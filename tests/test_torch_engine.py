@@ -179,6 +179,53 @@ def test_grouped_experts_give_the_per_expert_loops_results(trainers, precision: 
         assert g.token_ids == ref.token_ids and g.logprobs == ref.logprobs
 
 
+def test_weights_that_arrive_stacked_load_without_restacking_and_compute_the_same(trainers) -> None:
+    """The weight sync's stacks (``decode_wire``, with RAC tails) become the grouped layers as they
+    are, the states viewing them; generations equal those of the per-linear weights, before and after
+    calibration, grouped or not."""
+    from megatron_quads.rollout.wire import channels_key, decode_wire, encode_wire
+    from megatron_quads.trainer.rollout_export import export_rollout_tensors
+
+    payload = export_rollout_tensors(trainers["bf16"], "nvfp4", torch.float32)
+    stacked = decode_wire(payload, quantized=True, weight_version=1)
+    per_linear = quantize_hf_weights(export_hf_weights(trainers["bf16"]), lambda m: bool(EXPERT.match(m)),
+                                     unquantized_dtype=torch.float32)
+    params = SamplingParams(max_new_tokens=4, seed=3)
+    for grouped in (True, False):
+        engines = []
+        for weights in (stacked, per_linear):
+            engine = TorchRolloutEngine(qwen3_moe_config(CFG), precision="quads", ratio=0.25, dtype=torch.float32,
+                                        grouped=grouped)
+            engine.load_weights(weights, version=1)
+            engines.append(engine)
+        if grouped:
+            gate_up = engines[0]._grouped_layers[0].grouped.gate_up
+            arrived = stacked.expert_stacks[channels_key(0, "gate_up_proj")].weight
+            assert gate_up.weight.codes.data_ptr() == arrived.data_ptr()  # not re-stacked
+        runs = [e.generate(PROMPTS, params) for e in engines]
+        assert [g.token_ids for g in runs[0]] == [g.token_ids for g in runs[1]]
+        assert [g.logprobs for g in runs[0]] == [g.logprobs for g in runs[1]]
+    # tails that arrive with the stacks, then calibration
+    channels = {channels_key(layer, p): torch.arange(16, dtype=torch.int32).repeat(CFG.num_experts, 1)
+                for layer in range(CFG.num_layers) for p in ("gate_up_proj", "down_proj")}
+    with_tails = decode_wire(encode_wire(_stack_parts(trainers["bf16"]), True, torch.float32, channels), True, 2)
+    engine = TorchRolloutEngine(qwen3_moe_config(CFG), precision="quads", ratio=0.25, dtype=torch.float32)
+    engine.load_weights(with_tails, version=2)
+    assert engine._grouped_layers[0].grouped.down.num_channels == 16
+    tails = engine.generate(PROMPTS, params)
+    engine.calibrate(PROMPTS)
+    engines[1].calibrate(PROMPTS)
+    calibrated = [e.generate(PROMPTS, params) for e in (engine, engines[1])]
+    assert [g.logprobs for g in calibrated[0]] == [g.logprobs for g in calibrated[1]]
+    assert [g.logprobs for g in tails] != [g.logprobs for g in calibrated[0]]
+
+
+def _stack_parts(model: torch.nn.Module) -> list:
+    from megatron_quads.trainer.hf_export import export_rollout_parts
+
+    return list(export_rollout_parts(model))
+
+
 def test_a_layer_whose_channel_counts_differ_keeps_the_per_expert_loop(trainers) -> None:
     """RAC channel sets of different sizes cannot be stacked: that layer computes expert by expert,
     each expert linear under the engine's precision."""

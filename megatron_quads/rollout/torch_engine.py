@@ -21,9 +21,10 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from megatron_quads.nvfp4 import NVFP4Tensor, quantize
+from megatron_quads.nvfp4.stacked import expert_weight
 from megatron_quads.rollout.calibration import ChannelStats, RacCalibrator
 from megatron_quads.rollout.engine import ENGINE_PRECISIONS, Generation, SamplingParams
-from megatron_quads.rollout.grouped_experts import GroupedExperts
+from megatron_quads.rollout.grouped_experts import GroupedExperts, GroupedProjection
 from megatron_quads.rollout.hf_experts import split_experts
 from megatron_quads.rollout.precision import LinearState, Precision, QuantizedLinear
 from megatron_quads.rollout.rac import DEFAULT_RATIO, ChannelStatistic, reblock_columns
@@ -75,6 +76,7 @@ class TorchRolloutEngine:
         self.experts = {name: m for name, m in self.model.named_modules() if _ENGINE_EXPERT.match(name)}
         self.states: dict[str, LinearState] = {}
         self._grouped_layers: list[torch.nn.Module] = []
+        self._layer_stacks: dict[str, dict[str, tuple]] = {}  # the stacks the last weights arrived in, by layer
         # transformers 5 renamed the KV-cache argument from past_key_values to cache
         self._cache_arg = "cache" if "cache" in inspect.signature(type(self.model).forward).parameters else "past_key_values"
 
@@ -133,8 +135,10 @@ class TorchRolloutEngine:
         and prepare them: in an NVFP4 mode every expert is held as NVFP4 only (BF16 experts are
         quantized here, gate and up fused with one amax) and the grouped layers are built; in the
         bf16 mode the experts are ``nn.Linear`` weights (NVFP4 ones dequantized)."""
+        stacked = self._expert_precision is not None and isinstance(weights, QuantizedModelWeights) and bool(
+            weights.expert_stacks)
         if isinstance(weights, QuantizedModelWeights):
-            dense, quantized = dict(weights.unquantized), weights.quantized
+            dense, quantized = dict(weights.unquantized), ({} if stacked else weights.quantized)
         else:
             dense, quantized = dict(weights), {}
         state: dict[str, torch.Tensor] = {}
@@ -152,6 +156,7 @@ class TorchRolloutEngine:
                 raise ValueError(f"the built-in engine quantizes routed experts only; got quantized module {module!r}")
             q_parts.setdefault(mapped[0], {})[mapped[1]] = lin
         states: dict[str, LinearState] = {}
+        self._layer_stacks = self._stacked_states(weights.expert_stacks, states) if stacked else {}
         for module, parts in dense_experts.items():
             w = parts["down_proj"] if "down_proj" in parts else torch.cat([parts["gate_proj"], parts["up_proj"]])
             if self._expert_precision is None:
@@ -179,6 +184,7 @@ class TorchRolloutEngine:
         missing = [m for m in missing if not m.endswith("rotary_emb.inv_freq")]
         if self._expert_precision is not None:
             missing += sorted(set(self.experts) - set(states))
+            unexpected += sorted(set(states) - set(self.experts))
         if missing or unexpected:
             raise ValueError(f"weights do not fit the engine's model: missing {missing[:5]}, unexpected {unexpected[:5]}")
         self.states = states
@@ -186,6 +192,33 @@ class TorchRolloutEngine:
             self.experts[name].state = linear_state
         self.weight_version = version
         self._prepare_experts()
+
+    def _stacked_states(self, stacks: Mapping[str, object], states: dict[str, LinearState]) -> dict:
+        """Per-expert states that view each layer's arrived stacks (moved to the engine's device and
+        dtype once per stack, not per expert); returns the stacks by engine layer and projection kind
+        for :meth:`_prepare_experts`, which groups them as they are."""
+        layers: dict[str, dict[str, tuple]] = {}
+        for key, stack in stacks.items():
+            base, projection = key.rsplit(".", 1)
+            kind = "down" if projection == "down_proj" else "gate_up"
+            n, rows = stack.num_experts, stack.weight.shape[1]
+            ws2 = stack.weight_scale_2.to(self.device)
+            weight = NVFP4Tensor(stack.weight.to(self.device), stack.weight_scale.to(self.device), ws2,
+                                 torch.Size((n, rows, 2 * stack.weight.shape[2])), self.dtype)
+            channels = residual = None
+            width = stack.residual_channels.shape[1]
+            if self.precision == "quads" and width:
+                channels = stack.residual_channels.to(self.device)
+                residual = NVFP4Tensor(stack.residual_weight.to(self.device), stack.residual_weight_scale.to(self.device),
+                                       ws2, torch.Size((n, rows, width)), self.dtype)
+            names = [f"{base}.{kind}.{e}" for e in range(n)]
+            for e, name in enumerate(names):
+                states[name] = LinearState(expert_weight(weight, e))
+                if channels is not None:
+                    states[name].channels[self.ratio] = channels[e]
+                    states[name].residual[self.ratio] = expert_weight(residual, e)
+            layers.setdefault(base, {})[kind] = (weight, channels, residual, names)
+        return layers
 
     def calibrate(self, prompts: Sequence[Sequence[int]],
                   statistic: ChannelStatistic = ChannelStatistic.OUTPUT_ERROR) -> dict[str, ChannelStats]:
@@ -201,6 +234,7 @@ class TorchRolloutEngine:
         if self.weight_version < 0:
             raise RuntimeError("no weights loaded: call load_weights first")
         self._ungroup()
+        self._layer_stacks = {}  # new channels: the layers are grouped from the states again
         for module in self.experts.values():
             module.precision = _CALIBRATION
         try:
@@ -254,12 +288,24 @@ class TorchRolloutEngine:
                     state.residual[self.ratio] = None
             if not self.grouped:
                 continue
-            grouped = GroupedExperts.from_states([self.states[n] for n in names["gate_up"]],
-                                                 [self.states[n] for n in names["down"]], precision)
+            if base in self._layer_stacks:
+                grouped = self._grouped_from_stacks(self._layer_stacks[base], precision)
+            else:
+                grouped = GroupedExperts.from_states([self.states[n] for n in names["gate_up"]],
+                                                     [self.states[n] for n in names["down"]], precision)
             if grouped is not None:
                 layer = self.model.get_submodule(base)
                 layer.grouped = grouped
                 self._grouped_layers.append(layer)
+
+    def _grouped_from_stacks(self, stacks: dict[str, tuple], precision: Precision) -> GroupedExperts:
+        """A layer's grouped projections over the stacks its weights arrived in (no re-stacking)."""
+        projections = {}
+        for kind, (weight, channels, residual, names) in stacks.items():
+            projection = GroupedProjection(precision, weight, channels, residual, [self.states[n] for n in names])
+            projection.prepare()
+            projections[kind] = projection
+        return GroupedExperts(projections["gate_up"], projections["down"])
 
     def _ungroup(self) -> None:
         """Every MoE layer back to its per-expert loop (the states keep viewing the stacks they had)."""

@@ -621,11 +621,16 @@ class QuantizedModelWeights:
             attention when not in scope), bf16 unless built otherwise.
         config: ``quant_algo`` ("NVFP4"), ``group_size`` (16), ``residual_ratio`` (the RAC ratio),
             ``exclude_modules`` (ModelOpt's list of modules left unquantized), ``weight_version``.
+        expert_stacks: each MoE layer's projection (``model.layers.L.mlp.experts.gate_up_proj`` or
+            ``...down_proj``) as one ``expert_stacks.StackedLinearWeight`` when the weights arrived
+            stacked (the weight sync): the expert linears in ``quantized`` view them. Empty otherwise;
+            not part of the checkpoint, and dropped by every method that returns new weights.
     """
 
     quantized: dict[str, QuantizedLinearWeight]
     unquantized: dict[str, torch.Tensor] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=make_quant_config)
+    expert_stacks: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         """Validate the config, names, dtypes and cross-module rules."""
@@ -633,12 +638,14 @@ class QuantizedModelWeights:
 
     @classmethod
     def from_checked_linears(
-        cls, quantized: dict[str, QuantizedLinearWeight], unquantized: dict[str, torch.Tensor], config: dict[str, Any]
+        cls, quantized: dict[str, QuantizedLinearWeight], unquantized: dict[str, torch.Tensor], config: dict[str, Any],
+        expert_stacks: dict[str, Any] | None = None,
     ) -> QuantizedModelWeights:
         """Build from linears whose fused siblings already share one ``weight_scale_2`` tensor (views
-        of one checked expert stack): every rule but that value comparison is checked."""
+        of the checked ``expert_stacks``): every rule but that value comparison is checked."""
         weights = object.__new__(cls)
         weights.quantized, weights.unquantized, weights.config = quantized, unquantized, config
+        weights.expert_stacks = dict(expert_stacks or {})
         weights._validate(shared_scales=False)
         return weights
 

@@ -13,7 +13,7 @@ A sender's payload is one ``{name: tensor}`` dict:
 :func:`encode_wire` builds a payload from the trainer's export; :func:`decode_wire` turns the union
 of every sender's payloads into what engines load (BF16 tensors by HF name, or a
 :class:`~megatron_quads.rollout.weights.QuantizedModelWeights` whose expert linears are views of the
-stacks). Neither reads a value on the host per tensor: each checks its values once per payload.
+stacks, which it keeps as ``expert_stacks`` for engines that hold experts stacked). Neither reads a value on the host per tensor: each checks its values once per payload.
 """
 
 from __future__ import annotations
@@ -100,13 +100,29 @@ def _value_checks(stack: StackedLinearWeight, in_features: int, module: str, che
         checks.add(f"'{module}.residual_channels' (not sorted and unique per expert)", ch[:, 1:] <= ch[:, :-1])
 
 
+def _layer_stack(parts: list[tuple[int, int, StackedLinearWeight]], module: str) -> StackedLinearWeight:
+    """One layer's projection from its senders' stacks ``(first, count, stack)``: they must cover
+    experts ``0..E-1`` once, in order (a single stack is kept as it is, several are concatenated)."""
+    parts = sorted(parts, key=lambda p: p[0])
+    expected = 0
+    for first, count, _ in parts:
+        if first != expected:
+            problem = "overlap" if first < expected else f"leave experts {expected}..{first - 1} out"
+            raise ValueError(f"the expert stacks of '{module}' {problem}: every expert must arrive exactly once")
+        expected = first + count
+    if len(parts) == 1:
+        return parts[0][2]
+    fields = {f: torch.cat([getattr(stack, f) for _, _, stack in parts]) for f in StackedLinearWeight.FIELDS}
+    return StackedLinearWeight(**fields)
+
+
 def decode_wire(
     tensors: Mapping[str, torch.Tensor], quantized: bool, weight_version: int, ratio: float = 0.0
 ) -> QuantizedModelWeights | dict[str, torch.Tensor]:
     """The union of every sender's payload as engines load it: BF16 tensors by HF name, or (``quantized``)
-    a QuantizedModelWeights with per-expert linears that view the stacks. A stack whose fields do
-    not fit, or hold values NVFP4 cannot (checked once for the whole payload), raises ValueError
-    naming the tensor."""
+    a QuantizedModelWeights whose expert linears view each layer's stacks (kept in its
+    ``expert_stacks``). A stack whose fields do not fit, or hold values NVFP4 cannot (checked once
+    for the whole payload), and experts that arrive twice or not at all raise ValueError naming them."""
     dense: dict[str, torch.Tensor] = {}
     stacks: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
@@ -115,37 +131,40 @@ def decode_wire(
             dense[name] = tensor
         else:
             stacks.setdefault(name.rpartition(".")[0], {})[match.group(5)] = tensor
-    linears: dict[str, QuantizedLinearWeight] = {}
     checks = DeferredChecks(hint="the payload is damaged or was not made by the weight-sync export (encode_wire)")
+    by_layer: dict[str, list[tuple[int, int, StackedLinearWeight]]] = {}
     for module, fields in stacks.items():
         layer, first, last, projection, _ = _STACK_NAME.match(f"{module}.weight").groups()
         first, count = int(first), int(last) - int(first) + 1
-        base = f"model.layers.{layer}.mlp.experts"
         if not quantized:
             if set(fields) != {"weight"}:
                 raise ValueError(f"BF16 expert stack '{module}' has fields {sorted(fields)}; expected only 'weight'")
-            _split_dense(fields["weight"], base, first, count, projection, module, dense)
+            _split_dense(fields["weight"], f"model.layers.{layer}.mlp.experts", first, count, projection, module, dense)
             continue
         check_stack_fields(fields, f"{module}.")
         stack = StackedLinearWeight(**{f: fields[f] for f in StackedLinearWeight.FIELDS})
         if stack.num_experts != count:
             raise ValueError(f"'{module}.weight' holds {stack.num_experts} experts; its name says {count}")
+        if projection == "gate_up_proj" and stack.weight.shape[1] % 2:
+            raise ValueError(f"'{module}.weight' has {stack.weight.shape[1]} rows; gate_up stacks hold 2 * ffn rows")
         _value_checks(stack, 2 * stack.weight.shape[2], module, checks)
-        rows = stack.weight.shape[1]
-        if projection == "gate_up_proj" and rows % 2:
-            raise ValueError(f"'{module}.weight' has {rows} rows; gate_up stacks hold 2 * ffn rows")
-        for i in range(count):
-            prefix = f"{base}.{first + i}"
-            if projection == "down_proj":
-                linears[f"{prefix}.down_proj"] = stack.expert(i)
-            else:
-                linears[f"{prefix}.gate_proj"] = stack.expert(i, slice(0, rows // 2))
-                linears[f"{prefix}.up_proj"] = stack.expert(i, slice(rows // 2, rows))
+        by_layer.setdefault(channels_key(int(layer), projection), []).append((first, count, stack))
     if not quantized:
         return dense
     checks.raise_if_failed()
+    layer_stacks = {key: _layer_stack(parts, key) for key, parts in by_layer.items()}
+    linears: dict[str, QuantizedLinearWeight] = {}
+    for key, stack in layer_stacks.items():
+        base, projection = key.rsplit(".", 1)
+        rows = stack.weight.shape[1]
+        for e in range(stack.num_experts):
+            if projection == "down_proj":
+                linears[f"{base}.{e}.down_proj"] = stack.expert(e)
+            else:
+                linears[f"{base}.{e}.gate_proj"] = stack.expert(e, slice(0, rows // 2))
+                linears[f"{base}.{e}.up_proj"] = stack.expert(e, slice(rows // 2, rows))
     config = make_quant_config(ratio, excluded_modules(linears, dense), weight_version)
-    return QuantizedModelWeights.from_checked_linears(linears, dense, config)
+    return QuantizedModelWeights.from_checked_linears(linears, dense, config, expert_stacks=layer_stacks)
 
 
 def _split_dense(weight: torch.Tensor, base: str, first: int, count: int, projection: str, module: str,
