@@ -17,6 +17,11 @@ the device) is timed these ways:
 - ``quantize_hf_weights``: the per-linear path, tensor by tensor, on ``--path-layers`` layers
   (scaled to the whole set: it is linear in the layers).
 
+Then a whole trainer -> engine sync of a synthetic Qwen3-MoE (the profile's ``sync`` model: on the
+GPU profile 2.4 B parameters): the export, buckets, and the built-in engine receiving, decoding and
+loading them in another process (CUDA IPC on a GPU, the object store's byte buffers on CPU), once
+in BF16 (a bf16 engine) and once in NVFP4 + residual (a quads engine), with the payload bytes.
+
 The record replaces the profile's older one in ``benchmarks/results/weight_sync.json`` (``--out``)
 and is written as Markdown beside it (``weight_sync_<profile>.md``; ``--render`` rewrites every
 profile's from the JSON alone).
@@ -35,8 +40,10 @@ import torch
 from results_io import load_records, profile_markdown_path, save_record, write_text_atomic
 
 PROFILES = {
-    "gpu": dict(layers=48, experts=128, hidden=2048, ffn=768, path_layers=2, repeats=3),
-    "cpu": dict(layers=4, experts=16, hidden=256, ffn=128, path_layers=1, repeats=3),
+    "gpu": dict(layers=48, experts=128, hidden=2048, ffn=768, path_layers=2, repeats=3,
+                sync=dict(layers=4, experts=128, hidden=2048, ffn=768, heads=32, kv_heads=4, vocab=32768, repeats=3)),
+    "cpu": dict(layers=4, experts=16, hidden=256, ffn=128, path_layers=1, repeats=3,
+                sync=dict(layers=2, experts=16, hidden=256, ffn=128, heads=4, kv_heads=2, vocab=1024, repeats=3)),
 }
 RESULTS = Path(__file__).parent / "results" / "weight_sync.json"
 
@@ -87,6 +94,15 @@ def _channel_sets(p: dict, ratio: float, device: torch.device) -> dict[str, torc
     return out
 
 
+def _stack_pairs(layer: int, gate_up: torch.Tensor, down: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """One layer's experts under the weight sync's stack names (what the trainer's export yields)."""
+    from megatron_quads.rollout.wire import stack_module
+
+    n = gate_up.shape[0]
+    return [(f"{stack_module(layer, 0, n, 'gate_up_proj')}.weight", gate_up),
+            (f"{stack_module(layer, 0, n, 'down_proj')}.weight", down)]
+
+
 def _hf_tensors(layer: int, gate_up: torch.Tensor, down: torch.Tensor):
     """One layer's experts as Hugging Face ``(name, [N, K])`` pairs."""
     inter = down.shape[2]
@@ -103,7 +119,7 @@ def _nbytes(tensors) -> int:
 
 def measure(p: dict, ratio: float) -> dict:
     """Seconds of each way over the whole expert set, and its bytes."""
-    from megatron_quads.rollout.expert_stacks import ExpertStack, _quantize_rows, expert_amax
+    from megatron_quads.rollout.expert_stacks import _quantize_rows, expert_amax
     from megatron_quads.rollout.weights import quantize_hf_weights, routed_expert_scope
     from megatron_quads.rollout.wire import encode_wire
 
@@ -133,7 +149,7 @@ def measure(p: dict, ratio: float) -> dict:
         return [_quantize_rows(w, expert_amax(w)) for pair in experts for w in pair]
 
     out["amax_quantize_s"] = _best_seconds(amax_quantize, p["repeats"])
-    stacks = [ExpertStack(layer, 0, a, b) for layer, (a, b) in enumerate(experts)]
+    stacks = [pair for layer, (a, b) in enumerate(experts) for pair in _stack_pairs(layer, a, b)]
     channels = _channel_sets(p, ratio, device)
     ways = {"export_bf16": dict(quantized=False), "export_nvfp4": dict(quantized=True),
             "export_nvfp4_residual": dict(quantized=True, residual_channels=channels)}
@@ -151,6 +167,99 @@ def measure(p: dict, ratio: float) -> dict:
 
     out["quantize_hf_weights_s"] = _best_seconds(per_linear, 1) * p["layers"] / layers
     out["quantize_hf_weights_measured_layers"] = layers
+    return out
+
+
+# ------------------------------------------------------------------------------ trainer -> engine sync
+
+
+def _sync_config(q: dict):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=q["vocab"], hidden_size=q["hidden"], intermediate_size=4 * q["hidden"], moe_intermediate_size=q["ffn"],
+        num_hidden_layers=q["layers"], num_attention_heads=q["heads"], num_key_value_heads=q["kv_heads"],
+        head_dim=q["hidden"] // q["heads"], num_experts=q["experts"], num_experts_per_tok=8, norm_topk_prob=True,
+        tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=256,
+    )
+
+
+def _trainer_parts(q: dict, device: torch.device) -> list:
+    """A synthetic trainer's export: every non-expert tensor by HF name, each layer's experts as a stack."""
+    from transformers import Qwen3MoeForCausalLM
+
+    with torch.device("meta"):
+        shapes = {n: t.shape for n, t in Qwen3MoeForCausalLM(_sync_config(q)).state_dict().items()}
+    gen = torch.Generator(device=device).manual_seed(2)
+    parts: list = [(n, torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16) * 0.02)
+                   for n, shape in shapes.items() if ".mlp.experts." not in n and "rotary" not in n]
+    e, h, i = q["experts"], q["hidden"], q["ffn"]
+    for layer in range(q["layers"]):
+        parts += _stack_pairs(layer, torch.randn(e, 2 * i, h, generator=gen, device=device, dtype=torch.bfloat16) * 0.02,
+                              torch.randn(e, h, i, generator=gen, device=device, dtype=torch.bfloat16) * 0.02)
+    return parts
+
+
+def _engine_process(q: dict, precision: str, device: str, requests, replies) -> None:
+    """The rollout side: receive bucket sets, decode and load them, acknowledge each (after a device sync)."""
+    from megatron_quads.controller.weight_sync import from_buckets
+    from megatron_quads.rollout.torch_engine import TorchRolloutEngine
+    from megatron_quads.rollout.wire import decode_wire
+
+    engine = TorchRolloutEngine(_sync_config(q), precision=precision, ratio=q["ratio"], device=device, dtype=torch.bfloat16)
+    replies.put("ready")
+    while (buckets := requests.get()) is not None:
+        start = time.perf_counter()
+        tensors, quantized, version = from_buckets(buckets, device=device)
+        engine.load_weights(decode_wire(tensors, quantized, version), version)
+        del tensors
+        _sync()
+        replies.put((version, time.perf_counter() - start))
+
+
+def measure_sync(q: dict) -> dict:
+    """Seconds of a whole trainer -> engine sync (export, buckets, the engine's receive and load) in
+    BF16 and in NVFP4 + residual, the engine in another process (CUDA IPC on a GPU, the object store's
+    byte buffers on CPU), and the payload bytes."""
+    import torch.multiprocessing as mp
+
+    from megatron_quads.controller.weight_sync import BufferKeeper, buckets_bytes, to_buckets
+    from megatron_quads.rollout.wire import encode_wire
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    transport = "cuda_ipc" if device.type == "cuda" else "object_store"
+    parts = _trainer_parts(q, device)
+    from megatron_quads.rollout.wire import is_stack_name
+    channels = _channel_sets(dict(layers=q["layers"], experts=q["experts"], hidden=q["hidden"], ffn=q["ffn"]),
+                             q["ratio"], device)
+    out = {"parameters": sum(t.numel() for _, t in parts),
+           "expert_parameters": sum(t.numel() for n, t in parts if is_stack_name(n)), "transport": transport}
+    context = mp.get_context("spawn")
+    for precision, quantized in (("bf16", False), ("quads", True)):
+        requests, replies = context.Queue(), context.Queue()
+        child = context.Process(target=_engine_process, args=(q, precision, device.type, requests, replies), daemon=True)
+        child.start()
+        assert replies.get(timeout=600) == "ready"
+        best, load = float("inf"), float("inf")
+        for version in range(q["repeats"] + 1):  # the first is a warm-up
+            keeper = BufferKeeper() if transport == "cuda_ipc" else None
+            start = time.perf_counter()
+            payload = encode_wire(parts, quantized, torch.bfloat16, channels if quantized else None)
+            buckets = to_buckets(payload, version, quantized=quantized, transport=transport, keep_alive=keeper)
+            requests.put(buckets)
+            got, load_s = replies.get(timeout=600)
+            seconds = time.perf_counter() - start
+            if keeper is not None:
+                keeper.release()
+            if got != version:
+                raise RuntimeError(f"the engine acknowledged version {got}, expected {version}")
+            if version:
+                best, load = min(best, seconds), min(load, load_s)
+            out[f"{precision}_bytes"] = buckets_bytes(buckets)
+            del payload, buckets
+        requests.put(None)
+        child.join(timeout=120)
+        out[f"{precision}_sync_s"], out[f"{precision}_receive_load_s"] = best, load
     return out
 
 
@@ -178,6 +287,19 @@ def markdown(record: dict) -> str:
         "| way | seconds | vs the floor | payload MB |", "|---|---:|---:|---:|",
     ]
     lines += [f"| {name} | {seconds:.4f} | {seconds / copy:.2f}x | {size} |" for name, seconds, size in rows]
+    if "sync" in record:
+        q, y = p["sync"], record["sync"]
+        lines += [
+            "", f"## Trainer -> engine sync ({y['transport']}, engine in another process)", "",
+            f"Synthetic Qwen3-MoE: {q['layers']} layers x {q['experts']} experts, hidden {q['hidden']}, ffn {q['ffn']}, "
+            f"vocab {q['vocab']}: {y['parameters'] / 1e9:.2f} B parameters ({y['expert_parameters'] / 1e9:.2f} B in routed "
+            f"experts). Export (`encode_wire`), buckets, the engine's receive, decode and load; residual channels "
+            f"at ratio {q['ratio']} on the wire; RAC calibration not included. Best of {q['repeats']} after a warm-up.", "",
+            "| payload | sync seconds | engine receive + load | payload MB | vs bf16 |", "|---|---:|---:|---:|---:|",
+            f"| bf16 | {y['bf16_sync_s']:.4f} | {y['bf16_receive_load_s']:.4f} | {y['bf16_bytes'] / 1e6:.1f} | 1.00x |",
+            f"| nvfp4 + residual | {y['quads_sync_s']:.4f} | {y['quads_receive_load_s']:.4f} | {y['quads_bytes'] / 1e6:.1f} "
+            f"| {y['quads_sync_s'] / y['bf16_sync_s']:.2f}x |",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -198,9 +320,11 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": _device_name(),
         "command": " ".join(["python", *sys.argv]),
-        "profile": p,
+        "profile": dict(p),
         "results": measure(p, args.ratio),
     }
+    record["profile"]["sync"] = {**p["sync"], "ratio": args.ratio}
+    record["sync"] = measure_sync(record["profile"]["sync"])
     save_record(args.out, args.profile, record)
     text = markdown(record)
     write_text_atomic(profile_markdown_path(args.out, args.profile), text)

@@ -77,17 +77,17 @@ def test_leading_amax_is_each_experts_max_and_shows_nan() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the export's kernels dispatch on CUDA tensors only")
 def test_the_export_on_the_gpu_equals_quantize_hf_weights_on_the_cpu() -> None:
-    from megatron_quads.rollout.expert_stacks import ExpertStack
     from megatron_quads.rollout.weights import quantize_hf_weights, routed_expert_scope
-    from megatron_quads.rollout.wire import channels_key, decode_wire, encode_wire
+    from megatron_quads.rollout.wire import channels_key, decode_wire, encode_wire, stack_module
 
     gen = torch.Generator().manual_seed(3)
     n, ffn, hidden = 8, 96, 256
     gate_up = (torch.randn(n, 2 * ffn, hidden, generator=gen) * 0.02).to(torch.bfloat16)
     down = (torch.randn(n, hidden, ffn, generator=gen) * 0.02).to(torch.bfloat16)
     channels = {channels_key(0, "gate_up_proj"): _channels(n, hidden, 128), channels_key(0, "down_proj"): _channels(n, ffn, 48)}
-    stack = ExpertStack(0, 0, gate_up.cuda(), down.cuda())
-    got = decode_wire(encode_wire([stack], True, torch.bfloat16, {k: v.cuda() for k, v in channels.items()}), True, 0)
+    stack = [(f"{stack_module(0, 0, n, 'gate_up_proj')}.weight", gate_up.cuda()),
+             (f"{stack_module(0, 0, n, 'down_proj')}.weight", down.cuda())]
+    got = decode_wire(encode_wire(stack, True, torch.bfloat16, {k: v.cuda() for k, v in channels.items()}), True, 0)
     named, per_module = [], {}
     for e in range(n):
         base = f"model.layers.0.mlp.experts.{e}"

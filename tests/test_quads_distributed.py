@@ -133,25 +133,42 @@ def _max_diff(a: dict, b: dict) -> float:
 def _rollout_payload_check(worker, full: dict[str, torch.Tensor]) -> dict:
     """This rank's weight-sync payload against today's whole-model quantization of the full export:
     which sender it is, which experts it sends, and how many of its tensors differ by a byte."""
+    import re
+
+    from megatron_quads.controller.rollout_export import export_rollout_tensors
     from megatron_quads.rollout.weights import quantize_hf_weights, routed_expert_scope
-    from megatron_quads.rollout.wire import decode_wire
-    from megatron_quads.trainer.rollout_export import export_rollout_tensors, weight_sender
+    from megatron_quads.trainer.hf_export import weight_sender
 
     payload = export_rollout_tensors(worker.model, "nvfp4", torch.float32)
     sender = weight_sender()
     if payload is None:
         return {"sender": None}
     expected = quantize_hf_weights(full.items(), routed_expert_scope(), unquantized_dtype=torch.float32).state_dict()
-    got = decode_wire(payload, quantized=True, weight_version=0).state_dict()
 
     def raw(t: torch.Tensor) -> torch.Tensor:
         return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
+    stack = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)-(\d+)\.(gate_up_proj|down_proj)\.(\w+)$")
+    got, experts = {}, set()
+    for name, tensor in payload.items():
+        match = stack.match(name)
+        if match is None:
+            got[name] = tensor
+            continue
+        base, first, last, projection, leaf = match.groups()
+        for i, e in enumerate(range(int(first), int(last) + 1)):
+            experts.add(e)
+            if projection == "down_proj":
+                got[f"{base}.{e}.down_proj.{leaf}"] = tensor[i]
+            elif leaf in ("weight_scale_2", "residual_channels"):  # shared by gate and up
+                got[f"{base}.{e}.gate_proj.{leaf}"] = got[f"{base}.{e}.up_proj.{leaf}"] = tensor[i]
+            else:
+                gate, up = tensor[i].chunk(2)
+                got[f"{base}.{e}.gate_proj.{leaf}"], got[f"{base}.{e}.up_proj.{leaf}"] = gate, up
     differ = [n for n, t in got.items() if t.dtype != expected[n].dtype or not torch.equal(raw(t), raw(expected[n]))]
-    experts = sorted({int(n.split(".")[5]) for n in got if ".mlp.experts." in n})
     dense = sorted(n for n in got if ".mlp.experts." not in n)
-    return {"sender": list(sender), "experts": experts, "dense": dense, "differ": differ[:5],
-            "expected_dense": sorted(n for n in expected if ".mlp.experts." not in n)}
+    return {"sender": list(sender), "experts": sorted(experts), "dense": dense, "differ": differ[:5],
+            "compared": len(got), "expected_dense": sorted(n for n in expected if ".mlp.experts." not in n)}
 
 
 def _job(rank: int, port: int, out_dir: str) -> None:
@@ -263,7 +280,7 @@ def test_each_expert_parallel_rank_sends_its_own_experts_as_todays_quantization(
     for p in senders:
         index = p["sender"][0]
         assert p["experts"] == list(range(index * per_rank, (index + 1) * per_rank))
-        assert p["differ"] == []
+        assert p["differ"] == [] and p["compared"] > 6 * per_rank
         assert p["dense"] == (p["expected_dense"] if index == 0 else [])
 
 

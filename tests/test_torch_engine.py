@@ -184,7 +184,7 @@ def test_weights_that_arrive_stacked_load_without_restacking_and_compute_the_sam
     are, the states viewing them; generations equal those of the per-linear weights, before and after
     calibration, grouped or not."""
     from megatron_quads.rollout.wire import channels_key, decode_wire, encode_wire
-    from megatron_quads.trainer.rollout_export import export_rollout_tensors
+    from megatron_quads.controller.rollout_export import export_rollout_tensors
 
     payload = export_rollout_tensors(trainers["bf16"], "nvfp4", torch.float32)
     stacked = decode_wire(payload, quantized=True, weight_version=1)
@@ -220,7 +220,7 @@ def test_weights_that_arrive_stacked_load_without_restacking_and_compute_the_sam
     assert [g.logprobs for g in tails] != [g.logprobs for g in calibrated[0]]
 
 
-def _stack_parts(model: torch.nn.Module) -> list:
+def _stack_parts(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     from megatron_quads.trainer.hf_export import export_rollout_parts
 
     return list(export_rollout_parts(model))

@@ -5,20 +5,30 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_quads.rollout.expert_stacks import ExpertStack
 from megatron_quads.rollout.weights import quantize_hf_weights, routed_expert_scope
 from megatron_quads.rollout.wire import channels_key, decode_wire, encode_wire, stack_module
 
 EXPERTS, HIDDEN, FFN = 4, 64, 32
 
 
-def _stack(layer: int, seed: int) -> ExpertStack:
-    gen = torch.Generator().manual_seed(seed)
-    gate_up = torch.randn(EXPERTS, 2 * FFN, HIDDEN, generator=gen, dtype=torch.float32).to(torch.bfloat16)
-    down = torch.randn(EXPERTS, HIDDEN, FFN, generator=gen, dtype=torch.float32).to(torch.bfloat16)
-    gate_up[1, FFN:] *= 8.0  # expert 1: the amax sits in up, gate must share it
-    down[2] = 0.0  # an all-zero expert: amax 0
-    return ExpertStack(layer, 0, gate_up, down)
+class _Stack:
+    """One layer's experts in high precision, and their wire names."""
+
+    def __init__(self, layer: int, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.layer, self.first_expert, self.num_experts = layer, 0, EXPERTS
+        self.gate_up = torch.randn(EXPERTS, 2 * FFN, HIDDEN, generator=gen, dtype=torch.float32).to(torch.bfloat16)
+        self.down = torch.randn(EXPERTS, HIDDEN, FFN, generator=gen, dtype=torch.float32).to(torch.bfloat16)
+        self.gate_up[1, FFN:] *= 8.0  # expert 1: the amax sits in up, gate must share it
+        self.down[2] = 0.0  # an all-zero expert: amax 0
+
+    def named(self) -> list[tuple[str, torch.Tensor]]:
+        return [(f"{stack_module(self.layer, 0, EXPERTS, 'gate_up_proj')}.weight", self.gate_up),
+                (f"{stack_module(self.layer, 0, EXPERTS, 'down_proj')}.weight", self.down)]
+
+
+def _stack(layer: int, seed: int) -> _Stack:
+    return _Stack(layer, seed)
 
 
 def _channels(k: int, count: int, seed: int) -> torch.Tensor:
@@ -34,7 +44,7 @@ def _channels(k: int, count: int, seed: int) -> torch.Tensor:
     return torch.stack(rows).to(torch.int32)
 
 
-def _hf_named(stacks: list[ExpertStack], dense: dict[str, torch.Tensor]):
+def _hf_named(stacks: list[_Stack], dense: dict[str, torch.Tensor]):
     yield from dense.items()
     for s in stacks:
         for e in range(s.num_experts):
@@ -63,7 +73,7 @@ def test_stacked_quantization_equals_quantize_hf_weights_byte_for_byte(with_chan
                 base = f"model.layers.{s.layer}.mlp.experts.{e}"
                 per_module[f"{base}.gate_proj"] = per_module[f"{base}.up_proj"] = channels[channels_key(s.layer, "gate_up_proj")][e]
                 per_module[f"{base}.down_proj"] = channels[channels_key(s.layer, "down_proj")][e]
-    payload = encode_wire([*dense.items(), *stacks], quantized=True, dtype=torch.bfloat16, residual_channels=channels)
+    payload = encode_wire([*dense.items(), *(p for st in stacks for p in st.named())], quantized=True, dtype=torch.bfloat16, residual_channels=channels)
     assert f"{stack_module(0, 0, EXPERTS, 'gate_up_proj')}.weight" in payload
     got = decode_wire(payload, quantized=True, weight_version=3)
     expected = quantize_hf_weights(_hf_named(stacks, dense), routed_expert_scope(), per_module, weight_version=3)
@@ -79,7 +89,7 @@ def test_stacked_quantization_equals_quantize_hf_weights_byte_for_byte(with_chan
 
 def test_bf16_stacks_decode_to_per_expert_views() -> None:
     stack = _stack(3, 4)
-    payload = encode_wire([stack], quantized=False, dtype=torch.bfloat16)
+    payload = encode_wire(stack.named(), quantized=False, dtype=torch.bfloat16)
     got = decode_wire(payload, quantized=False, weight_version=0)
     assert len(got) == 3 * EXPERTS
     assert torch.equal(got["model.layers.3.mlp.experts.2.up_proj.weight"], stack.gate_up[2, FFN:])
@@ -92,11 +102,11 @@ def test_non_finite_weights_are_refused_naming_the_stack() -> None:
     stack = _stack(5, 6)
     stack.down[3, 0, 0] = float("nan")
     with pytest.raises(ValueError, match=r"model\.layers\.5\.mlp\.experts\.0-3\.down_proj"):
-        encode_wire([stack], quantized=True, dtype=torch.bfloat16)
+        encode_wire(stack.named(), quantized=True, dtype=torch.bfloat16)
 
 
 def test_damaged_payloads_are_refused_naming_the_tensor() -> None:
-    payload = encode_wire([_stack(0, 7)], quantized=True, dtype=torch.bfloat16,
+    payload = encode_wire(_stack(0, 7).named(), quantized=True, dtype=torch.bfloat16,
                           residual_channels={channels_key(0, "gate_up_proj"): _channels(HIDDEN, 32, 1),
                                              channels_key(0, "down_proj"): _channels(FFN, 16, 2)})
     module = stack_module(0, 0, EXPERTS, "gate_up_proj")
@@ -112,3 +122,33 @@ def test_damaged_payloads_are_refused_naming_the_tensor() -> None:
     missing = {k: v for k, v in payload.items() if not k.endswith(f"{module}.residual_weight")}
     with pytest.raises(ValueError, match=rf"missing tensor '{module}\.residual_weight'"):
         decode_wire(missing, quantized=True, weight_version=0)
+
+
+def test_the_trainer_names_its_stacks_as_the_wire_format_does() -> None:
+    from megatron_quads.trainer.hf_export import expert_stack_name
+
+    assert expert_stack_name(3, 64, 64, "down_proj") == f"{stack_module(3, 64, 64, 'down_proj')}.weight"
+    assert expert_stack_name(0, 0, 8, "gate_up_proj") == f"{stack_module(0, 0, 8, 'gate_up_proj')}.weight"
+
+
+def test_payloads_of_several_senders_decode_to_one_model() -> None:
+    """Two expert-parallel senders (experts 0-1 and 2-3 of each layer) decode to the weights one
+    sender of all four gives; a gap or an overlap between them is an error naming the layer."""
+    whole = _stack(0, 9)
+    halves = []
+    for first in (0, 2):
+        halves.append(encode_wire([(f"{stack_module(0, first, 2, 'gate_up_proj')}.weight", whole.gate_up[first : first + 2]),
+                                   (f"{stack_module(0, first, 2, 'down_proj')}.weight", whole.down[first : first + 2])],
+                                  quantized=True, dtype=torch.bfloat16))
+    union = decode_wire({**halves[0], **halves[1]}, quantized=True, weight_version=1)
+    single = decode_wire(encode_wire(whole.named(), quantized=True, dtype=torch.bfloat16), quantized=True, weight_version=1)
+    assert union.state_dict().keys() == single.state_dict().keys()
+    for name, tensor in single.state_dict().items():
+        assert torch.equal(_raw(union.state_dict()[name]), _raw(tensor)), name
+    assert union.expert_stacks[channels_key(0, "down_proj")].num_experts == EXPERTS
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.gate_up_proj.*leave experts 0\.\.1 out"):
+        decode_wire(halves[1], quantized=True, weight_version=1)
+    overlap = encode_wire([(f"{stack_module(0, 1, 3, 'gate_up_proj')}.weight", whole.gate_up[1:]),
+                           (f"{stack_module(0, 1, 3, 'down_proj')}.weight", whole.down[1:])], quantized=True, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="overlap"):
+        decode_wire({**halves[0], **overlap}, quantized=True, weight_version=1)

@@ -1,8 +1,8 @@
 """A MoE layer's routed experts as stacks, quantized once per projection on their own device.
 
-An :class:`ExpertStack` holds experts ``[first, first + n)`` of one layer in high precision:
-``gate_up [n, 2I, H]`` (each expert's gate rows, then its up rows) and ``down [n, H, I]``.
-:func:`quantize_stack` turns one projection's stack into a :class:`StackedLinearWeight`: the fields
+A stack holds experts ``[first, first + n)`` of one layer's projection in high precision:
+``gate_up [n, 2I, H]`` (each expert's gate rows, then its up rows) or ``down [n, H, I]``.
+:func:`quantize_stack` turns one into a :class:`StackedLinearWeight`: the fields
 of :class:`~megatron_quads.rollout.weights.QuantizedLinearWeight` with a leading expert dimension.
 It is byte for byte what :func:`~megatron_quads.rollout.weights.quantize_hf_weights` makes expert by
 expert (one global amax per expert, gate and up sharing it; ``W_S`` re-blocked from ``q(W)``), but
@@ -25,21 +25,6 @@ _FP8 = torch.float8_e4m3fn
 _PACKED_BLOCK = BLOCK_SIZE // 2
 _AMAX_CANDIDATES = 4  # ulps searched each way for an amax with amax / 2688 == weight_scale_2
 _SMALL_FLAGS = 4096  # flags up to this many elements are kept whole until the one read-back
-
-
-@dataclass(frozen=True)
-class ExpertStack:
-    """High-precision weights of experts ``[first_expert, first_expert + n)`` of MoE layer ``layer``."""
-
-    layer: int
-    first_expert: int
-    gate_up: torch.Tensor  # [n, 2 * ffn, hidden]: gate rows, then up rows
-    down: torch.Tensor  # [n, hidden, ffn]
-
-    @property
-    def num_experts(self) -> int:
-        """n, the experts in the stack."""
-        return self.gate_up.shape[0]
 
 
 @dataclass

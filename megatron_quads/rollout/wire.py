@@ -25,7 +25,6 @@ import torch
 
 from megatron_quads.rollout.expert_stacks import (
     DeferredChecks,
-    ExpertStack,
     StackedLinearWeight,
     check_stack_fields,
     quantize_stack,
@@ -46,42 +45,48 @@ def stack_module(layer: int, first: int, count: int, projection: str) -> str:
     return f"model.layers.{layer}.mlp.experts.{first}-{first + count - 1}.{projection}"
 
 
+def is_stack_name(name: str) -> bool:
+    """Whether ``name`` is a tensor of an expert stack (:func:`stack_module`)."""
+    return _STACK_NAME.match(name) is not None
+
+
 def channels_key(layer: int, projection: str) -> str:
     """Key of one layer's projection in a residual-channel mapping (``[experts, |S|]`` per key)."""
     return f"model.layers.{layer}.mlp.experts.{projection}"
 
 
 def encode_wire(
-    parts: Iterable[tuple[str, torch.Tensor] | ExpertStack],
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
     quantized: bool,
     dtype: torch.dtype,
     residual_channels: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """A sender's payload from HF-named tensors and expert stacks (tensors are copied: later updates
-    of the trainer's parameters do not reach it). ``quantized``: stacks in NVFP4 (else ``dtype``).
+    """A sender's payload from ``(name, tensor)`` pairs: HF-named tensors, and expert stacks named
+    ``<stack_module(...)>.weight`` (the trainer's export). Tensors are copied, so later updates of the
+    trainer's parameters do not reach the payload. ``quantized``: stacks in NVFP4 (else ``dtype``).
 
     ``residual_channels`` maps :func:`channels_key` to every expert's sorted channels ``[experts,
     |S|]`` (the stack's rows are taken); without it ``W_S`` is empty.
     """
     out: dict[str, torch.Tensor] = {}
     checks = DeferredChecks()
-    for part in parts:
-        if not isinstance(part, ExpertStack):
-            name, tensor = part
+    for name, tensor in named_tensors:
+        match = _STACK_NAME.match(name)
+        if match is None or not quantized:
+            if match is not None and match.group(5) != "weight":
+                raise ValueError(f"'{name}': a high-precision expert stack is named '<stack module>.weight'")
             out[name] = tensor.detach().to(dtype, copy=True).contiguous()
             continue
-        n = part.num_experts
-        for projection, weight in zip(PROJECTIONS, (part.gate_up, part.down), strict=True):
-            module = stack_module(part.layer, part.first_expert, n, projection)
-            if not quantized:
-                out[f"{module}.weight"] = weight.detach().to(dtype, copy=True).contiguous()
-                continue
-            channels = None
-            if residual_channels is not None:
-                every = residual_channels[channels_key(part.layer, projection)]
-                channels = every[part.first_expert : part.first_expert + n].to(weight.device)
-            stack = quantize_stack(weight.detach(), channels, checks, what=module)
-            out.update({f"{module}.{f}": t for f, t in stack.tensors().items()})
+        layer, first, last, projection, leaf = match.groups()
+        if leaf != "weight":
+            raise ValueError(f"'{name}': a high-precision expert stack is named '<stack module>.weight'")
+        module = name.rpartition(".")[0]
+        channels = None
+        if residual_channels is not None:
+            every = residual_channels[channels_key(int(layer), projection)]
+            channels = every[int(first) : int(last) + 1].to(tensor.device)
+        stack = quantize_stack(tensor.detach(), channels, checks, what=module)
+        out.update({f"{module}.{f}": t for f, t in stack.tensors().items()})
     checks.raise_if_failed()
     return out
 

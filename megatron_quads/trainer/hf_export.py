@@ -19,7 +19,6 @@ from megatron.core import parallel_state
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import unwrap_model
 
-from megatron_quads.rollout.expert_stacks import ExpertStack
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -177,12 +176,18 @@ def _stack_over_etp(gate_up: torch.Tensor, down: torch.Tensor, etp_group: dist.P
     return gate_up, torch.cat(down_shards, dim=2) if len(down_shards) > 1 else down
 
 
-def export_rollout_parts(model: torch.nn.Module | list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor] | ExpertStack]:
-    """Every weight for the rollout engines: each tensor that is not a routed expert as
-    ``(hf_name, full_tensor)`` (gathered over TP), and each MoE layer's experts held by this
-    expert-parallel rank as one :class:`ExpertStack` (gathered over expert TP, not over EP).
+def expert_stack_name(layer: int, first: int, count: int, projection: str) -> str:
+    """The name of experts ``[first, first + count)`` of a layer's ``gate_up_proj`` or ``down_proj``
+    as one stacked tensor (the weight sync's wire names: docs/format.md)."""
+    return f"model.layers.{layer}.mlp.experts.{first}-{first + count - 1}.{projection}.weight"
 
-    Collective: every rank of the model-parallel world iterates it in step."""
+
+def export_rollout_parts(model: torch.nn.Module | list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every weight for the rollout engines as ``(name, full tensor)``: each tensor that is not a
+    routed expert under its HF name (gathered over TP), and each MoE layer's experts held by this
+    expert-parallel rank as two stacks, ``gate_up [n, 2I, H]`` (every expert's gate rows, then its up
+    rows) and ``down [n, H, I]``, named by :func:`expert_stack_name` (gathered over expert TP, not
+    over EP). Collective: every rank of the model-parallel world iterates it in step."""
     gpt, config, etp_group, ep_group, num_local = _export_setup(model, "export_rollout_parts")
     first_expert = dist.get_rank(ep_group) * num_local
     pending: dict[int, dict[str, dict[int, torch.Tensor]]] = {}
@@ -204,10 +209,22 @@ def export_rollout_parts(model: torch.nn.Module | list[torch.nn.Module]) -> Iter
             dense = {}
             gate_up = torch.stack([experts["1"][i] for i in range(num_local)])
             down = torch.stack([experts["2"][i] for i in range(num_local)])
-            yield ExpertStack(layer, first_expert, *_stack_over_etp(gate_up, down, etp_group))
+            gate_up, down = _stack_over_etp(gate_up, down, etp_group)
+            yield expert_stack_name(layer, first_expert, num_local, "gate_up_proj"), gate_up
+            yield expert_stack_name(layer, first_expert, num_local, "down_proj"), down
     if pending:
         raise KeyError(f"export_rollout_parts: layers {sorted(pending)} are missing expert weights")
     yield from _hf_tensors(gpt, dense.items())
+
+
+def weight_sender() -> tuple[int, int] | None:
+    """(this rank's sender index, number of senders) when this rank sends rollout weights, else None.
+
+    One sender per expert-parallel rank: the rank with expert-tensor-parallel rank 0 and expert-data-
+    parallel rank 0 of that EP rank's group (index = EP rank); sender 0 is global rank 0."""
+    if parallel_state.get_expert_tensor_parallel_rank() or parallel_state.get_expert_data_parallel_rank():
+        return None
+    return parallel_state.get_expert_model_parallel_rank(), parallel_state.get_expert_model_parallel_world_size()
 
 
 def qwen3_moe_config(model_cfg) -> object:
