@@ -33,7 +33,8 @@ from megatron_quads.controller.weight_sync import (
     from_buckets,
     to_buckets,
 )
-from megatron_quads.rollout.weights import quantize_hf_weights
+from megatron_quads.rollout.weights import QuantizedModelWeights, quantize_hf_weights
+from megatron_quads.rollout.wire import decode_wire
 
 LAYERS, EXPERTS, HIDDEN, FFN = 4, 16, 1024, 768
 KEY = "cpu"
@@ -58,14 +59,17 @@ class Receiver:
     """Stands in for a rollout worker: rebuilds the weights it is sent."""
 
     def receive(self, refs: list) -> int:
-        weights, version = from_buckets([ray.get(ref) for ref in refs])
+        tensors, quantized, version = from_buckets([ray.get(ref) for ref in refs])
+        decode_wire(tensors, quantized, version)
         return version
 
 
-def sync_case(name: str, weights, receiver) -> dict:
-    """Quantize (if asked), ship through the object store, rebuild on the other side."""
+def sync_case(name: str, weights: QuantizedModelWeights | dict[str, torch.Tensor], receiver) -> dict:
+    """Ship (already quantized, if asked) weights through the object store, rebuild them on the other side."""
     start = time.perf_counter()
-    buckets = to_buckets(weights, 1, bucket_bytes=64 * 2**20)
+    quantized = isinstance(weights, QuantizedModelWeights)
+    tensors = weights.state_dict() if quantized else weights
+    buckets = to_buckets(tensors, 1, quantized=quantized, bucket_bytes=64 * 2**20)
     assert ray.get(receiver.receive.remote([ray.put(b) for b in buckets])) == 1
     seconds = time.perf_counter() - start
     return {"payload": name, "payload_MB": round(buckets_bytes(buckets) / 2**20, 1), "buckets": len(buckets),

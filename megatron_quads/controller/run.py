@@ -45,6 +45,19 @@ def _trainer_get(refs):
         raise TrainerFailure(f"a trainer rank failed ({type(err).__name__}): {str(err).splitlines()[0]}") from err
 
 
+def _sender_actors(actors: list, senders: list[tuple[int, int] | None]) -> list:
+    """The sending trainer actors in sender order, from each rank's ``weight_sender()``; the senders
+    must be numbered 0..n-1 with one n."""
+    found = {rank: s for rank, s in enumerate(senders) if s is not None}
+    counts = {n for _, n in found.values()}
+    indices = sorted(i for i, _ in found.values())
+    if len(counts) != 1 or indices != list(range(counts.pop())):
+        raise RuntimeError(f"the trainer ranks' weight senders (rank: (index, senders)) {found} are not numbered "
+                             "0..n-1 with one n")
+    by_index = {index: actors[rank] for rank, (index, _) in found.items()}
+    return [by_index[i] for i in indices]
+
+
 class Trainers:
     """The trainer ranks as Ray actors forming one torch.distributed group."""
 
@@ -58,6 +71,7 @@ class Trainers:
         address, port = _trainer_get(self.actors[0].rendezvous_address.remote())
         self.backend = _trainer_get([a.setup.remote(address, port) for a in self.actors])[0]
         self.dp = _trainer_get([a.data_parallel.remote() for a in self.actors])
+        self.senders = _sender_actors(self.actors, _trainer_get([a.weight_sender.remote() for a in self.actors]))
 
     def _shards(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         return [{k: v.chunk(size)[rank] for k, v in batch.items()} for rank, size in self.dp]
@@ -92,13 +106,24 @@ class Trainers:
         """One optimizer step over the whole batch."""
         return _trainer_get([a.train_step.remote(s) for a, s in zip(self.actors, self._shards(batch), strict=True)])[0]
 
-    def export_rollout_weights(self, version: int) -> list:
-        """The rollout weights (quantized once, on the trainer side) as bounded buckets (see TrainerWorker)."""
-        return _trainer_get([a.export_rollout_weights.remote(version) for a in self.actors])[0]
+    def export_rollout_weights(self, version: int) -> tuple[list, dict[str, float]]:
+        """The rollout weights (quantized once, on the trainer side) as bounded buckets: every
+        sender's, in sender order (see TrainerWorker); bytes summed over the senders, export_s the
+        slowest sender's."""
+        exported = _trainer_get([a.export_rollout_weights.remote(version) for a in self.actors])
+        by_actor = dict(zip(self.actors, exported, strict=True))
+        sending = [i for i, part in enumerate(exported) if part is not None]
+        expected = [self.actors.index(a) for a in self.senders]
+        if sorted(sending) != sorted(expected):
+            raise RuntimeError(f"trainer ranks {sending} sent rollout weights; the weight senders are ranks {expected}")
+        parts = [by_actor[a] for a in self.senders]
+        buckets = [b for part_buckets, _ in parts for b in part_buckets]
+        stats = {"bytes": sum(s["bytes"] for _, s in parts), "export_s": max(s["export_s"] for _, s in parts)}
+        return buckets, stats
 
     def release_sync_buffers(self) -> None:
-        """Free rank 0's CUDA IPC buffers once every engine has copied them."""
-        _trainer_get(self.actors[0].release_sync_buffers.remote())
+        """Free every sender's CUDA IPC / broadcast buffers once every engine has them."""
+        _trainer_get([a.release_sync_buffers.remote() for a in self.senders])
 
     def kill(self) -> None:
         """End every rank's actor."""
@@ -142,12 +167,14 @@ class Rollouts:
         return sum(ray.get([w.sleep.remote() for w in self.workers], timeout=self.cfg.rollout.timeout_s))
 
     def _form_sync_group(self, trainers: Trainers) -> None:
-        """(Re)build the weight-broadcast group: trainer rank 0 (the store host) and every engine."""
+        """(Re)build the weight-broadcast groups: one per weight sender (that trainer rank hosts the
+        group's store and is its rank 0), each with every engine as ranks 1..n."""
         self.group_generation += 1
-        address, port = ray.get(trainers.actors[0].rendezvous_address.remote())
+        endpoints = ray.get([a.rendezvous_address.remote() for a in trainers.senders], timeout=self.cfg.rollout.timeout_s)
         world = len(self.workers) + 1
-        joins = [trainers.actors[0].join_sync_group.remote(address, port, world, self.group_generation)]
-        joins += [w.join_sync_group.remote(address, port, i + 1, world, self.group_generation) for i, w in enumerate(self.workers)]
+        joins = [a.join_sync_group.remote(address, port, world, self.group_generation)
+                 for a, (address, port) in zip(trainers.senders, endpoints, strict=True)]
+        joins += [w.join_sync_groups.remote(endpoints, i + 1, world, self.group_generation) for i, w in enumerate(self.workers)]
         ray.get(joins, timeout=self.cfg.rollout.timeout_s)
 
     def _load(self, trainers: Trainers, workers: list, version: int) -> tuple[list, dict]:
@@ -159,8 +186,8 @@ class Rollouts:
         held_by_sender = self.cfg.weight_transport() != "object_store"
         try:
             loads = [w.load_weights.remote(buckets, version) for w in workers]
-            if collective:  # the sender's broadcast runs while the engines receive, then frees its buffers
-                loads.append(trainers.actors[0].broadcast_sync_buffers.remote())
+            if collective:  # every sender broadcasts over its own group while the engines receive, then frees its buffers
+                loads += [a.broadcast_sync_buffers.remote() for a in trainers.senders]
             loaded = ray.get(loads, timeout=self.cfg.rollout.timeout_s)
         except BaseException:
             if held_by_sender:
@@ -171,8 +198,9 @@ class Rollouts:
         return loaded[: len(workers)], stats
 
     def sync(self, trainers: Trainers, version: int) -> dict[str, float]:
-        """Export the trainer's weights once and load them into every engine (each checks names,
-        shapes and the version); CUDA IPC / broadcast buffers are freed after. Returns payload bytes
+        """Export the trainer's weights once (every sending rank its part) and load the union into
+        every engine (each checks the bucket set, names, shapes and the version); CUDA IPC / broadcast
+        buffers are freed after. Returns payload bytes
         and the trainer's export seconds plus the slowest engine's wake / receive / load."""
         self.trainers, self.version = trainers, version
         loaded, stats = self._load(trainers, self.workers, version)

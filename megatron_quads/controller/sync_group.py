@@ -1,9 +1,11 @@
-"""A process group of its own for weight broadcast: trainer rank 0 (rank 0) and every rollout engine.
+"""A process group of its own for weight broadcast: one weight-sending trainer rank (rank 0) and
+every rollout engine (ranks 1..n). Each sender has its own group, so the senders broadcast
+concurrently and no sender receives another's buffers.
 
-The trainers' default process group stays untouched: this one is built directly on a TCPStore hosted
-by trainer rank 0, with NCCL when everyone holds a GPU and gloo on CPU (the tests use gloo; the NCCL
-path is the same code and has not been run). Engines that restart get a new group: every member joins
-a fresh store (new port, new generation prefix).
+The trainers' default process group stays untouched: each group is built directly on a TCPStore
+hosted by its sender, with NCCL when everyone holds a GPU and gloo on CPU (the tests use gloo; the
+NCCL path is the same code and has not been run). Engines that restart get new groups: every member
+joins a fresh store (new port, new generation prefix).
 """
 
 from __future__ import annotations

@@ -1,31 +1,40 @@
 """Weight buckets between trainer and rollout workers: flat byte buffers of bounded size, versioned.
 
-The sender packs weights (NVFP4-plus-residual tensors, or BF16 ones by HF name) into buckets of at
-most ``bucket_bytes`` (a tensor larger than that travels alone). Each bucket is ONE contiguous uint8
-buffer plus a table of (name, dtype, shape, offset), so a transfer is one copy per bucket whatever
-the dtypes (Ray's tensor serializer cannot carry float8; a byte buffer can), and on the GPU one CUDA
-IPC handle per bucket. Buckets are tagged with the weight version, their index and the bucket count;
-the receiver checks the set is complete and from one version, then rebuilds the weights, which
-validates every tensor's name, shape and dtype (``QuantizedModelWeights.from_state_dict``).
+Several trainer ranks send, each its own part of the weights (one sender per expert-parallel rank:
+its experts; sender 0 also every non-expert tensor). The content is opaque here: each sender's
+``{name: tensor}`` in wire form (``megatron_quads.controller.rollout_export``), turned back into
+what engines load by ``megatron_quads.rollout.wire.decode_wire``.
+
+A sender packs its tensors into buckets of at most ``bucket_bytes`` (a tensor larger than that
+travels alone). Each bucket is ONE contiguous uint8 buffer plus a table of (name, dtype, shape,
+offset), so a transfer is one copy per bucket whatever the dtypes (Ray's tensor serializer cannot
+carry float8; a byte buffer can), and on the GPU one CUDA IPC handle per bucket. Buckets are tagged
+with the weight version, whether the content is quantized, their sender and the sender count, and
+their index and count within that sender. The receiver checks, before any data moves, that every
+sender sent its complete set, all of one version and kind, and that no tensor name comes twice; it
+returns the union of the senders' tensors.
 
 Transports (``Bucket.payload``):
 - ``object_store``: the buffer on CPU, carried by Ray's object store (any placement, CPU or GPU).
 - ``cuda_ipc``: a CUDA IPC handle of the sender's GPU buffer; the receiver maps it and copies once.
   Only between processes on the same GPU (the colocated placement). The sender must keep the
-  buffer alive until every receiver has copied it (:meth:`IpcKeepAlive.release`).
-- ``collective``: no payload; the sender broadcasts the buffers, in bucket order, over a
-  :class:`~megatron_quads.controller.sync_group.WeightSyncGroup` (gloo on CPU, NCCL on GPUs) while
-  every receiver allocates ``buffer_bytes`` and receives them (disaggregated placements).
+  buffer alive until every receiver has copied it (:meth:`BufferKeeper.release`).
+- ``collective``: no payload; each sender broadcasts its buffers, in bucket order, over its own
+  :class:`~megatron_quads.controller.sync_group.WeightSyncGroup` (that sender and every receiver;
+  gloo on CPU, NCCL on GPUs) while every receiver allocates ``buffer_bytes`` and receives them,
+  sender by sender (disaggregated placements). The senders broadcast concurrently.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from megatron_quads.rollout.weights import QuantizedModelWeights
+if TYPE_CHECKING:
+    from megatron_quads.controller.sync_group import WeightSyncGroup
 
 Transport = Literal["object_store", "cuda_ipc", "collective"]
 _ALIGN = 16  # bytes: every tensor starts at an offset any dtype may view
@@ -44,13 +53,15 @@ class TensorSpec:
 
 @dataclass
 class Bucket:
-    """One bounded piece of a weight version: a byte buffer (or a handle to it) and its table."""
+    """One bounded piece of one sender's part of a weight version: a byte buffer (or a handle to
+    it) and its table; ``index`` of ``count`` within sender ``sender`` of ``senders``."""
 
     version: int
+    sender: int
+    senders: int
     index: int
     count: int
     quantized: bool
-    config: dict[str, Any] | None
     specs: list[TensorSpec]
     transport: Transport
     payload: Any = field(repr=False)
@@ -121,21 +132,26 @@ class BufferKeeper:
 
 
 def to_buckets(
-    weights: QuantizedModelWeights | dict[str, torch.Tensor],
+    tensors: dict[str, torch.Tensor],
     version: int,
+    *,
+    quantized: bool,
+    sender: int = 0,
+    senders: int = 1,
     bucket_bytes: int = 256 * 2**20,
     transport: Transport = "object_store",
     keep_alive: BufferKeeper | None = None,
 ) -> list[Bucket]:
-    """Split weights into buckets of bounded size, packed for ``transport``.
+    """Split one sender's tensors (wire form) into buckets of bounded size, packed for ``transport``.
 
-    ``cuda_ipc`` needs the weights on a CUDA device and a ``keep_alive`` to hold the buffers;
-    ``collective`` a ``keep_alive`` too (the sender broadcasts its buffers afterwards).
+    ``cuda_ipc`` needs the tensors on a CUDA device and a ``keep_alive`` to hold the buffers;
+    ``collective`` a ``keep_alive`` too (the sender broadcasts its buffers afterwards). A sender with
+    no tensors still sends one (empty) bucket, so the receiver sees it is complete.
     """
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    quantized = isinstance(weights, QuantizedModelWeights)
-    tensors = weights.state_dict() if quantized else dict(weights)
+    if not 0 <= sender < senders:
+        raise ValueError(f"sender index {sender} is outside 0..{senders - 1} (senders={senders})")
     groups: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in tensors.items():
@@ -144,7 +160,6 @@ def to_buckets(
             size = 0
         groups[-1][name] = t
         size += _nbytes(t)
-    config = dict(weights.config) if quantized else None
     buckets = []
     for index, group in enumerate(groups):
         buffer, specs = pack(group)
@@ -159,7 +174,8 @@ def to_buckets(
             payload = None
         else:
             raise ValueError(f"unknown weight transport {transport!r}: use 'object_store', 'cuda_ipc' or 'collective'")
-        buckets.append(Bucket(version, index, len(groups), quantized, config, specs, transport, payload, buffer.numel()))
+        buckets.append(Bucket(version, sender, senders, index, len(groups), quantized, specs, transport, payload,
+                              buffer.numel()))
     return buckets
 
 
@@ -167,17 +183,21 @@ def _ipc_handle(buffer: torch.Tensor, keep_alive: BufferKeeper | None) -> tuple:
     if not buffer.is_cuda:
         raise ValueError("cuda_ipc weight transport needs the weights on a CUDA device; use object_store on CPU")
     if keep_alive is None:
-        raise ValueError("cuda_ipc weight transport needs an IpcKeepAlive to hold the sender's buffers")
+        raise ValueError("cuda_ipc weight transport needs a BufferKeeper to hold the sender's buffers")
     from torch.multiprocessing.reductions import reduce_tensor
 
     keep_alive.hold(buffer)
     return reduce_tensor(buffer)
 
 
-def _receive(bucket: Bucket, device: torch.device | str | None, group=None) -> dict[str, torch.Tensor]:
+def _receive(bucket: Bucket, device: torch.device | str | None,
+             groups: Sequence[WeightSyncGroup] | None) -> dict[str, torch.Tensor]:
     if bucket.transport == "collective":
-        if group is None:
-            raise ValueError("collective weight buckets need the receiver's WeightSyncGroup")
+        if groups is None or len(groups) != bucket.senders:
+            have = 0 if groups is None else len(groups)
+            raise ValueError(f"collective weight buckets from {bucket.senders} sender(s) need one WeightSyncGroup per "
+                             f"sender; the receiver has {have} (join the senders' groups first)")
+        group = groups[bucket.sender]
         buffer = group.broadcast(torch.empty(bucket.buffer_bytes, dtype=torch.uint8, device=group.device))
         if device is not None:
             buffer = buffer.to(device)
@@ -191,31 +211,62 @@ def _receive(bucket: Bucket, device: torch.device | str | None, group=None) -> d
     return unpack(buffer, bucket.specs)
 
 
-def from_buckets(
-    buckets: list[Bucket], device: torch.device | str | None = None, group=None
-) -> tuple[QuantizedModelWeights | dict[str, torch.Tensor], int]:
-    """Inverse of :func:`to_buckets`: (weights, version), on ``device`` if given; a bad set raises.
-
-    ``collective`` buckets are received over ``group`` in index order (the order the sender broadcasts).
-    """
+def check_buckets(buckets: list[Bucket]) -> list[Bucket]:
+    """The buckets in receive order (sender, then index) once the set is whole: every sender
+    0..senders-1 with all its buckets, one version, one kind (quantized or not), no tensor twice."""
     if not buckets:
         raise ValueError("received no weight buckets")
     first = buckets[0]
-    indices = sorted(b.index for b in buckets)
-    if indices != list(range(first.count)) or any(b.count != first.count for b in buckets):
-        raise ValueError(f"incomplete weight sync: got buckets {indices} of {first.count}")
-    versions = {b.version for b in buckets}
-    if len(versions) != 1:
-        raise ValueError(f"weight buckets from different versions {sorted(versions)}")
+    for what in ("senders", "version", "quantized"):
+        values = {getattr(b, what) for b in buckets}
+        if len(values) != 1:
+            raise ValueError(f"weight buckets disagree on {what}: {sorted(values)}; every bucket of one sync must "
+                             "come from the same export")
+    by_sender: dict[int, list[Bucket]] = {}
+    for b in buckets:
+        if not 0 <= b.sender < first.senders:
+            raise ValueError(f"weight bucket from sender {b.sender}, outside 0..{first.senders - 1}")
+        by_sender.setdefault(b.sender, []).append(b)
+    missing = [s for s in range(first.senders) if s not in by_sender]
+    if missing:
+        raise ValueError(f"incomplete weight sync: no buckets from sender(s) {missing} of {first.senders}; every "
+                         "sending trainer rank's buckets must reach every engine")
+    ordered = []
+    for sender in range(first.senders):
+        own = sorted(by_sender[sender], key=lambda b: b.index)
+        counts = {b.count for b in own}
+        indices = [b.index for b in own]
+        if len(counts) != 1:
+            raise ValueError(f"weight buckets of sender {sender} disagree on their count: {sorted(counts)}")
+        if indices != list(range(own[0].count)):
+            raise ValueError(f"incomplete weight sync: sender {sender} sent buckets {indices} of {own[0].count}")
+        ordered += own
+    seen: dict[str, tuple[int, int]] = {}
+    for b in ordered:
+        for spec in b.specs:
+            if spec.name in seen:
+                raise ValueError(f"tensor {spec.name!r} arrived twice: in sender {seen[spec.name][0]}'s bucket "
+                                 f"{seen[spec.name][1]} and sender {b.sender}'s bucket {b.index}; each tensor must "
+                                 "have exactly one sender")
+            seen[spec.name] = (b.sender, b.index)
+    return ordered
+
+
+def from_buckets(
+    buckets: list[Bucket], device: torch.device | str | None = None,
+    groups: Sequence[WeightSyncGroup] | None = None,
+) -> tuple[dict[str, torch.Tensor], bool, int]:
+    """Inverse of :func:`to_buckets` over every sender: (the union of their tensors, quantized,
+    version), on ``device`` if given; a bad set raises before any data moves (:func:`check_buckets`).
+
+    ``collective`` buckets are received over ``groups[sender]``, sender after sender, each in index
+    order (the order that sender broadcasts).
+    """
+    ordered = check_buckets(buckets)
     tensors: dict[str, torch.Tensor] = {}
-    for b in sorted(buckets, key=lambda b: b.index):
-        for name, t in _receive(b, device, group).items():
-            if name in tensors:
-                raise ValueError(f"tensor {name!r} arrived in two buckets")
-            tensors[name] = t
-    if first.quantized:
-        return QuantizedModelWeights.from_state_dict(tensors, first.config), first.version
-    return tensors, first.version
+    for b in ordered:
+        tensors.update(_receive(b, device, groups))
+    return tensors, ordered[0].quantized, ordered[0].version
 
 
 def buckets_bytes(buckets: list[Bucket]) -> int:

@@ -5,7 +5,6 @@ Plain classes (Ray wraps them with ``ray.remote``), so they are usable and testa
 
 from __future__ import annotations
 
-import re
 import time
 from pathlib import Path
 
@@ -13,8 +12,6 @@ import torch
 
 from megatron_quads.controller.config import RunConfig
 from megatron_quads.rollout.engine import logprob_temperature
-
-EXPERT_MODULE = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj$")
 
 
 def _elapsed(start: float) -> float:
@@ -130,9 +127,16 @@ class TrainerWorker:
         """One optimizer step on this rank's shard with the GRPO policy loss."""
         return self.worker.train_step(batch, self.loss, temperature=logprob_temperature(self.cfg.rollout.temperature))
 
-    def export_rollout_weights(self, version: int):
-        """Weights for the rollout engines, quantized once, as (bounded buckets, {bytes, export_s})
-        on rank 0 (None on the others); export_s covers the gathers, quantization and packing.
+    def weight_sender(self) -> tuple[int, int] | None:
+        """(this rank's sender index, number of senders) if it sends rollout weights, else None."""
+        from megatron_quads.trainer.hf_export import weight_sender
+
+        return weight_sender()
+
+    def export_rollout_weights(self, version: int) -> tuple[list, dict[str, float]] | None:
+        """This rank's part of the rollout weights, in wire form, as (bounded buckets, {bytes,
+        export_s}) on a sending rank, None on the others; export_s covers the gathers, quantization
+        and packing. Collective: every rank calls it.
 
         With the ``object_store`` transport the buckets are Ray object refs; with ``cuda_ipc`` or
         ``collective`` they are bucket objects (IPC handles, or buffer sizes for the broadcast) whose
@@ -140,30 +144,29 @@ class TrainerWorker:
         """
         import ray
 
-        from megatron_quads.controller.weight_sync import (
-            BufferKeeper,
-            buckets_bytes,
-            to_buckets,
-        )
-        from megatron_quads.rollout.weights import quantize_hf_weights
+        from megatron_quads.controller.weight_sync import BufferKeeper, buckets_bytes, to_buckets
+        from megatron_quads.controller.rollout_export import export_rollout_tensors
+        from megatron_quads.trainer.hf_export import weight_sender
 
         start = time.perf_counter()
         dtype = policy_model_config(self.cfg).torch_dtype
-        named = ((name, tensor) for name, tensor in self.worker.export_hf_weights())
-        if self.rank != 0:
-            for _ in named:  # the export is collective: take part in every gather, keep nothing
-                pass
+        precision = "bf16" if self.cfg.engine_precision() == "bf16" else "nvfp4"
+        tensors = export_rollout_tensors(self.worker.model, precision, dtype)
+        sender = weight_sender()
+        if (tensors is None) != (sender is None):
+            raise RuntimeError(f"trainer rank {self.rank}: export_rollout_tensors returned "
+                               f"{'nothing' if tensors is None else 'tensors'} but weight_sender() is {sender}; "
+                               "a rank sends exactly when it is a weight sender")
+        if tensors is None:
             return None
-        if self.cfg.engine_precision() == "bf16":
-            weights = {name: t.to(dtype, copy=True) for name, t in named}
-        else:
-            weights = quantize_hf_weights(((n, t.float()) for n, t in named), lambda m: bool(EXPERT_MODULE.match(m)),
-                                          weight_version=version, unquantized_dtype=dtype)
-        bucket_bytes = int(self.cfg.rollout.sync_bucket_mb * 2**20)
+        index, senders = sender
         transport = self.cfg.weight_transport()
         # CUDA IPC handles / collective sizes travel in the buckets; this rank keeps the buffers meanwhile
         self._sync_buffers = None if transport == "object_store" else BufferKeeper()
-        buckets = to_buckets(weights, version, bucket_bytes, transport, self._sync_buffers)
+        buckets = to_buckets(tensors, version, quantized=precision == "nvfp4", sender=index, senders=senders,
+                             bucket_bytes=int(self.cfg.rollout.sync_bucket_mb * 2**20), transport=transport,
+                             keep_alive=self._sync_buffers)
+        del tensors
         sent = [ray.put(bucket) for bucket in buckets] if transport == "object_store" else buckets
         return sent, {"bytes": buckets_bytes(buckets), "export_s": _elapsed(start)}
 
@@ -174,15 +177,17 @@ class TrainerWorker:
         return held
 
     def join_sync_group(self, address: str, port: int, world: int, generation: int) -> None:
-        """Rank 0 of the weight-broadcast group (it hosts the group's store at ``address:port``)."""
+        """Rank 0 of this sender's weight-broadcast group (it hosts the group's store at ``address:port``)."""
         from megatron_quads.controller.sync_group import WeightSyncGroup
 
         on_gpu = self.cfg.placement.trainer_gpus_per_worker > 0
         device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        self.sync_group = None  # the previous generation's group (and its store) goes first
         self.sync_group = WeightSyncGroup(address, port, 0, world, generation, device, self.cfg.rollout.timeout_s)
 
     def broadcast_sync_buffers(self) -> int:
-        """Broadcast the last collective export's buffers in bucket order, then free them; returns bytes."""
+        """Broadcast the last collective export's buffers over this sender's group in bucket order,
+        then free them; returns bytes."""
         if self.sync_group is None or self._sync_buffers is None:
             raise RuntimeError("broadcast_sync_buffers needs join_sync_group and a collective export first")
         for buffer in self._sync_buffers.buffers:
@@ -218,36 +223,42 @@ class RolloutWorker:
                 grouped=cfg.rollout.grouped_experts,
             )
         self.asleep = False
-        self.sync_group = None
+        self.sync_groups: list = []  # collective transport: one WeightSyncGroup per sender, in sender order
 
-    def join_sync_group(self, address: str, port: int, rank: int, world: int, generation: int) -> None:
-        """Join the weight-broadcast group as receiver ``rank`` (>= 1)."""
+    def join_sync_groups(self, endpoints: list[tuple[str, int]], rank: int, world: int, generation: int) -> None:
+        """Join every sender's weight-broadcast group (``endpoints[k]``: sender k's store) as receiver
+        ``rank`` (>= 1), in sender order."""
         from megatron_quads.controller.sync_group import WeightSyncGroup
 
         device = torch.device("cuda", torch.cuda.current_device()) if self.device.type == "cuda" else self.device
-        self.sync_group = WeightSyncGroup(address, port, rank, world, generation, device, self.cfg.rollout.timeout_s)
+        self.sync_groups = []
+        self.sync_groups = [WeightSyncGroup(address, port, rank, world, generation, device, self.cfg.rollout.timeout_s)
+                            for address, port in endpoints]
 
     def load_weights(self, buckets: list, version: int) -> tuple[int, dict]:
-        """Fetch the buckets, check and swap in the weights.
+        """Fetch every sender's buckets, check the set, decode the union and swap it in.
 
         Returns (the weight version now held, seconds spent waking up (colocated: weights back on the
-        GPU) / receiving / loading).
+        GPU) / receiving / decoding and loading).
         """
         import ray
 
         from megatron_quads.controller.weight_sync import from_buckets
+        from megatron_quads.rollout.wire import decode_wire
 
         start = time.perf_counter()
         self.wake_up()
         wake_s = _elapsed(start)
         start = time.perf_counter()
         received = [ray.get(b) if isinstance(b, ray.ObjectRef) else b for b in buckets]
-        weights, sent_version = from_buckets(received, device=self.device, group=self.sync_group)
+        tensors, quantized, sent_version = from_buckets(received, device=self.device, groups=self.sync_groups)
         if sent_version != version:
             raise ValueError(f"weight buckets have version {sent_version}, the controller expected {version}")
         receive_s = _elapsed(start)
+        weights = decode_wire(tensors, quantized, sent_version)
+        del tensors, received
         self.engine.load_weights(weights, version)
-        del weights, received
+        del weights
         return self.engine.weight_version, {"wake_s": wake_s, "receive_s": receive_s, "load_s": _elapsed(start) - receive_s}
 
     def calibrate(self, prompts: list[list[int]]) -> dict[str, float]:
