@@ -220,6 +220,8 @@ def test_a_killed_vllm_rollout_worker_is_restarted_and_resynced(tmp_path: Path) 
         (["rollout.weight_transfer=cuda_ipc"], "cuda_ipc works between processes on one GPU"),
         (["rollout.weight_transfer=collective", "placement.mode=colocated"], "collective needs placement.mode=disaggregated"),
         (["rollout.weight_transfer=collective", "rollout.num_gpus_per_worker=1"], "same kind of device"),
+        (["rollout.weight_transfer=cuda_ipc", "placement.mode=colocated", "placement.trainer_gpus_per_worker=1",
+          "trainer_world_size=2", "parallel.expert_parallel=2"], "cuda_ipc needs one weight sender"),
         (["placement.trainer_gpus_per_worker=2"], r"placement\.trainer_gpus_per_worker"),
         (["rollout.engine=vllm", "rollout.router_replay=r3", "rollout.vllm.multiprocess=true"], "in the engine's process"),
         (["rollout.router_replay=r2"], r"rollout\.router_replay"),
@@ -240,26 +242,57 @@ def test_weight_buckets_are_bounded_and_round_trip() -> None:
 
     named = {f"model.layers.0.mlp.experts.{e}.{p}.weight": torch.randn(32, 64) for e in range(4) for p in ("gate_proj", "up_proj")}
     named["model.norm.weight"] = torch.ones(64)
-    weights = quantize_hf_weights(named.items(), lambda m: "experts" in m)
+    sent = quantize_hf_weights(named.items(), lambda m: "experts" in m).state_dict()
     limit = 3000
-    buckets = to_buckets(weights, 5, bucket_bytes=limit)
+    buckets = to_buckets(sent, 5, quantized=True, bucket_bytes=limit)
     assert len(buckets) > 1
     assert all(buckets_bytes([b]) <= limit for b in buckets)
-    back, version = from_buckets(list(reversed(buckets)))  # arrival order does not matter
-    assert version == 5
+    received, quantized, version = from_buckets(list(reversed(buckets)))  # arrival order does not matter
+    assert (quantized, version) == (True, 5)
 
     def raw(t: torch.Tensor) -> torch.Tensor:
         return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
-    received = back.state_dict()
-    assert received.keys() == weights.state_dict().keys()
-    for name, tensor in weights.state_dict().items():
+    assert list(received) == list(sent)  # in the sender's order
+    for name, tensor in sent.items():
         assert received[name].dtype == tensor.dtype and torch.equal(raw(received[name]), raw(tensor))
-    with pytest.raises(ValueError, match="incomplete weight sync"):
+    with pytest.raises(ValueError, match=r"incomplete weight sync: sender 0 sent buckets \[1, 2"):
         from_buckets(buckets[1:])
-    stale = to_buckets(weights, 4, bucket_bytes=limit)
-    with pytest.raises(ValueError, match="different versions"):
+    stale = to_buckets(sent, 4, quantized=True, bucket_bytes=limit)
+    with pytest.raises(ValueError, match="disagree on version"):
         from_buckets([stale[0], *buckets[1:]])
+
+
+def test_weight_buckets_from_several_senders_are_complete_per_sender() -> None:
+    from megatron_quads.controller.weight_sync import BufferKeeper, from_buckets, to_buckets
+
+    parts = [{f"model.layers.0.mlp.experts.{e}.down_proj.weight": torch.full((4, 8), float(e)) for e in (2 * s, 2 * s + 1)}
+             for s in range(3)]
+    parts[0]["model.norm.weight"] = torch.ones(8)
+    sets = [to_buckets(part, 7, quantized=False, sender=s, senders=3, bucket_bytes=128) for s, part in enumerate(parts)]
+    assert [len(b) for b in sets] == [3, 2, 2] and {(b.sender, b.senders) for b in sets[1]} == {(1, 3)}
+    everything = [b for own in sets for b in own]
+    tensors, quantized, version = from_buckets(everything[::-1])
+    assert (quantized, version) == (False, 7)
+    assert list(tensors) == [name for part in parts for name in part]  # sender order, then each sender's order
+    assert all(torch.equal(tensors[n], t) for part in parts for n, t in part.items())
+    with pytest.raises(ValueError, match=r"no buckets from sender\(s\) \[1\] of 3"):
+        from_buckets([*sets[0], *sets[2]])
+    with pytest.raises(ValueError, match=r"sender 2 sent buckets \[0\] of 2"):
+        from_buckets([*sets[0], *sets[1], sets[2][0]])
+    twice = to_buckets({"model.norm.weight": torch.ones(8)}, 7, quantized=False, sender=1, senders=3)
+    with pytest.raises(ValueError, match=r"'model.norm.weight' arrived twice: in sender 0's bucket \d and sender 1's"):
+        from_buckets([*sets[0], *twice, *sets[2]])
+    with pytest.raises(ValueError, match="disagree on quantized"):
+        from_buckets([*sets[0], *sets[1], *to_buckets(parts[2], 7, quantized=True, sender=2, senders=3)])
+    with pytest.raises(ValueError, match="disagree on senders"):
+        from_buckets([*sets[0], *to_buckets(parts[1], 7, quantized=False, sender=1, senders=2)])
+    with pytest.raises(ValueError, match="sender index 3 is outside 0..2"):
+        to_buckets(parts[0], 7, quantized=False, sender=3, senders=3)
+    collective = to_buckets(parts[0], 7, quantized=False, senders=3, transport="collective", keep_alive=BufferKeeper())
+    with pytest.raises(ValueError, match="need one WeightSyncGroup per sender; the receiver has 1"):
+        from_buckets([*collective, *sets[1], *sets[2]], groups=[object()])
+
 
 def test_out_of_vocabulary_ids_decode_to_an_unparsable_response() -> None:
     from megatron_quads import embedded
@@ -342,7 +375,7 @@ def test_weight_buckets_pack_every_dtype_into_one_aligned_buffer() -> None:
     with pytest.raises(ValueError, match="truncated"):
         unpack(buffer[:20], specs)
     with pytest.raises(ValueError, match="needs the weights on a CUDA device"):
-        to_buckets(tensors, 0, transport="cuda_ipc")
+        to_buckets(tensors, 0, quantized=False, transport="cuda_ipc")
 
 
 def test_example_configs_validate_and_vllm_without_vllm_is_refused_before_workers_start(
