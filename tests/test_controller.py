@@ -442,3 +442,50 @@ def test_rollout_grouped_experts_reaches_the_engine(grouped: bool, tmp_path: Pat
     cfg = load_config(EXAMPLE, [f"run_dir={tmp_path}", "rollout.engine=torch", f"rollout.grouped_experts={str(grouped).lower()}"])
     assert RolloutWorker(cfg).engine.grouped is grouped
 
+
+
+def test_expert_parallel_ranks_each_broadcast_their_part_over_their_own_group(tmp_path: Path) -> None:
+    """Trainer EP 2, collective transport: both EP ranks send buckets, each over its own group, and
+    the engine greedily generates what an engine synced from the same trainer through the object
+    store generates."""
+    from megatron_quads.controller.run import Rollouts, Trainers
+    from megatron_quads.controller.workers import start_checkpoint
+    from megatron_quads.rollout.engine import SamplingParams
+
+    base = [f"run_dir={tmp_path}", "precision.mode=quads", "rollout.engine=torch", "rollout.timeout_s=120",
+            "trainer_world_size=2", "parallel.expert_parallel=2"]
+    cfg = load_config(EXAMPLE, [*base, "rollout.weight_transfer=collective"])
+    broadcast = Rollouts(cfg)  # the engines start while the trainer ranks set up
+    stored = Rollouts(load_config(EXAMPLE, [*base, "rollout.weight_transfer=object_store"]))
+    trainers = Trainers(cfg)
+    exported: list = []
+    export = trainers.export_rollout_weights
+
+    def recording_export(version: int, transport: str) -> tuple[list, dict]:
+        buckets, stats = export(version, transport)
+        exported.append(buckets)
+        return buckets, stats
+
+    trainers.export_rollout_weights = recording_export
+    prompts = [[1, 4, 13, 5, 17], [1, 6, 14, 3, 17]]
+    params = SamplingParams(max_new_tokens=4, temperature=0.0)
+    try:
+        trainers.load(start_checkpoint(cfg), with_optimizer=False)
+        generated = []
+        for rollouts in (broadcast, stored):
+            assert rollouts.sync(trainers, 2)["bytes"] > 0
+            assert ray.get([w.ping.remote() for w in rollouts.workers]) == [2]
+            rollouts.calibrate(prompts)
+            generated.append([g.token_ids for g in rollouts.generate(prompts, params)])
+        stored_names = {s.name for b in ray.get(exported[1]) for s in b.specs}  # the refs live with the trainers
+    finally:
+        trainers.kill()
+        broadcast.kill()
+        stored.kill()
+    buckets = exported[0]
+    assert {(b.sender, b.senders) for b in buckets} == {(0, 2), (1, 2)} and broadcast.group_generation == 1
+    assert all(b.transport == "collective" and b.payload is None for b in buckets)
+    names = [{s.name for b in buckets if b.sender == k for s in b.specs} for k in (0, 1)]
+    assert names[0] and names[1] and not names[0] & names[1]
+    assert names[0] | names[1] == stored_names
+    assert generated[0] == generated[1]

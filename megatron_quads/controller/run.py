@@ -106,11 +106,11 @@ class Trainers:
         """One optimizer step over the whole batch."""
         return _trainer_get([a.train_step.remote(s) for a, s in zip(self.actors, self._shards(batch), strict=True)])[0]
 
-    def export_rollout_weights(self, version: int) -> tuple[list, dict[str, float]]:
-        """The rollout weights (quantized once, on the trainer side) as bounded buckets: every
-        sender's, in sender order (see TrainerWorker); bytes summed over the senders, export_s the
-        slowest sender's."""
-        exported = _trainer_get([a.export_rollout_weights.remote(version) for a in self.actors])
+    def export_rollout_weights(self, version: int, transport: str) -> tuple[list, dict[str, float]]:
+        """The rollout weights (quantized once, on the trainer side) as bounded buckets for
+        ``transport``: every sender's, in sender order (see TrainerWorker); bytes summed over the
+        senders, export_s the slowest sender's."""
+        exported = _trainer_get([a.export_rollout_weights.remote(version, transport) for a in self.actors])
         by_actor = dict(zip(self.actors, exported, strict=True))
         sending = [i for i, part in enumerate(exported) if part is not None]
         expected = [self.actors.index(a) for a in self.senders]
@@ -179,11 +179,12 @@ class Rollouts:
 
     def _load(self, trainers: Trainers, workers: list, version: int) -> tuple[list, dict]:
         """Export once and load into ``workers``; returns their (version, timing) and the export stats."""
-        collective = self.cfg.weight_transport() == "collective"
+        transport = self.cfg.weight_transport()
+        collective = transport == "collective"
         if collective and self.group_generation == 0:
             self._form_sync_group(trainers)
-        buckets, stats = trainers.export_rollout_weights(version)
-        held_by_sender = self.cfg.weight_transport() != "object_store"
+        buckets, stats = trainers.export_rollout_weights(version, transport)
+        held_by_sender = transport != "object_store"
         try:
             loads = [w.load_weights.remote(buckets, version) for w in workers]
             if collective:  # every sender broadcasts over its own group while the engines receive, then frees its buffers

@@ -133,10 +133,11 @@ class TrainerWorker:
 
         return weight_sender()
 
-    def export_rollout_weights(self, version: int) -> tuple[list, dict[str, float]] | None:
+    def export_rollout_weights(self, version: int, transport: str) -> tuple[list, dict[str, float]] | None:
         """This rank's part of the rollout weights, in wire form, as (bounded buckets, {bytes,
         export_s}) on a sending rank, None on the others; export_s covers the gathers, quantization
-        and packing. Collective: every rank calls it.
+        and packing. Collective: every rank calls it. ``transport``: how the receiving engines take
+        them (``RunConfig.weight_transport()`` of their side).
 
         With the ``object_store`` transport the buckets are Ray object refs; with ``cuda_ipc`` or
         ``collective`` they are bucket objects (IPC handles, or buffer sizes for the broadcast) whose
@@ -160,7 +161,6 @@ class TrainerWorker:
         if tensors is None:
             return None
         index, senders = sender
-        transport = self.cfg.weight_transport()
         # CUDA IPC handles / collective sizes travel in the buckets; this rank keeps the buffers meanwhile
         self._sync_buffers = None if transport == "object_store" else BufferKeeper()
         buckets = to_buckets(tensors, version, quantized=precision == "nvfp4", sender=index, senders=senders,
