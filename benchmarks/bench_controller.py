@@ -33,25 +33,25 @@ from megatron_quads.controller.weight_sync import (
     from_buckets,
     to_buckets,
 )
-from megatron_quads.rollout.weights import QuantizedModelWeights, quantize_hf_weights
-from megatron_quads.rollout.wire import decode_wire
+from megatron_quads.rollout.wire import decode_wire, encode_wire, stack_module
 
 LAYERS, EXPERTS, HIDDEN, FFN = 4, 16, 1024, 768
 KEY = "cpu"
 
 
-def synthetic_weights() -> dict[str, torch.Tensor]:
-    """Qwen3-MoE-named expert and attention weights (bf16, random)."""
+def synthetic_parts() -> list[tuple[str, torch.Tensor]]:
+    """Qwen3-MoE-named attention weights and each layer's experts as two stacks (bf16, random),
+    named as the trainer's export names them."""
     gen = torch.Generator().manual_seed(0)
-    w = {}
+    parts: list[tuple[str, torch.Tensor]] = []
     for layer in range(LAYERS):
         p = f"model.layers.{layer}"
         for name, shape in (("self_attn.q_proj", (HIDDEN, HIDDEN)), ("self_attn.o_proj", (HIDDEN, HIDDEN))):
-            w[f"{p}.{name}.weight"] = (torch.randn(shape, generator=gen) * 0.02).bfloat16()
-        for e in range(EXPERTS):
-            for proj, shape in (("gate_proj", (FFN, HIDDEN)), ("up_proj", (FFN, HIDDEN)), ("down_proj", (HIDDEN, FFN))):
-                w[f"{p}.mlp.experts.{e}.{proj}.weight"] = (torch.randn(shape, generator=gen) * 0.02).bfloat16()
-    return w
+            parts.append((f"{p}.{name}.weight", (torch.randn(shape, generator=gen) * 0.02).bfloat16()))
+        for projection, shape in (("gate_up_proj", (EXPERTS, 2 * FFN, HIDDEN)), ("down_proj", (EXPERTS, HIDDEN, FFN))):
+            stack = (torch.randn(shape, generator=gen) * 0.02).bfloat16()
+            parts.append((f"{stack_module(layer, 0, EXPERTS, projection)}.weight", stack))
+    return parts
 
 
 @ray.remote
@@ -64,12 +64,10 @@ class Receiver:
         return version
 
 
-def sync_case(name: str, weights: QuantizedModelWeights | dict[str, torch.Tensor], receiver) -> dict:
-    """Ship (already quantized, if asked) weights through the object store, rebuild them on the other side."""
+def sync_case(name: str, payload: dict[str, torch.Tensor], quantized: bool, receiver) -> dict:
+    """Ship a wire payload through the object store, rebuild the weights on the other side."""
     start = time.perf_counter()
-    quantized = isinstance(weights, QuantizedModelWeights)
-    tensors = weights.state_dict() if quantized else weights
-    buckets = to_buckets(tensors, 1, quantized=quantized, bucket_bytes=64 * 2**20)
+    buckets = to_buckets(payload, 1, quantized=quantized, bucket_bytes=64 * 2**20)
     assert ray.get(receiver.receive.remote([ray.put(b) for b in buckets])) == 1
     seconds = time.perf_counter() - start
     return {"payload": name, "payload_MB": round(buckets_bytes(buckets) / 2**20, 1), "buckets": len(buckets),
@@ -108,13 +106,14 @@ def main() -> None:
         records = [json.loads(line) for line in run(cfg).read_text().splitlines()][2:]
     phases = {k: round(statistics.median(r[k] for r in records), 4) for k in records[0] if k.startswith("time/")}
 
-    dense = synthetic_weights()
-    params_gb = sum(t.numel() for t in dense.values()) * 2 / 1e9
+    parts = synthetic_parts()
+    params_gb = sum(t.numel() for _, t in parts) * 2 / 1e9
     receiver = Receiver.remote()
+    dense = encode_wire(parts, quantized=False, dtype=torch.bfloat16)
     start = time.perf_counter()
-    quantized = quantize_hf_weights(dense.items(), lambda m: ".mlp.experts." in m)
+    quantized = encode_wire(parts, quantized=True, dtype=torch.bfloat16)
     quantize_s = time.perf_counter() - start
-    sync = [sync_case("bf16", dense, receiver), sync_case("nvfp4+residual", quantized, receiver)]
+    sync = [sync_case("bf16", dense, False, receiver), sync_case("nvfp4+residual", quantized, True, receiver)]
     sync[1]["quantize_s"] = round(quantize_s, 3)
     for row in sync:
         total = row["transfer_s"] + row.get("quantize_s", 0.0)
