@@ -266,8 +266,8 @@ def test_weight_buckets_are_bounded_and_round_trip() -> None:
 def test_weight_buckets_from_several_senders_are_complete_per_sender() -> None:
     from megatron_quads.controller.weight_sync import BufferKeeper, from_buckets, to_buckets
 
-    parts = [{f"model.layers.0.mlp.experts.{e}.down_proj.weight": torch.full((4, 8), float(e)) for e in (2 * s, 2 * s + 1)}
-             for s in range(3)]
+    expert = "model.layers.0.mlp.experts.{}.down_proj.weight"
+    parts = [{expert.format(e): torch.full((4, 8), float(e)) for e in (2 * s, 2 * s + 1)} for s in range(3)]
     parts[0]["model.norm.weight"] = torch.ones(8)
     sets = [to_buckets(part, 7, quantized=False, sender=s, senders=3, bucket_bytes=128) for s, part in enumerate(parts)]
     assert [len(b) for b in sets] == [3, 2, 2] and {(b.sender, b.senders) for b in sets[1]} == {(1, 3)}

@@ -53,7 +53,7 @@ def _sender_actors(actors: list, senders: list[tuple[int, int] | None]) -> list:
     indices = sorted(i for i, _ in found.values())
     if len(counts) != 1 or indices != list(range(counts.pop())):
         raise RuntimeError(f"the trainer ranks' weight senders (rank: (index, senders)) {found} are not numbered "
-                             "0..n-1 with one n")
+                           "0..n-1 with one n: weight_sender() must give every expert-parallel rank one sender")
     by_index = {index: actors[rank] for rank, (index, _) in found.items()}
     return [by_index[i] for i in indices]
 
@@ -166,28 +166,29 @@ class Rollouts:
         """Colocated engines release their GPU memory for the trainer; returns bytes freed."""
         return sum(ray.get([w.sleep.remote() for w in self.workers], timeout=self.cfg.rollout.timeout_s))
 
-    def _form_sync_group(self, trainers: Trainers) -> None:
+    def _form_sync_groups(self, trainers: Trainers) -> None:
         """(Re)build the weight-broadcast groups: one per weight sender (that trainer rank hosts the
         group's store and is its rank 0), each with every engine as ranks 1..n."""
         self.group_generation += 1
-        endpoints = ray.get([a.rendezvous_address.remote() for a in trainers.senders], timeout=self.cfg.rollout.timeout_s)
+        timeout, generation = self.cfg.rollout.timeout_s, self.group_generation
+        endpoints = ray.get([a.rendezvous_address.remote() for a in trainers.senders], timeout=timeout)
         world = len(self.workers) + 1
-        joins = [a.join_sync_group.remote(address, port, world, self.group_generation)
+        joins = [a.join_sync_group.remote(address, port, world, generation)
                  for a, (address, port) in zip(trainers.senders, endpoints, strict=True)]
-        joins += [w.join_sync_groups.remote(endpoints, i + 1, world, self.group_generation) for i, w in enumerate(self.workers)]
-        ray.get(joins, timeout=self.cfg.rollout.timeout_s)
+        joins += [w.join_sync_groups.remote(endpoints, i + 1, world, generation) for i, w in enumerate(self.workers)]
+        ray.get(joins, timeout=timeout)
 
     def _load(self, trainers: Trainers, workers: list, version: int) -> tuple[list, dict]:
         """Export once and load into ``workers``; returns their (version, timing) and the export stats."""
         transport = self.cfg.weight_transport()
         collective = transport == "collective"
         if collective and self.group_generation == 0:
-            self._form_sync_group(trainers)
+            self._form_sync_groups(trainers)
         buckets, stats = trainers.export_rollout_weights(version, transport)
         held_by_sender = transport != "object_store"
         try:
             loads = [w.load_weights.remote(buckets, version) for w in workers]
-            if collective:  # every sender broadcasts over its own group while the engines receive, then frees its buffers
+            if collective:  # each sender broadcasts over its own group while the engines receive, then frees them
                 loads += [a.broadcast_sync_buffers.remote() for a in trainers.senders]
             loaded = ray.get(loads, timeout=self.cfg.rollout.timeout_s)
         except BaseException:
@@ -201,8 +202,8 @@ class Rollouts:
     def sync(self, trainers: Trainers, version: int) -> dict[str, float]:
         """Export the trainer's weights once (every sending rank its part) and load the union into
         every engine (each checks the bucket set, names, shapes and the version); CUDA IPC / broadcast
-        buffers are freed after. Returns payload bytes
-        and the trainer's export seconds plus the slowest engine's wake / receive / load."""
+        buffers are freed after. Returns payload bytes and the slowest sender's export seconds plus
+        the slowest engine's wake / receive / load."""
         self.trainers, self.version = trainers, version
         loaded, stats = self._load(trainers, self.workers, version)
         held = [v for v, _ in loaded]
@@ -223,8 +224,8 @@ class Rollouts:
         ray.kill(self.workers[index], no_restart=True)
         self.workers[index] = self.factories[index].remote(self.cfg)
         if self.cfg.weight_transport() == "collective":
-            # a broadcast needs every member: rebuild the group and re-send to all engines
-            self._form_sync_group(self.trainers)
+            # a broadcast needs every member: rebuild every sender's group and re-send to all engines
+            self._form_sync_groups(self.trainers)
             self._load(self.trainers, self.workers, self.version)
         else:  # re-export: IPC buffers are freed after each sync
             self._load(self.trainers, [self.workers[index]], self.version)

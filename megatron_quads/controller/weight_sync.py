@@ -10,9 +10,9 @@ travels alone). Each bucket is ONE contiguous uint8 buffer plus a table of (name
 offset), so a transfer is one copy per bucket whatever the dtypes (Ray's tensor serializer cannot
 carry float8; a byte buffer can), and on the GPU one CUDA IPC handle per bucket. Buckets are tagged
 with the weight version, whether the content is quantized, their sender and the sender count, and
-their index and count within that sender. The receiver checks, before any data moves, that every
-sender sent its complete set, all of one version and kind, and that no tensor name comes twice; it
-returns the union of the senders' tensors.
+their index and count within that sender. The receiver checks, before it receives or unpacks any
+bucket's data, that every sender sent its complete set, all of one version and kind, and that no
+tensor name comes twice; it returns the union of the senders' tensors.
 
 Transports (``Bucket.payload``):
 - ``object_store``: the buffer on CPU, carried by Ray's object store (any placement, CPU or GPU).
@@ -257,7 +257,8 @@ def from_buckets(
     groups: Sequence[WeightSyncGroup] | None = None,
 ) -> tuple[dict[str, torch.Tensor], bool, int]:
     """Inverse of :func:`to_buckets` over every sender: (the union of their tensors, quantized,
-    version), on ``device`` if given; a bad set raises before any data moves (:func:`check_buckets`).
+    version), on ``device`` if given; a bad set raises before any bucket is received or unpacked
+    (:func:`check_buckets`).
 
     ``collective`` buckets are received over ``groups[sender]``, sender after sender, each in index
     order (the order that sender broadcasts).
