@@ -292,7 +292,7 @@ def markdown(record: dict) -> str:
         lines += [
             "", f"## Trainer -> engine sync ({y['transport']}, engine in another process)", "",
             f"Synthetic Qwen3-MoE: {q['layers']} layers x {q['experts']} experts, hidden {q['hidden']}, ffn {q['ffn']}, "
-            f"vocab {q['vocab']}: {y['parameters'] / 1e9:.2f} B parameters ({y['expert_parameters'] / 1e9:.2f} B in routed "
+            f"vocab {q['vocab']}: {y['parameters'] / 1e6:.1f} M parameters ({y['expert_parameters'] / 1e6:.1f} M in routed "
             f"experts). Export (`encode_wire`), buckets, the engine's receive, decode and load; residual channels "
             f"at ratio {q['ratio']} on the wire; RAC calibration not included. Best of {q['repeats']} after a warm-up.", "",
             "| payload | sync seconds | engine receive + load | payload MB | vs bf16 |", "|---|---:|---:|---:|---:|",

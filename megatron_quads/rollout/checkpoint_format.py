@@ -207,7 +207,7 @@ def shard_file_name(index: int, count: int) -> str:
     return f"model-{index:05d}-of-{count:05d}.safetensors"
 
 
-def _owned_cpu(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def owned_cpu_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Contiguous CPU tensors that share no storage (safetensors refuses shared storage, e.g. tied embeddings)."""
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
@@ -277,7 +277,7 @@ def write_checkpoint(
     """
     meta = {"format": "pt", **(safetensors_metadata or {})}
     with atomic_directory(directory, overwrite) as tmp:
-        names = _write_into(tmp, _owned_cpu(tensors), json_files, max_shard_bytes, meta)
+        names = _write_into(tmp, owned_cpu_tensors(tensors), json_files, max_shard_bytes, meta)
         if finish is not None:
             finish(tmp)
     logger.info("wrote %d tensors in %d file(s) to %s", len(tensors), len(names), directory)

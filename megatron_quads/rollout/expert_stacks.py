@@ -24,7 +24,8 @@ from megatron_quads.rollout.weights import QuantizedLinearWeight
 _FP8 = torch.float8_e4m3fn
 _PACKED_BLOCK = BLOCK_SIZE // 2
 _AMAX_CANDIDATES = 4  # ulps searched each way for an amax with amax / 2688 == weight_scale_2
-_SMALL_FLAGS = 4096  # flags up to this many elements are kept whole until the one read-back
+_SMALL_FLAGS = 4096
+_REFERENCE_CHUNK = 1 << 20  # elements the CPU reference quantizes at once  # flags up to this many elements are kept whole until the one read-back
 
 
 @dataclass
@@ -158,15 +159,23 @@ def expert_amax(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _quantize_rows(x: torch.Tensor, amax: torch.Tensor) -> NVFP4Tensor:
-    """``quantize`` of a ``[n, N, K]`` stack with one amax per expert, without the host-side NaN scan."""
-    if x.is_cuda:
-        from megatron_quads.nvfp4.backend import use_kernels
+    """``quantize`` of a ``[n, N, K]`` stack with one amax per expert: one Triton call on CUDA (no
+    host-side NaN scan); the reference elsewhere, a few experts at a time so that its temporaries
+    stay in cache (rows are quantized independently: the bytes are the same)."""
+    from megatron_quads.nvfp4.backend import use_kernels
 
-        if use_kernels(x):
-            from megatron_quads.nvfp4.quantize_kernel import quantize_kernel
+    if use_kernels(x):
+        from megatron_quads.nvfp4.quantize_kernel import quantize_kernel
 
-            return quantize_kernel(x, amax[:, None], validate=False)
-    return quantize(x, global_amax=amax[:, None])
+        return quantize_kernel(x, amax[:, None], validate=False)
+    n, rows, k = x.shape
+    codes = torch.empty(n, rows, k // 2, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(n, rows, k // BLOCK_SIZE, dtype=_FP8, device=x.device)
+    step = max(1, _REFERENCE_CHUNK // max(1, rows * k))
+    for first in range(0, n, step):
+        part = quantize(x[first : first + step], global_amax=amax[first : first + step, None])
+        codes[first : first + step], scales[first : first + step] = part.codes, part.scales
+    return NVFP4Tensor(codes, scales, decode_scale_from_amax(amax[:, None]), x.shape, x.dtype)
 
 
 def amax_for_decode_scale(weight_scale_2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

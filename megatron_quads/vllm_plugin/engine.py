@@ -204,9 +204,11 @@ class VllmRolloutEngine:
         """An in-place update for workers in other processes: one safetensors file they read."""
         from safetensors.torch import save_file
 
+        from megatron_quads.rollout.checkpoint_format import owned_cpu_tensors
+
         with tempfile.TemporaryDirectory(prefix="quads-vllm-update-") as directory:
             path = Path(directory) / "update.safetensors"
-            save_file({n: t.contiguous().cpu() for n, t in state.items()}, path)
+            save_file(owned_cpu_tensors(state), path)  # decoded experts view shared stacks
             self.llm.collective_rpc("quads_update_weights_from_file", args=(str(path),))
 
     def parameter_storage(self) -> dict[str, tuple[int, int]]:
