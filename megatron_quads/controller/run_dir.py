@@ -1,0 +1,215 @@
+"""The run directory's rules: one run at a time, a resume continues the saved config, and nothing a
+user may want (records, configs) is deleted or truncated; earlier files are moved aside instead.
+
+Standard library only at import time (the lock is taken before anything heavy starts).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from megatron_quads.atomic_io import write_text_atomic
+
+logger = logging.getLogger(__name__)
+
+LOCK_NAME = ".lock"
+RECORD_FILES = ("metrics.jsonl", "eval.jsonl")
+
+RESUMABLE_KEYS: tuple[str, ...] = (
+    "run_dir",                                 # where the run is, not what it computes (a moved or respelled path)
+    "grpo.steps",                              # how far the run goes: extend or shorten it
+    "logging",                                 # where the metrics also go (wandb mode, project)
+    "eval",                                    # evaluation reads the weights, never changes them or the prompt stream
+    "checkpoint.every",                        # saving reads the state, never changes it
+    "checkpoint.keep_last",
+    "rollout.timeout_s",                       # failure handling: when an engine counts as hung, how often to retry
+    "rollout.max_retries",
+    "rollout.sync_bucket_mb",                  # the weight sync's buffer size: the same values arrive
+    "rollout.vllm.gpu_memory_utilization",     # memory of the engine (e.g. after an out-of-memory stop)
+    "rollout.vllm.cpu_kv_cache_gb",
+    "placement.ray_address",                   # which Ray cluster: a restarted job may get another one
+    "placement.strategy",                      # how the bundles spread over the nodes
+)
+"""Dotted config keys (and the sections under them) a resume may change: they say how the run is
+operated or observed, not what it computes, so the resumed run still continues the saved one. Any
+other difference from the saved ``config.yaml`` is refused (``force_config`` overrides)."""
+
+
+class RunDirError(RuntimeError):
+    """The run directory cannot take this run (in use by another run, or holding another run)."""
+
+
+class RunDirBusy(RunDirError):
+    """Another process holds the run directory's lock."""
+
+
+class ConfigMismatch(RunDirError):
+    """The config differs from the saved one of the run the directory holds in keys a resume may not change."""
+
+
+def _utc() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _holder(fd: int) -> str:
+    """The lock file's holder as ``pid N@host since T`` (or a note when it is not written yet)."""
+    try:
+        info = json.loads(os.pread(fd, 4096, 0).decode() or "null")
+        return f"pid {info['pid']}@{info['host']} since {info['since']}"
+    except (OSError, ValueError, TypeError, KeyError):
+        return "a process that has not recorded itself yet"
+
+
+@contextmanager
+def hold_run_dir(run_dir: str | Path) -> Iterator[None]:
+    """Hold ``run_dir/.lock`` exclusively (``flock``, non-blocking) for the ``with`` block; the file
+    names the holder (pid, host, start time). A second holder is refused at once with
+    :class:`RunDirBusy` naming the first. The lock ends with the block or with the process (the
+    kernel drops it; on NFS the server's lease does); the file stays, emptied."""
+    run_dir = Path(run_dir)
+    path = run_dir / LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by child processes (PEP 446)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            locked = True
+        except BlockingIOError:
+            raise RunDirBusy(
+                f"run_dir {run_dir} is in use by another run: {_holder(fd)} (lock {path}). Wait for that run to end "
+                f"or stop it, or give this run another directory (run_dir=...)") from None
+        except OSError as err:  # a filesystem without flock (e.g. Lustre mounted without -o flock)
+            logger.warning("cannot lock %s (%s): this filesystem has no flock, so nothing keeps a second run out "
+                           "of %s; run one at a time there", path, err, run_dir)
+            locked = False
+        if locked:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": _utc()}).encode(), 0)
+        try:
+            yield
+        finally:
+            if locked:
+                os.ftruncate(fd, 0)
+    finally:
+        os.close(fd)  # releases the lock
+
+
+_ABSENT = "(absent)"
+
+
+def config_differences(saved: Any, new: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """Every leaf where two config trees differ, as (dotted key, saved value, new value); a key on
+    one side only has the value ``'(absent)'`` on the other."""
+    if isinstance(saved, dict) and isinstance(new, dict):
+        keys = [*new, *(k for k in saved if k not in new)]
+        return [d for k in keys for d in config_differences(saved.get(k, _ABSENT), new.get(k, _ABSENT), f"{prefix}{k}.")]
+    return [] if saved == new else [(prefix[:-1], saved, new)]
+
+
+def may_change_on_resume(key: str) -> bool:
+    """Whether ``key`` is one of :data:`RESUMABLE_KEYS` or lies under one."""
+    return any(key == k or key.startswith(k + ".") for k in RESUMABLE_KEYS)
+
+
+def refused_differences(saved: dict, new: dict) -> list[tuple[str, Any, Any]]:
+    """The differences of ``new`` from ``saved`` a resume may not make (outside :data:`RESUMABLE_KEYS`)."""
+    return [d for d in config_differences(saved, new) if not may_change_on_resume(d[0])]
+
+
+def mismatch_message(run_dir: Path, refused: list[tuple[str, Any, Any]]) -> str:
+    """What differs (each key with its saved and new value) and the three ways on."""
+    lines = "\n".join(f"  {key}: {old!r} (saved) -> {new!r} (now)" for key, old, new in refused)
+    return (f"run_dir {run_dir} holds an earlier run (a checkpoint or records) whose config.yaml differs from this "
+            f"config in keys a resume may not change:\n{lines}\n"
+            f"To continue that run, resume with its config: megatron-quads train {run_dir / 'config.yaml'} "
+            f"(overrides of {', '.join(RESUMABLE_KEYS)} may be added). To run this config, give it a new run_dir "
+            "(run_dir=...). To continue the run under this config anyway, pass --force-config "
+            "(run(cfg, force_config=True)); the saved config is then kept beside it as config.<time>.yaml.")
+
+
+def has_records(run_dir: Path) -> bool:
+    """Whether ``metrics.jsonl`` or ``eval.jsonl`` in ``run_dir`` holds anything."""
+    return any((run_dir / name).is_file() and (run_dir / name).stat().st_size > 0 for name in RECORD_FILES)
+
+
+def check_saved_config(run_dir: Path, new: dict, *, has_checkpoint: bool, force: bool = False,
+                       normalize: Callable[[dict], dict] = lambda tree: tree) -> None:
+    """When ``run_dir`` holds an earlier run (its ``config.yaml`` and a checkpoint or records), refuse
+    ``new`` (a resolved config tree) if it differs from the saved one outside :data:`RESUMABLE_KEYS`,
+    with :class:`ConfigMismatch` listing each difference. With ``force`` the run goes on and the saved
+    config is moved aside (``config.<time>.yaml``). ``normalize`` fills the saved tree's defaults."""
+    import yaml
+
+    path = run_dir / "config.yaml"
+    if not path.is_file() or not (has_checkpoint or has_records(run_dir)):
+        return
+    try:
+        saved = yaml.safe_load(path.read_text())
+        if not isinstance(saved, dict):
+            raise ValueError("not a mapping")
+    except (OSError, ValueError, yaml.YAMLError) as err:
+        if not force:
+            raise ConfigMismatch(f"run_dir {run_dir} holds an earlier run but its {path} is unreadable ({err}): "
+                                 "repair it, give this run a new run_dir (run_dir=...), or pass --force-config "
+                                 "to continue the run under this config") from None
+        refused = [("config.yaml", "unreadable", "this config")]
+    else:
+        refused = refused_differences(normalize(saved), new)
+    if not refused:
+        return
+    if not force:
+        raise ConfigMismatch(mismatch_message(run_dir, refused))
+    aside = move_aside(path)
+    logger.warning("--force-config: %s continues under a config that differs in %s; the saved config is now %s",
+                   run_dir, ", ".join(key for key, _, _ in refused), aside)
+
+
+def move_aside(path: Path, stamp: str | None = None) -> Path | None:
+    """Rename ``path`` (when it has content) to ``<stem>.<UTC time><suffix>`` beside it, with ``-1``,
+    ``-2``, ... added rather than overwrite a file; returns the new path (None: nothing to move).
+    Called under the run directory's lock, so no other run takes the name meanwhile."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return None
+    stamp = stamp or time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target = path.with_name(f"{path.stem}.{stamp}{path.suffix}")
+    n = 0
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.stem}.{stamp}-{n}{path.suffix}")
+    path.rename(target)
+    return target
+
+
+def start_records(path: Path, stamp: str | None = None) -> None:
+    """A fresh run's empty record file; an earlier one with content is moved aside (warned)."""
+    aside = move_aside(path, stamp)
+    if aside is not None:
+        logger.warning("a fresh run in %s: the earlier %s is now %s", path.parent, path.name, aside)
+    path.write_text("")
+
+
+def keep_records_before(path: Path, start: int, stamp: str | None = None) -> None:
+    """A resume at step ``start`` keeps the records of steps < ``start`` (the steps it does again
+    are recorded anew); when that drops any line (also an unreadable one, from a run that stopped
+    mid-write), the whole original is moved aside first (warned)."""
+    lines = path.read_text().splitlines() if path.is_file() else []
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] < start:
+                kept.append(line)
+        except (ValueError, TypeError, KeyError):
+            pass
+    if len(kept) < len(lines):
+        aside = move_aside(path, stamp)
+        logger.warning("resuming at step %d: %s keeps the records of steps < %d; the original (%d records) is now %s",
+                       start, path, start, len(lines), aside)
+    write_text_atomic(path, "".join(line + "\n" for line in kept))
