@@ -18,6 +18,7 @@ from megatron_quads.atomic_io import write_atomic, write_text_atomic
 from megatron_quads.controller.config import RunConfig, check_runnable
 from megatron_quads.controller.placement import Placement, Slot
 from megatron_quads.controller.report import MetricsSink, plot_run
+from megatron_quads.controller.run_dir import check_saved_config, hold_run_dir, keep_records_before, start_records
 from megatron_quads.controller.workers import (
     RolloutWorker,
     TrainerWorker,
@@ -355,13 +356,25 @@ def _init_ray(cfg: RunConfig) -> None:
         ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False)
 
 
-def run(cfg: RunConfig) -> Path:
-    """Run GRPO as configured; returns the metrics file. A trainer failure raises
-    :class:`TrainerFailure` naming the last complete checkpoint and the command that resumes."""
+def run(cfg: RunConfig, force_config: bool = False) -> Path:
+    """Run GRPO as configured; returns the metrics file. The run holds ``run_dir``'s lock until it
+    ends (a second run there is refused: :class:`~megatron_quads.controller.run_dir.RunDirBusy`); a
+    run_dir holding an earlier run takes only a config that differs from the saved one in
+    ``RESUMABLE_KEYS`` (else :class:`~megatron_quads.controller.run_dir.ConfigMismatch`, unless
+    ``force_config``). A trainer failure raises :class:`TrainerFailure` naming the last complete
+    checkpoint and the command that resumes."""
     check_runnable(cfg)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
+    with hold_run_dir(run_dir):  # one run at a time, until this one ends
+        check_saved_config(run_dir, cfg.model_dump(mode="json"), has_checkpoint=bool(checkpoint_dirs(cfg.run_dir)),
+                           force=force_config, normalize=_with_defaults)
+        save_config(cfg, run_dir / "config.yaml")  # only once the check passed
+        return _run_held(cfg, run_dir)
+
+
+def _run_held(cfg: RunConfig, run_dir: Path) -> Path:
+    """:func:`run` once it holds ``run_dir``: the Ray actors, the loop, and their end (also on errors)."""
     _init_ray(cfg)
     placement = Placement(cfg)
     trainers = rollouts = None
@@ -377,6 +390,17 @@ def run(cfg: RunConfig) -> Path:
             if group is not None:
                 group.kill()
         placement.remove()
+
+
+def _with_defaults(saved: dict) -> dict:
+    """A saved config tree as this version resolves it (defaults of keys added since filled in);
+    as it is when it no longer validates."""
+    from pydantic import ValidationError
+
+    try:
+        return RunConfig.model_validate(saved).model_dump(mode="json")
+    except ValidationError:
+        return saved
 
 
 def record_placement(path: Path, trainers: Trainers, rollouts: Rollouts) -> dict[str, list[str]]:
@@ -450,6 +474,7 @@ def _train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts) -> Path:
                          "set model.architecture.vocab_size >= the tokenizer's")
     stream = task.stream(seed=cfg.seed)
     metrics_path, eval_path = run_dir / "metrics.jsonl", run_dir / "eval.jsonl"
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())  # names both record files a fresh run or a resume moves aside
     held_out = eval_task(cfg) if cfg.eval.every else None
 
     resume = latest_checkpoint(cfg)
@@ -465,14 +490,13 @@ def _train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts) -> Path:
         trainers.load(str(resume / "trainer"), with_optimizer=True)
         stream.load_state_dict(state["stream"])
         start = state["step"]
-        for path in (metrics_path, eval_path):  # records of steps the resumed run does again
-            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] < start] if path.exists() else []
-            path.write_text("".join(line + "\n" for line in kept))
+        for path in (metrics_path, eval_path):  # records of the steps the resumed run does again go aside
+            keep_records_before(path, start, stamp)
         logger.info("resumed from %s at step %d", resume, start)
     else:
         start = 0
-        metrics_path.write_text("")
-        eval_path.write_text("")
+        for path in (metrics_path, eval_path):  # an earlier run's records go aside
+            start_records(path, stamp)
 
     params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                             top_p=cfg.rollout.top_p, stop_token_ids=(tok.eos_id,),
