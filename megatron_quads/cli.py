@@ -53,6 +53,7 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     from megatron_quads.controller.config import ConfigError, check_runnable, load_config
     from megatron_quads.controller.run import TrainerFailure, run
+    from megatron_quads.controller.run_dir import RunDirError
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -61,7 +62,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
         Console(stderr=True).print(f"[red]{err}[/red]")
         return 2
     try:
-        metrics = run(cfg)
+        metrics = run(cfg, force_config=args.force_config)
+    except RunDirError as err:  # run_dir in use by another run, or holding a run of another config
+        Console(stderr=True).print(f"[red]{err}[/red]")
+        return 2
     except TrainerFailure as err:
         Console(stderr=True).print(f"[red]training stopped: {err}[/red]")
         return 1
@@ -205,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="run GRPO (config YAML plus dotted key=value overrides)")
     train.add_argument("config", nargs="?", default=None, help="YAML config (default: the embedded default)")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.steps=3 precision.mode=quads")
+    train.add_argument("--force-config", action="store_true",
+                       help="continue the run in run_dir under this config although it differs from the saved "
+                            "config.yaml in keys a resume may not change (the saved one is kept as config.<time>.yaml)")
     train.set_defaults(func=_cmd_train)
 
     analyze = sub.add_parser("analyze", help="decompose the rollout-vs-trainer gap into weight and activation error")
@@ -226,7 +233,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``megatron-quads``."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command == "train" and all("=" in item and not item.startswith("-") for item in extra):
+        args.overrides += extra  # overrides after --force-config
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.func(args)
 
