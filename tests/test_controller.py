@@ -165,13 +165,49 @@ def test_engines_generate_concurrently() -> None:
 
 
 def test_resumed_run_reproduces_the_uninterrupted_metrics(tmp_path: Path) -> None:
+    """Also: a fresh run and a resume move the records they replace aside; a resume under another
+    precision is refused before anything is written."""
+    from megatron_quads.controller.run_dir import ConfigMismatch
+
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "metrics.jsonl").write_text('{"step": 0, "reward": -1.0}\n')  # an earlier run's, no checkpoint
     full = _run(tmp_path / "full", "grpo.steps=3", "checkpoint.every=1", "precision.mode=quads")
-    _run(tmp_path / "split", "grpo.steps=1", "checkpoint.every=1", "precision.mode=quads")
-    resumed = _run(tmp_path / "split", "grpo.steps=3", "checkpoint.every=1", "precision.mode=quads")
+    (earlier,) = (tmp_path / "full").glob("metrics.*.jsonl")
+    assert earlier.read_text() == '{"step": 0, "reward": -1.0}\n'
+    split = tmp_path / "split"
+    _run(split, "grpo.steps=1", "checkpoint.every=1", "precision.mode=quads")
+    with open(split / "metrics.jsonl", "a") as f:  # a step after the last checkpoint, then the run stopped mid-write
+        f.write('{"step": 1, "reward": -1.0}\n{"step": 2, "rew')
+    original = (split / "metrics.jsonl").read_text()
+    saved = (split / "config.yaml").read_text()
+    with pytest.raises(ConfigMismatch, match=r"precision\.mode: 'quads' \(saved\) -> 'bf16' \(now\)"):
+        _run(split, "grpo.steps=3", "checkpoint.every=1", "precision.mode=bf16")
+    assert (split / "config.yaml").read_text() == saved and (split / "metrics.jsonl").read_text() == original
+    resumed = _run(split, "grpo.steps=3", "checkpoint.every=1", "precision.mode=quads")
     assert [r["step"] for r in resumed] == [0, 1, 2]
     assert _without_times(resumed) == _without_times(full)
+    (aside,) = split.glob("metrics.*.jsonl")
+    assert aside.read_text() == original
     kept = sorted(p.name for p in (tmp_path / "full" / "checkpoints").iterdir())
     assert kept == ["step_2", "step_3"]  # checkpoint.keep_last: 2
+    assert (split / ".lock").read_text() == ""  # released
+
+
+def test_train_force_config_reaches_run_and_run_dir_errors_exit_2(monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron_quads import cli
+    from megatron_quads.controller import run as run_module
+    from megatron_quads.controller.run_dir import RunDirBusy
+
+    calls = []
+
+    def fake_run(cfg, force_config=False):
+        calls.append((cfg.grpo.steps, force_config))
+        raise RunDirBusy("in use")
+
+    monkeypatch.setattr(run_module, "run", fake_run)
+    assert cli.main(["train", str(EXAMPLE), "rollout.engine=torch", "--force-config", "grpo.steps=2"]) == 2
+    assert cli.main(["train", str(EXAMPLE), "rollout.engine=torch"]) == 2
+    assert calls == [(2, True), (20, False)]
 
 
 def test_corrupt_or_partial_checkpoints_are_skipped(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
