@@ -115,6 +115,27 @@ def test_loading_an_incomplete_checkpoint_fails_clearly(tmp_path) -> None:
         _worker().load_checkpoint(tmp_path / "half")
 
 
+def test_a_checkpoint_with_a_nan_parameter_fails_to_load_naming_it(tmp_path) -> None:
+    worker = _worker()
+    name, param = next((n, p) for n, p in worker.model.named_parameters() if "experts" in n)
+    with torch.no_grad():
+        param.view(-1)[3] = float("nan")
+        saved = worker.save_checkpoint(tmp_path / "nan")
+        param.zero_()  # finite again: the NaN must come from the file
+    with pytest.raises(ValueError, match=rf"parameter of the model loaded from .*nan '{name}' holds 1 NaN or Inf"):
+        worker.load_checkpoint(saved)
+
+
+def test_a_model_only_load_carries_the_weights_into_the_bf16_optimizer(tmp_path) -> None:
+    """The optimizer's fp32 main copies follow the loaded weights: a tiny step keeps them."""
+    saved = _worker(dtype="bf16", optimizer="adam", seed=3).save_checkpoint(tmp_path / "m", with_optimizer=False)
+    worker = _worker(dtype="bf16", optimizer="adam", lr=1e-6, seed=99)
+    worker.load_checkpoint(saved, with_optimizer=False)
+    loaded = _params(worker)
+    worker.train_step({"tokens": _batch(8)}, _nll)
+    assert max(float((p - loaded[k]).abs().max()) for k, p in _params(worker).items()) < 1e-2
+
+
 def test_exported_names_cover_every_parameter() -> None:
     worker = _worker()
     names = [name for name, _ in worker.export_hf_weights()]

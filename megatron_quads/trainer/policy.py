@@ -7,7 +7,7 @@ data-parallel replica gets the same batch, every replica its own shard of the gl
 - :meth:`PolicyWorker.compute_logprobs`: per-token log-probs of given token ids (no grad);
 - :meth:`PolicyWorker.train_step`: one optimizer step over micro-batches with a caller's loss;
 - :meth:`PolicyWorker.save_checkpoint` / :meth:`PolicyWorker.load_checkpoint`: Megatron dist
-  checkpoints (model, optimizer, RNG), written atomically;
+  checkpoints (model, optimizer, RNG), written atomically, checked finite when loaded;
 - :meth:`PolicyWorker.export_hf_weights`: full weights by Hugging Face name.
 
 The model is Megatron-Core's GPTModel (QUADS spec when enabled) wrapped as Megatron trains it:
@@ -23,9 +23,10 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -329,7 +330,8 @@ class PolicyWorker:
         """Load a checkpoint written by :meth:`save_checkpoint` (any TP/EP layout for the model).
 
         ``with_optimizer=False`` loads model weights (and RNG, if present) only, e.g. to start
-        training from a model-only checkpoint such as the embedded default.
+        training from a model-only checkpoint such as the embedded default. Every loaded parameter
+        and optimizer tensor must be finite: a NaN or Inf raises ValueError naming the first one.
         """
         path = Path(path)
         if not (path / "metadata.json").exists():
@@ -337,9 +339,13 @@ class PolicyWorker:
         state = self._sharded_state(is_loading=True, with_optimizer=with_optimizer)
         loaded = dist_checkpointing.load(state, str(path))
         self.model.load_state_dict(loaded["model"])
+        _require_finite(self.model.named_parameters(), f"parameter of the model loaded from {path}")
         if "optimizer" in loaded:
+            _require_finite(_tensor_leaves(loaded["optimizer"], "optimizer"), f"optimizer tensor loaded from {path}")
             with torch.no_grad():  # the optimizer copies into views of leaf params
                 self.optimizer.load_state_dict(loaded["optimizer"])
+        else:  # the optimizer's fp32 main copies (bf16) must follow the loaded weights
+            self.optimizer.reload_model_params()
         rng_file = path / f"rng_rank{dist.get_rank():05d}.pt"
         if rng_file.exists():
             rng = torch.load(rng_file, weights_only=False)
@@ -347,6 +353,37 @@ class PolicyWorker:
             tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
             self.steps_done = rng["steps_done"]
         invalidate_fake_quant_caches(self.model)
+
+
+def _tensor_leaves(tree: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor in nested dicts / lists / tuples, named by its path (``optimizer/state/0/exp_avg``)."""
+    if isinstance(tree, torch.Tensor):
+        yield prefix, tree
+    elif isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _tensor_leaves(value, f"{prefix}/{key}")
+    elif isinstance(tree, (list, tuple)):
+        for i, value in enumerate(tree):
+            yield from _tensor_leaves(value, f"{prefix}/{i}")
+
+
+def _require_finite(named: Iterable[tuple[str, torch.Tensor]], what: str) -> None:
+    """Raise ValueError naming the first floating-point tensor that holds a NaN or Inf.
+
+    One pass: every tensor's check is queued, then read back once per device.
+    """
+    items = [(name, t) for name, t in named if t.is_floating_point()]
+    flags = [torch.isfinite(t.detach()).all() for _, t in items]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, flag in enumerate(flags):
+        by_device.setdefault(flag.device, []).append(i)
+    bad = [i for indices in by_device.values()
+           for i, ok in zip(indices, torch.stack([flags[i] for i in indices]).tolist(), strict=True) if not ok]
+    if bad:
+        name, t = items[min(bad)]
+        count = int((~torch.isfinite(t.detach())).sum())
+        raise ValueError(f"{what} '{name}' holds {count} NaN or Inf values ({len(bad)} tensor(s) in all): the "
+                         "checkpoint is damaged or was saved from a diverged run; load an older checkpoint")
 
 
 def _average_metrics(reduced: list[dict[str, torch.Tensor]]) -> dict[str, float]:
