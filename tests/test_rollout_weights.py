@@ -266,6 +266,19 @@ def test_missing_tensor_names_it(model, tmp_path: Path, sharded: bool, leaf: str
         load_quantized_weights(out)
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nan_or_inf_in_an_unquantized_tensor_names_it_and_its_file(model, tmp_path: Path, sharded: bool, bad: float) -> None:
+    out = save_quantized_weights(model, tmp_path / "ckpt", 3000 if sharded else fmt.DEFAULT_MAX_SHARD_BYTES)
+    name = next(n for n in model.unquantized if n.endswith("norm.weight"))
+    damaged = model.state_dict()[name].clone()
+    damaged[1] = bad
+    _rewrite(out, name, damaged)
+    file = _file_of(out, name)
+    with pytest.raises(ValueError, match=rf"'{name}' in {file} holds 1 NaN or Inf".replace(".", r"\.")):
+        load_quantized_weights(out)
+
+
 def test_missing_module_unknown_dtype_and_bad_config(model, tmp_path: Path) -> None:
     out = save_quantized_weights(model, tmp_path / "ckpt")
     for leaf in (*fmt.MODELOPT_LEAVES, *fmt.RESIDUAL_LEAVES):

@@ -997,13 +997,31 @@ def _check_model_config(directory: Path, exclude: list[str], quads: dict[str, An
         )
 
 
+def _require_finite_unquantized(unquantized: Mapping[str, torch.Tensor], root: Path) -> None:
+    """Every high-precision tensor read from the checkpoint ``root`` is finite; the first that holds a
+    NaN or Inf raises ValueError naming it and its file. One pass: one device sync."""
+    names = list(unquantized)
+    if not names:
+        return
+    finite = torch.stack([torch.isfinite(unquantized[n]).all() for n in names]).tolist()
+    bad = [n for n, ok in zip(names, finite, strict=True) if not ok]
+    if bad:
+        count = int((~torch.isfinite(unquantized[bad[0]])).sum())
+        raise ValueError(
+            f"unquantized tensor '{bad[0]}' in {root / fmt.tensor_file_map(root)[bad[0]]} holds {count} NaN or Inf "
+            f"values ({len(bad)} tensor(s) in all); the checkpoint is damaged or was exported from diverged weights: "
+            "re-export it"
+        )
+
+
 def load_quantized_weights(
     directory: str | os.PathLike[str], device: str | torch.device = "cpu", verify_residual: bool = False
 ) -> QuantizedModelWeights:
     """Read and validate a checkpoint written by :func:`save_quantized_weights`.
 
     A missing tensor, a tensor whose dtype or shape disagrees with the config or with the module's
-    other tensors, or a damaged config raises ValueError naming it. ``verify_residual`` also rebuilds
+    other tensors, an unquantized tensor holding NaN or Inf, or a damaged config raises ValueError
+    naming it. ``verify_residual`` also rebuilds
     every ``W_S`` from ``q(W)`` and the channels and requires identical bytes.
     """
     root = Path(directory)
@@ -1013,6 +1031,7 @@ def load_quantized_weights(
     tensors = fmt.read_checkpoint_tensors(root, device)
     config = make_quant_config(quads["residual_ratio"], exclude, quads["weight_version"])
     weights = QuantizedModelWeights.from_state_dict(tensors, config, quads["residual_tensors"], quads["input_scales"])
+    _require_finite_unquantized(weights.unquantized, root)
     for key, found in (("num_quantized_modules", len(weights.quantized)), ("num_unquantized_tensors", len(weights.unquantized))):
         if found != quads[key]:
             raise ValueError(
