@@ -209,23 +209,105 @@ def test_train_force_config_reaches_run_and_run_dir_errors_exit_2(monkeypatch: p
     assert cli.main(["train", str(EXAMPLE), "rollout.engine=torch"]) == 2
     assert calls == [(2, True), (20, False)]
 
+    from megatron_quads.controller.run import latest_checkpoint
+
+    cfg = load_config(EXAMPLE, [f"run_dir={tmp_path / 'full'}"])
+    assert latest_checkpoint(cfg) == tmp_path / "full" / "checkpoints" / "step_3"
+    shard = max((tmp_path / "full" / "checkpoints" / "step_3" / "trainer").iterdir(), key=lambda p: p.stat().st_size)
+    with open(shard, "r+b") as f:  # a damaged Megatron shard: the manifest's sha256 catches it
+        f.seek(shard.stat().st_size // 2)
+        f.write(b"\x7f\xc0\x00\x00")
+    assert latest_checkpoint(cfg) == tmp_path / "full" / "checkpoints" / "step_2"
+
+
+def _fake_checkpoint(root: Path, step: int, manifest: dict | None = None) -> Path:
+    """``checkpoints/step_N`` as save_checkpoint lays it out, with a stand-in trainer shard; the manifest
+    lists every file unless ``manifest`` (written as is) is given."""
+    from megatron_quads.manifest import write_manifest
+
+    path = root / f"step_{step}"
+    (path / "trainer").mkdir(parents=True)
+    (path / "trainer" / "metadata.json").write_text("{}")
+    (path / "trainer" / "__0_0.distcp").write_bytes(bytes(range(256)) * 16)
+    (path / "controller.json").write_text(json.dumps({"step": step, "stream": {}}))
+    if manifest is None:
+        write_manifest(path, {"step": step, "complete": True})
+    else:
+        (path / "manifest.json").write_text(json.dumps(manifest))
+    return path
+
 
 def test_corrupt_or_partial_checkpoints_are_skipped(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    from megatron_quads.controller.run import latest_checkpoint
+    """Each damaged checkpoint is skipped with a warning naming its bad file; the next older one is used,
+    also by the resume hint. A manifest without a file list is used with a warning that it is unverified."""
+    from megatron_quads.controller.run import _resume_hint, latest_checkpoint
 
     cfg = load_config(EXAMPLE, [f"run_dir={tmp_path}"])
     root = tmp_path / "checkpoints"
-    good = root / "step_2"
-    (good / "trainer").mkdir(parents=True)
-    (good / "trainer" / "metadata.json").write_text("{}")
-    (good / "controller.json").write_text(json.dumps({"step": 2}))
-    (good / "manifest.json").write_text("{}")
-    shutil.copytree(good, root / "step_4")
-    (root / "step_4" / "controller.json").write_text("{not json")  # corrupt
-    shutil.copytree(good, root / "step_6")
-    (root / "step_6" / "manifest.json").unlink()  # partial: the manifest is written last
+    good = _fake_checkpoint(root, 2)
+    shard = Path("trainer") / "__0_0.distcp"
+    with open(_fake_checkpoint(root, 4) / shard, "r+b") as f:
+        f.truncate(1000)  # truncated shard
+    with open(_fake_checkpoint(root, 6) / shard, "r+b") as f:
+        f.seek(2000)
+        f.write(b"\xff\xff")  # overwritten bytes, same size
+    (_fake_checkpoint(root, 8) / shard).unlink()  # missing file
+    (_fake_checkpoint(root, 10) / "controller.json").write_text("{not json")  # corrupt
+    _fake_checkpoint(root, 12, manifest={"step": 12, "complete": False})
+    (_fake_checkpoint(root, 14) / "manifest.json").unlink()  # partial: the manifest is written last
+    unverified = _fake_checkpoint(root, 16, manifest={"step": 16, "complete": True})
+
+    assert latest_checkpoint(cfg) == unverified
+    assert "lists no files, so their sizes and sha256 are not verified" in caplog.text
+    shutil.rmtree(unverified)
+    caplog.clear()
     assert latest_checkpoint(cfg) == good
-    assert "step_4" in caplog.text
+    for step, why in [(4, "has 1000 bytes but manifest.json lists 4096"), (6, "does not match its sha256"),
+                      (8, "is listed in manifest.json but missing"), (10, "step_10/controller.json has 9 bytes"),
+                      (12, "does not mark it complete")]:
+        assert f"skipping checkpoint {root / f'step_{step}'}: " in caplog.text
+        assert why in caplog.text
+    assert str(root / "step_4" / shard) in caplog.text and str(root / "step_8" / shard) in caplog.text
+    assert "step_14" not in caplog.text
+    assert f"the last complete checkpoint is {good};" in _resume_hint(cfg)
+    shutil.rmtree(good)
+    assert _resume_hint(cfg).startswith("no checkpoint verifies")
+
+
+def test_a_checkpoint_that_fails_to_load_falls_back_to_the_next_older_then_the_start(tmp_path: Path) -> None:
+    from megatron_quads.controller.run import TrainerFailure, resume_checkpoint
+
+    class FakeTrainers:
+        def __init__(self, failing: set[str], died: bool = False) -> None:
+            self.failing, self.died, self.loads = failing, died, []
+
+        def load(self, path: str, with_optimizer: bool) -> int:
+            self.loads.append((Path(path).parent.name if with_optimizer else path, with_optimizer))
+            if Path(path).parent.name in self.failing:
+                cause = ray.exceptions.RayActorError() if self.died else ValueError("'w' holds 1 NaN or Inf values")
+                raise TrainerFailure(f"a trainer rank failed: {cause}") from cause
+            return 0
+
+    cfg = load_config(EXAMPLE, [f"run_dir={tmp_path}"])
+    for step in (2, 4, 6):
+        _fake_checkpoint(tmp_path / "checkpoints", step)
+    trainers = FakeTrainers({"step_6", "step_4"})
+    path, state = resume_checkpoint(cfg, trainers, "START", start_loaded=True)
+    assert path.name == "step_2" and state["step"] == 2
+    assert trainers.loads == [("step_6", True), ("step_4", True), ("step_2", True)]
+
+    trainers = FakeTrainers({"step_6", "step_4", "step_2"})
+    assert resume_checkpoint(cfg, trainers, "START", start_loaded=True) is None
+    assert trainers.loads[-1] == ("START", False)  # loaded again: the failed loads may have changed the weights
+    with pytest.raises(RuntimeError, match="no checkpoint under .* loads .* no model.checkpoint"):
+        resume_checkpoint(cfg, FakeTrainers({"step_6", "step_4", "step_2"}), None, start_loaded=False)
+    with pytest.raises(TrainerFailure):  # a dead rank loads nothing: the run stops
+        resume_checkpoint(cfg, FakeTrainers({"step_6"}, died=True), "START", start_loaded=False)
+
+    shutil.rmtree(tmp_path / "checkpoints")
+    fresh = FakeTrainers(set())
+    assert resume_checkpoint(cfg, fresh, "START", start_loaded=True) is None and fresh.loads == []
+    assert resume_checkpoint(cfg, fresh, "START", start_loaded=False) is None and fresh.loads == [("START", False)]
 
 
 def test_a_killed_vllm_rollout_worker_is_restarted_and_resynced(tmp_path: Path) -> None:

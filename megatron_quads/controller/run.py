@@ -8,6 +8,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import ray
@@ -26,6 +27,7 @@ from megatron_quads.controller.workers import (
     policy_model_config,
     start_checkpoint,
 )
+from megatron_quads.manifest import MANIFEST, read_manifest, verify_manifest, write_manifest
 from megatron_quads.rl.advantages import group_advantages
 from megatron_quads.rl.metrics import mismatch_metrics
 from megatron_quads.rollout.engine import SamplingParams
@@ -316,34 +318,105 @@ def decode_response(tok, ids: list[int]) -> str:
 
 
 def save_checkpoint(cfg: RunConfig, trainers: Trainers, step: int, stream) -> Path:
-    """Trainer state + controller state, made visible by writing the manifest last; keeps the last K."""
+    """Trainer state + controller state, made visible by the manifest (every file's size and sha256,
+    the step, ``complete``) written last; keeps the last K."""
     root = Path(cfg.run_dir) / "checkpoints" / f"step_{step}"
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     trainers.save(str(root / "trainer"))
     write_text_atomic(root / "controller.json", json.dumps({"step": step, "stream": stream.state_dict()}, indent=1))
-    write_text_atomic(root / "manifest.json", json.dumps({"step": step, "complete": True}, indent=1))
+    write_manifest(root, {"step": step, "complete": True})
     for old in checkpoint_dirs(cfg.run_dir)[: -cfg.checkpoint.keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return root
 
 
-def latest_checkpoint(cfg: RunConfig) -> Path | None:
-    """The newest complete checkpoint; incomplete or unreadable ones are skipped with a warning."""
+_DAMAGED = "the checkpoint is damaged; the run resumes from the next older one (delete this one to silence the warning)"
+
+
+def _checkpoint_problem(path: Path) -> str | None:
+    """Why the checkpoint ``path`` cannot be resumed from, or None when it verifies.
+
+    It verifies when its manifest marks it complete, every file the manifest lists has the listed
+    size and sha256, ``controller.json`` parses and ``trainer/metadata.json`` exists. A manifest
+    without a file list (no sizes and hashes to check) is accepted with a warning that the files are
+    not verified.
+    """
+    try:
+        doc = read_manifest(path, _DAMAGED)
+        if doc.get("complete") is not True:
+            return f"{path / MANIFEST} does not mark it complete ('complete': true)"
+        if "files" in doc:
+            verify_manifest(path, _DAMAGED)
+        else:
+            logger.warning("checkpoint %s: its %s lists no files, so their sizes and sha256 are not verified; "
+                           "using it as is", path, MANIFEST)
+        json.loads((path / "controller.json").read_text())["step"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return str(err)
+    if not (path / "trainer" / "metadata.json").is_file():
+        return f"{path / 'trainer'} is not a complete Megatron dist checkpoint (no metadata.json)"
+    return None
+
+
+def verified_checkpoints(cfg: RunConfig) -> Iterator[Path]:
+    """The run's checkpoints that verify (:func:`_checkpoint_problem`), newest first, checked one at a
+    time as they are asked for; each one that does not is skipped with a warning naming the bad file."""
     for path in reversed(checkpoint_dirs(cfg.run_dir)):
+        problem = _checkpoint_problem(path)
+        if problem is None:
+            yield path
+        else:
+            logger.warning("skipping checkpoint %s: %s", path, problem)
+
+
+def latest_checkpoint(cfg: RunConfig) -> Path | None:
+    """The newest checkpoint that verifies; incomplete, corrupt or partial ones are skipped with a warning."""
+    return next(verified_checkpoints(cfg), None)
+
+
+def resume_checkpoint(cfg: RunConfig, trainers: Trainers, start: str | None,
+                      start_loaded: bool) -> tuple[Path, dict] | None:
+    """Load the newest checkpoint that verifies and loads into every trainer rank (model, optimizer,
+    RNG); returns it and its controller state, or None when the run starts over.
+
+    A checkpoint whose load raises on a rank (a damaged shard Megatron cannot read, a NaN or Inf
+    parameter) is skipped with a warning and the next older one tried. When none loads, the trainers
+    get ``start`` (the model-only starting checkpoint) again unless ``start_loaded`` and nothing was
+    tried since. A rank that died while loading stops the run: no checkpoint can load into it.
+    """
+    tried = False
+    for path in verified_checkpoints(cfg):
+        state = json.loads((path / "controller.json").read_text())
+        tried = True
         try:
-            json.loads((path / "controller.json").read_text())
-            if (path / "trainer" / "metadata.json").exists():
-                return path
-        except (OSError, ValueError):
-            pass
-        logger.warning("skipping incomplete or corrupt checkpoint %s", path)
+            trainers.load(str(path / "trainer"), with_optimizer=True)
+        except TrainerFailure as err:
+            if isinstance(err.__cause__, ray.exceptions.RayActorError):
+                raise
+            logger.warning("checkpoint %s failed to load, trying the next older one: %s", path, err)
+            continue
+        return path, state
+    if tried:
+        if start is None:
+            raise RuntimeError(f"no checkpoint under {Path(cfg.run_dir) / 'checkpoints'} loads (see the warnings) and "
+                               "the run has no model.checkpoint to start over from: delete the damaged checkpoints "
+                               "to start from a fresh initialisation, or set model.checkpoint")
+        logger.warning("no checkpoint loads: starting over from %s", start)
+    if start is not None and (tried or not start_loaded):
+        trainers.load(start, with_optimizer=False)
     return None
 
 
 def _resume_hint(cfg: RunConfig) -> str:
+    """Where a stopped run resumes from: the newest checkpoint that verifies, and the command."""
     last = latest_checkpoint(cfg)
-    where = f"the last complete checkpoint is {last}" if last else "no checkpoint was written yet"
+    if last is not None:
+        where = f"the last complete checkpoint is {last}"
+    elif checkpoint_dirs(cfg.run_dir):
+        where = "no checkpoint verifies (see the warnings)"
+    else:
+        where = "no checkpoint was written yet"
     return f"{where}; resume with: megatron-quads train {Path(cfg.run_dir) / 'config.yaml'}"
 
 
@@ -477,17 +550,15 @@ def _train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts) -> Path:
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())  # names both record files a fresh run or a resume moves aside
     held_out = eval_task(cfg) if cfg.eval.every else None
 
-    resume = latest_checkpoint(cfg)
     kl = cfg.grpo.loss.kl_beta > 0
     checkpoint = start_checkpoint(cfg)
-    if checkpoint and (resume is None or kl):  # the starting weights; with KL, also the reference on resume
+    if checkpoint and kl:  # the reference policy for the KL penalty: the starting weights, also on resume
         trainers.load(checkpoint, with_optimizer=False)
     if kl:
         logger.info("kept the reference policy for the KL penalty: %.1f MB per trainer rank (host memory)",
                     trainers.keep_reference() / 1e6)
+    resume, state = resume_checkpoint(cfg, trainers, checkpoint, start_loaded=kl) or (None, None)
     if resume is not None:
-        state = json.loads((resume / "controller.json").read_text())
-        trainers.load(str(resume / "trainer"), with_optimizer=True)
         stream.load_state_dict(state["stream"])
         start = state["step"]
         for path in (metrics_path, eval_path):  # records of the steps the resumed run does again go aside
