@@ -192,6 +192,16 @@ def test_resumed_run_reproduces_the_uninterrupted_metrics(tmp_path: Path) -> Non
     assert kept == ["step_2", "step_3"]  # checkpoint.keep_last: 2
     assert (split / ".lock").read_text() == ""  # released
 
+    from megatron_quads.controller.run import latest_checkpoint
+
+    cfg = load_config(EXAMPLE, [f"run_dir={tmp_path / 'full'}"])
+    assert latest_checkpoint(cfg) == tmp_path / "full" / "checkpoints" / "step_3"
+    shard = max((tmp_path / "full" / "checkpoints" / "step_3" / "trainer").iterdir(), key=lambda p: p.stat().st_size)
+    with open(shard, "r+b") as f:  # a damaged Megatron shard: the manifest's sha256 catches it
+        f.seek(shard.stat().st_size // 2)
+        f.write(b"\x7f\xc0\x00\x00")
+    assert latest_checkpoint(cfg) == tmp_path / "full" / "checkpoints" / "step_2"
+
 
 def test_train_force_config_reaches_run_and_run_dir_errors_exit_2(monkeypatch: pytest.MonkeyPatch) -> None:
     from megatron_quads import cli
@@ -209,15 +219,6 @@ def test_train_force_config_reaches_run_and_run_dir_errors_exit_2(monkeypatch: p
     assert cli.main(["train", str(EXAMPLE), "rollout.engine=torch"]) == 2
     assert calls == [(2, True), (20, False)]
 
-    from megatron_quads.controller.run import latest_checkpoint
-
-    cfg = load_config(EXAMPLE, [f"run_dir={tmp_path / 'full'}"])
-    assert latest_checkpoint(cfg) == tmp_path / "full" / "checkpoints" / "step_3"
-    shard = max((tmp_path / "full" / "checkpoints" / "step_3" / "trainer").iterdir(), key=lambda p: p.stat().st_size)
-    with open(shard, "r+b") as f:  # a damaged Megatron shard: the manifest's sha256 catches it
-        f.seek(shard.stat().st_size // 2)
-        f.write(b"\x7f\xc0\x00\x00")
-    assert latest_checkpoint(cfg) == tmp_path / "full" / "checkpoints" / "step_2"
 
 
 def _fake_checkpoint(root: Path, step: int, manifest: dict | None = None) -> Path:
