@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 
@@ -50,24 +51,38 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
+def load_run_config(path: str | None, overrides: list[str]):
+    """The run config of ``path`` + ``overrides``, validated; file, YAML and override errors are raised
+    (:class:`ConfigError`) before the schema's heavy imports (torch, Megatron) happen."""
+    from megatron_quads.controller.config_file import read_config
+
+    tree = read_config(path, overrides)
+    from megatron_quads.controller.config import validate_config
+
+    return validate_config(tree)
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
-    from megatron_quads.controller.config import ConfigError, check_runnable, load_config
+    from megatron_quads.controller.config_file import ConfigError
+
+    try:
+        cfg = load_run_config(args.config, args.overrides)
+        from megatron_quads.controller.config import check_runnable
+
+        check_runnable(cfg)
+    except ConfigError as err:
+        Console(stderr=True).print(f"[red]{escape(str(err))}[/red]", soft_wrap=True)
+        return 2
     from megatron_quads.controller.run import TrainerFailure, run
     from megatron_quads.controller.run_dir import RunDirError
 
     try:
-        cfg = load_config(args.config, args.overrides)
-        check_runnable(cfg)
-    except ConfigError as err:
-        Console(stderr=True).print(f"[red]{err}[/red]")
-        return 2
-    try:
         metrics = run(cfg, force_config=args.force_config)
     except RunDirError as err:  # run_dir in use by another run, or holding a run of another config
-        Console(stderr=True).print(f"[red]{err}[/red]")
+        Console(stderr=True).print(f"[red]{escape(str(err))}[/red]", soft_wrap=True)
         return 2
     except TrainerFailure as err:
-        Console(stderr=True).print(f"[red]training stopped: {err}[/red]")
+        Console(stderr=True).print(f"[red]training stopped: {escape(str(err))}[/red]", soft_wrap=True)
         return 1
     Console().print(f"metrics: {metrics}\nplots:   {metrics.with_name('metrics.png')}")
     return 0
@@ -105,14 +120,22 @@ def _model_config_file(path: str):
     if not file.is_file():
         raise FileNotFoundError(f"model config {file} does not exist")
     if file.suffix in (".yaml", ".yml"):
-        from megatron_quads.controller.config import load_config
         from megatron_quads.controller.workers import policy_model_config
 
-        return policy_model_config(load_config(str(file), []))
+        return policy_model_config(load_run_config(str(file), []))
     return PolicyModelConfig(**json.loads(file.read_text()))
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
+    model_config = getattr(args, "model_config", None)
+    if model_config and Path(model_config).suffix in (".yaml", ".yml"):  # a run's config: its file errors at once
+        from megatron_quads.controller.config_file import ConfigError, read_config
+
+        try:
+            read_config(model_config, [])
+        except ConfigError as err:
+            Console(stderr=True).print(f"[red]convert {args.convert}: {escape(str(err))}[/red]", soft_wrap=True)
+            return 2
     from megatron_quads.convert import commands
     from megatron_quads.convert.megatron_writer import ConversionError
 
@@ -134,7 +157,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
                 model=model, tokenizer=args.tokenizer, overwrite=args.overwrite, seed=args.seed,
             )
     except (ValueError, KeyError, FileNotFoundError, FileExistsError, ConversionError) as err:
-        Console(stderr=True).print(f"[red]convert {args.convert}: {err}[/red]")
+        Console(stderr=True).print(f"[red]convert {args.convert}: {err}[/red]", soft_wrap=True)
         return 2
     Console().print(f"wrote {out}")
     return 0

