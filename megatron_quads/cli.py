@@ -73,12 +73,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
     except ConfigError as err:
         Console(stderr=True).print(f"[red]{escape(str(err))}[/red]", soft_wrap=True)
         return 2
+    from megatron_quads.controller.placement import PlacementError
     from megatron_quads.controller.run import TrainerFailure, run
     from megatron_quads.controller.run_dir import RunDirError
 
     try:
         metrics = run(cfg, force_config=args.force_config)
-    except RunDirError as err:  # run_dir in use by another run, or holding a run of another config
+    except (RunDirError, PlacementError) as err:  # run_dir in use or of another config; the cluster too small
         Console(stderr=True).print(f"[red]{escape(str(err))}[/red]", soft_wrap=True)
         return 2
     except TrainerFailure as err:
