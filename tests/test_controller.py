@@ -434,7 +434,7 @@ def test_an_infeasible_placement_fails_at_once() -> None:
 def test_trainer_errors_are_unwrapped_to_the_rank_s_exception() -> None:
     from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
 
-    from megatron_quads.controller.run import root_cause
+    from megatron_quads.controller.failures import root_cause
 
     def task_error(cause: BaseException) -> RayTaskError:
         trace = f"Traceback (most recent call last):\n  File \"w.py\", line 1, in f\n    g()\n{type(cause).__name__}: {cause}"

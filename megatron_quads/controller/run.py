@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import builtins
 import dataclasses
 import json
 import logging
 import os
-import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -19,6 +17,7 @@ from tqdm import tqdm
 
 from megatron_quads.atomic_io import write_atomic, write_text_atomic
 from megatron_quads.controller.config import RunConfig, check_runnable
+from megatron_quads.controller.failures import NO_RESUME_NOTE, TRAINER_RANKS, TrainerFailure, trainer_get
 from megatron_quads.controller.placement import Placement, Slot
 from megatron_quads.controller.report import MetricsSink, plot_run
 from megatron_quads.controller.run_dir import check_saved_config, hold_run_dir, keep_records_before, start_records
@@ -36,125 +35,6 @@ from megatron_quads.rollout.engine import SamplingParams
 from megatron_quads.rollout.routing import routing_batch
 
 logger = logging.getLogger(__name__)
-
-
-NOT_RESUMABLE = (ValueError, TypeError, KeyError, IndexError, AttributeError, NameError, NotImplementedError,
-                 AssertionError, ImportError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
-"""Errors a resume would meet again: bad inputs (a missing path, a config that cannot build the model, a
-corrupt file) and program errors. A rank that died (its process or node gone) or raised anything else
-(CUDA out of memory, NCCL, timeouts: RuntimeError and OSError) may succeed when resumed."""
-
-NOT_RESUMABLE_NAMES = frozenset({"CheckpointingException", "ValidationError", "ConfigError"})
-"""Such errors known by name only (the class is not imported here, or only the text came back)."""
-
-
-class TrainerFailure(RuntimeError):
-    """A trainer rank died or raised: the run stops; the last complete checkpoint is intact. ``rank``,
-    ``error_type`` and ``resumable`` (see :data:`NOT_RESUMABLE`) describe the root cause."""
-
-    def __init__(self, message: str, *, rank: int | None = None, error_type: str = "", resumable: bool = True) -> None:
-        super().__init__(message)
-        self.rank, self.error_type, self.resumable = rank, error_type, resumable
-
-    def with_note(self, note: str) -> TrainerFailure:
-        """The same failure with ``note`` (what to do) on a line of its own."""
-        return TrainerFailure(f"{self}\n{note}", rank=self.rank, error_type=self.error_type, resumable=self.resumable)
-
-
-NO_RESUME_NOTE = ("a resume would meet the same error (it comes from the inputs or the code, not from a lost process): "
-                  "fix its cause, then start the run again")
-
-_TRAINER_RANKS: dict[str, int] = {}
-"""Ray actor id (hex) -> trainer rank, for naming the rank of a failure."""
-
-_FINAL_LINE = re.compile(r"^(?P<type>[A-Za-z_][\w.]*(?:\([\w.]+\))?)(?:: ?(?P<message>.*))?$")
-
-
-def _last_exception_line(traceback_text: str) -> tuple[str, str] | None:
-    """``(type, message's first line)`` of the last exception a traceback text shows."""
-    lines = traceback_text.rstrip().splitlines()
-    after_frames = max((i for i, line in enumerate(lines) if line.startswith("  File ")), default=-1) + 1
-    for line in lines[after_frames:]:
-        match = _FINAL_LINE.match(line)
-        if match and not line.startswith(" "):
-            return match["type"].rsplit(".", 1)[-1], (match["message"] or "").strip()
-    return None
-
-
-@dataclasses.dataclass(frozen=True)
-class RootCause:
-    """What a rank's error comes down to."""
-
-    error_type: str  # the original exception's class name (RayActorError / ActorDiedError for a lost process)
-    message: str  # its message's first line
-    died: bool  # the rank's process (or its node) was lost
-    resumable: bool  # a resume may get past it (see NOT_RESUMABLE)
-
-
-def _resumable(error_type: str, error: BaseException | None) -> bool:
-    if error is not None:
-        names = {c.__name__ for c in type(error).__mro__}
-        return not (isinstance(error, NOT_RESUMABLE) or names & NOT_RESUMABLE_NAMES)
-    builtin = getattr(builtins, error_type, None)
-    known = isinstance(builtin, type) and issubclass(builtin, NOT_RESUMABLE)
-    return not (known or error_type in NOT_RESUMABLE_NAMES)
-
-
-def root_cause(err: BaseException) -> RootCause:
-    """The error behind Ray's wrappers: a RayTaskError is unwrapped (nested ones too) to the exception the
-    rank raised; when that could not be sent back, or an actor failed in ``__init__`` (RayActorError),
-    the last exception of the traceback text is read; any other RayActorError is a lost process."""
-    for _ in range(16):
-        cause = getattr(err, "cause", None) if isinstance(err, ray.exceptions.RayTaskError) else None
-        unsent = isinstance(cause, ray.exceptions.RayError) and not isinstance(
-            cause, ray.exceptions.RayTaskError | ray.exceptions.RayActorError)
-        if cause is None or cause is err or unsent:
-            break
-        err = cause
-    if isinstance(err, ray.exceptions.RayTaskError):
-        found = _last_exception_line(err.traceback_str or "")
-        name, message = found or (type(err).__name__, str(err).strip().split("\n", 1)[0])
-        return RootCause(name, message, died=False, resumable=_resumable(name, None))
-    if isinstance(err, ray.exceptions.RayActorError):
-        text = err.error_msg or ""
-        found = _last_exception_line(text) if err.actor_init_failed else None
-        if found:
-            return RootCause(found[0], found[1], died=False, resumable=_resumable(found[0], None))
-        lines = [line.strip() for line in text.splitlines() if line.strip()]
-        detail = [line for line in lines[1:] if not re.match(r"^(class_name|actor_id|pid|name|namespace|ip):", line)]
-        why = detail[0].split(". ", 1)[0].rstrip(".") + "." if detail else ""  # e.g. its worker process has died
-        return RootCause(type(err).__name__, " ".join(filter(None, [*lines[:1], why])), died=True, resumable=True)
-    text = str(err).strip()
-    return RootCause(type(err).__name__, text.split("\n", 1)[0], died=False, resumable=_resumable("", err))
-
-
-def _failed_rank(refs, err: BaseException) -> int | None:
-    """The trainer rank behind ``err``: the actor a RayActorError names, else the actor of the first
-    finished call of ``refs`` that failed."""
-    actor = getattr(err, "actor_id", None) if isinstance(err, ray.exceptions.RayActorError) else None
-    if isinstance(actor, str) and actor in _TRAINER_RANKS:
-        return _TRAINER_RANKS[actor]
-    for ref in refs if isinstance(refs, list) else [refs]:
-        if ray.wait([ref], timeout=0)[0]:
-            try:
-                ray.get(ref, timeout=0)
-            except ray.exceptions.RayError:
-                return _TRAINER_RANKS.get(ref.task_id().actor_id().hex())
-    return None
-
-
-def _trainer_get(refs):
-    """``ray.get`` for trainer calls: a dead or failing rank becomes a :class:`TrainerFailure` naming the
-    rank and its root cause (:func:`root_cause`)."""
-    try:
-        return ray.get(refs)
-    except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
-        cause = root_cause(err)
-        rank = _failed_rank(refs, err)
-        who = "a trainer rank" if rank is None else f"trainer rank {rank}"
-        said = f"{cause.error_type}: {cause.message}" if cause.message else cause.error_type
-        what = f"{who} died ({said})" if cause.died else f"{who} failed: {said}"
-        raise TrainerFailure(what, rank=rank, error_type=cause.error_type, resumable=cause.resumable) from err
 
 
 def _sender_actors(actors: list, senders: list[tuple[int, int] | None]) -> list:
@@ -180,11 +60,11 @@ class Trainers:
             self.actors = [actor.options(num_cpus=0).remote(cfg, rank, world) for rank in range(world)]
         else:
             self.actors = [actor.options(**slot.options()).remote(cfg, rank, world) for rank, slot in enumerate(slots)]
-        _TRAINER_RANKS.update({a._actor_id.hex(): rank for rank, a in enumerate(self.actors)})
-        address, port = _trainer_get(self.actors[0].rendezvous_address.remote())
-        self.backend = _trainer_get([a.setup.remote(address, port) for a in self.actors])[0]
-        self.dp = _trainer_get([a.data_parallel.remote() for a in self.actors])
-        self.senders = _sender_actors(self.actors, _trainer_get([a.weight_sender.remote() for a in self.actors]))
+        TRAINER_RANKS.update({a._actor_id.hex(): rank for rank, a in enumerate(self.actors)})
+        address, port = trainer_get(self.actors[0].rendezvous_address.remote())
+        self.backend = trainer_get([a.setup.remote(address, port) for a in self.actors])[0]
+        self.dp = trainer_get([a.data_parallel.remote() for a in self.actors])
+        self.senders = _sender_actors(self.actors, trainer_get([a.weight_sender.remote() for a in self.actors]))
 
     def _shards(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         return [{k: v.chunk(size)[rank] for k, v in batch.items()} for rank, size in self.dp]
@@ -196,7 +76,7 @@ class Trainers:
         routing every rank replays (router replay)."""
         method = "compute_reference_logprobs" if reference else "compute_logprobs"
         batch = {"tokens": tokens} if routed_experts is None else {"tokens": tokens, "routed_experts": routed_experts}
-        shards = _trainer_get([getattr(a, method).remote(s["tokens"], s.get("routed_experts"))
+        shards = trainer_get([getattr(a, method).remote(s["tokens"], s.get("routed_experts"))
                                for a, s in zip(self.actors, self._shards(batch), strict=True)])
         by_dp_rank = {}  # ranks of one data-parallel replica return the same shard: keep one per replica
         for (dp_rank, _), part in zip(self.dp, shards, strict=True):
@@ -207,23 +87,23 @@ class Trainers:
         """The fraction of routed (token, layer) pairs of the last replayed :meth:`compute_logprobs`
         that the trainer's own routers would have sent to other experts (every rank routes its own
         tokens, or its own sequence chunk under sequence parallelism: the counts add up)."""
-        counts = _trainer_get([a.routing_counts.remote() for a in self.actors])
+        counts = trainer_get([a.routing_counts.remote() for a in self.actors])
         routed, differ = (sum(c[i] for c in counts) for i in (0, 1))
         return differ / routed if routed else 0.0
 
     def keep_reference(self) -> int:
         """Every rank keeps its current weights as the reference policy; returns rank 0's bytes."""
-        return _trainer_get([a.keep_reference.remote() for a in self.actors])[0]
+        return trainer_get([a.keep_reference.remote() for a in self.actors])[0]
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """One optimizer step over the whole batch."""
-        return _trainer_get([a.train_step.remote(s) for a, s in zip(self.actors, self._shards(batch), strict=True)])[0]
+        return trainer_get([a.train_step.remote(s) for a, s in zip(self.actors, self._shards(batch), strict=True)])[0]
 
     def export_rollout_weights(self, version: int, transport: str) -> tuple[list, dict[str, float]]:
         """The rollout weights (quantized once, on the trainer side) as bounded buckets for
         ``transport``: every sender's, in sender order (see TrainerWorker); bytes summed over the
         senders, export_s the slowest sender's."""
-        exported = _trainer_get([a.export_rollout_weights.remote(version, transport) for a in self.actors])
+        exported = trainer_get([a.export_rollout_weights.remote(version, transport) for a in self.actors])
         by_actor = dict(zip(self.actors, exported, strict=True))
         sending = [i for i, part in enumerate(exported) if part is not None]
         expected = [self.actors.index(a) for a in self.senders]
@@ -236,7 +116,7 @@ class Trainers:
 
     def release_sync_buffers(self) -> None:
         """Free every sender's CUDA IPC / broadcast buffers once every engine has them."""
-        _trainer_get([a.release_sync_buffers.remote() for a in self.senders])
+        trainer_get([a.release_sync_buffers.remote() for a in self.senders])
 
     def kill(self) -> None:
         """End every rank's actor."""
@@ -245,11 +125,11 @@ class Trainers:
 
     def load(self, path: str, with_optimizer: bool) -> int:
         """Load a checkpoint on every rank."""
-        return _trainer_get([a.load.remote(path, with_optimizer) for a in self.actors])[0]
+        return trainer_get([a.load.remote(path, with_optimizer) for a in self.actors])[0]
 
     def save(self, path: str) -> None:
         """Save a checkpoint (collective)."""
-        _trainer_get([a.save.remote(path) for a in self.actors])
+        trainer_get([a.save.remote(path) for a in self.actors])
 
 
 class Rollouts:
@@ -588,7 +468,7 @@ def _with_defaults(saved: dict) -> dict:
 
 def record_placement(path: Path, trainers: Trainers, rollouts: Rollouts) -> dict[str, list[str]]:
     """Write which Ray node each trainer rank and rollout engine runs on (``placement.json``)."""
-    nodes = {"trainer_ranks": _trainer_get([a.node_id.remote() for a in trainers.actors]),
+    nodes = {"trainer_ranks": trainer_get([a.node_id.remote() for a in trainers.actors]),
              "rollout_engines": ray.get([w.node_id.remote() for w in rollouts.workers], timeout=rollouts.cfg.rollout.timeout_s)}
     write_text_atomic(path, json.dumps(nodes, indent=1) + "\n")
     logger.info("trainer ranks on %d node(s), rollout engines on %d node(s)", len(set(nodes["trainer_ranks"])),
