@@ -664,6 +664,8 @@ def test_the_config_reference_is_current() -> None:
 
 
 def test_collective_weight_broadcast_survives_an_engine_restart(tmp_path: Path) -> None:
+    """An engine killed while generating, idle before a sync, or before a calibration is restarted,
+    re-synced (every broadcast group rebuilt) and the call retried (sleep retries the same way)."""
     from megatron_quads.controller.run import Rollouts, Trainers
     from megatron_quads.rollout.engine import SamplingParams
 
@@ -681,7 +683,11 @@ def test_collective_weight_broadcast_survives_an_engine_restart(tmp_path: Path) 
     after = rollouts.generate(prompts, params)  # engine 1 restarts; the group is rebuilt and re-sent
     assert rollouts.restarts == 1 and rollouts.group_generation == 2
     assert [g.token_ids for g in after] == [g.token_ids for g in before]  # same weights, greedy
+    ray.kill(rollouts.workers[0], no_restart=True)  # dies while idle, before the next sync
     rollouts.sync(trainers, 4)
+    assert ray.get([w.ping.remote() for w in rollouts.workers]) == [4, 4] and rollouts.restarts == 2
+    ray.kill(rollouts.workers[1], no_restart=True)  # dies before the calibration
+    assert rollouts.calibrate(prompts)["calibration_tokens"] == 10.0 and rollouts.restarts == 3
     assert ray.get([w.ping.remote() for w in rollouts.workers]) == [4, 4]
     trainers.kill()
     rollouts.kill()

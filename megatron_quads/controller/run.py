@@ -8,8 +8,9 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import ray
 import torch
@@ -35,6 +36,10 @@ from megatron_quads.rollout.engine import SamplingParams
 from megatron_quads.rollout.routing import routing_batch
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+ENGINE_PING_S = 10.0
+"""How long a ping may take before an engine counts as hung, after a call to the engines timed out."""
 
 
 def _sender_actors(actors: list, senders: list[tuple[int, int] | None]) -> list:
@@ -133,7 +138,8 @@ class Trainers:
 
 
 class Rollouts:
-    """Rollout engines as Ray actors; a dead or hung engine is restarted, re-synced and retried."""
+    """Rollout engines as Ray actors; an engine that dies or hangs in any call (weight sync,
+    calibration, sleep, generation, evaluation) is restarted, re-synced and the call retried."""
 
     def __init__(self, cfg: RunConfig, slots: list[Slot] | None = None) -> None:
         self.cfg = cfg
@@ -156,8 +162,49 @@ class Rollouts:
             ray.kill(worker, no_restart=True)
 
     def sleep(self) -> int:
-        """Colocated engines release their GPU memory for the trainer; returns bytes freed."""
-        return sum(ray.get([w.sleep.remote() for w in self.workers], timeout=self.cfg.rollout.timeout_s))
+        """Colocated engines release their GPU memory for the trainer; returns bytes freed. An engine
+        that dies or hangs is restarted (and re-synced) and the call repeated (:meth:`_retrying`)."""
+        return self._retrying("sleep", lambda: sum(
+            ray.get([w.sleep.remote() for w in self.workers], timeout=self.cfg.rollout.timeout_s)))
+
+    def _failed_engines(self, hung_too: bool) -> list[int]:
+        """The engines that are dead, and with ``hung_too`` those that do not answer a ping within
+        ``ENGINE_PING_S`` either (busy past a timeout); an engine still starting is neither."""
+        refs = [w.ping.remote() for w in self.workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=ENGINE_PING_S)
+        bad = []
+        for index, ref in enumerate(refs):
+            if ref not in ready:
+                if hung_too:
+                    bad.append(index)
+                continue
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                bad.append(index)
+        return bad
+
+    def _retrying(self, what: str, call: Callable[[], T]) -> T:
+        """``call()``; when it fails and some engines are dead (or, after a timeout, hung), those are restarted (each
+        re-synced to the current weights and re-calibrated, :meth:`_restart`) and the whole call is
+        made again, up to ``rollout.max_retries`` times. A failure with every engine answering is
+        raised as it is (it is not an engine death)."""
+        for attempt in range(self.cfg.rollout.max_retries + 1):
+            try:
+                return call()
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ray.exceptions.GetTimeoutError) as err:
+                bad = self._failed_engines(hung_too=isinstance(err, ray.exceptions.GetTimeoutError))
+                if not bad:
+                    raise
+                if attempt == self.cfg.rollout.max_retries:
+                    raise RuntimeError(f"rollout engines {bad} failed during {what} {attempt + 1} times (rollout.max_retries="
+                                       f"{self.cfg.rollout.max_retries}); last error: {type(err).__name__}: "
+                                       f"{str(err).splitlines()[0] if str(err) else ''}") from err
+                logger.warning("rollout engines %s died or hung during %s (%s); restarting them and retrying", bad, what,
+                               type(err).__name__)
+                for index in bad:
+                    self._restart(index)
+        raise AssertionError("unreachable")
 
     def _form_sync_groups(self, trainers: Trainers) -> None:
         """(Re)build the weight-broadcast groups: one per weight sender (that trainer rank hosts the
@@ -197,8 +244,13 @@ class Rollouts:
         every engine (each checks the bucket set, names, shapes and the version); CUDA IPC / broadcast
         buffers are freed after. Returns payload bytes and the slowest sender's export seconds plus
         the slowest engine's wake / receive / load."""
+        synced_before = self.version >= 0
         self.trainers, self.version = trainers, version
-        loaded, stats = self._load(trainers, self.workers, version)
+        if synced_before and self.cfg.weight_transport() == "collective":  # a dead member would stall every broadcast
+            for index in self._failed_engines(hung_too=False):
+                logger.warning("rollout engine %d is dead before the weight sync; restarting it", index)
+                self._restart(index)
+        loaded, stats = self._retrying("the weight sync", lambda: self._load(trainers, self.workers, version))
         held = [v for v, _ in loaded]
         if any(v != version for v in held):
             raise RuntimeError(f"rollout engines hold weight versions {held}, expected {version}")
@@ -210,7 +262,11 @@ class Rollouts:
         others return at once), all at the same time, on the same prompts, so they choose the same
         channels. Returns the slowest engine's seconds and the prompt tokens."""
         self.calibration = prompts
-        done = ray.get([w.calibrate.remote(prompts) for w in (workers or self.workers)], timeout=self.cfg.rollout.timeout_s)
+        if workers is not None:  # engines just restarted (the retry is the caller's)
+            done = ray.get([w.calibrate.remote(prompts) for w in workers], timeout=self.cfg.rollout.timeout_s)
+        else:
+            done = self._retrying("RAC calibration", lambda: ray.get(
+                [w.calibrate.remote(prompts) for w in self.workers], timeout=self.cfg.rollout.timeout_s))
         return {k: max(d[k] for d in done) for k in done[0]}
 
     def _restart(self, index: int) -> None:
