@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from bench_device import device_name, synchronize
 from results_io import load_records, profile_markdown_path, save_record, write_text_atomic
 
 PROFILES = {
@@ -35,20 +35,6 @@ PROFILES = {
         seq=1024, micro_batch=8, micro_batches=(1, 4), steps=20, warmup=3,
     ),
 }
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _device_name() -> str:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return f"{line.split(':', 1)[1].strip()} ({torch.get_num_threads()} threads)"
-    return platform.processor()
 
 
 def _loss(logprobs: torch.Tensor, mb: dict) -> tuple:
@@ -85,11 +71,11 @@ def _rebuild_ms(worker) -> tuple[float, float]:
     times = []
     for _ in range(5):
         invalidate_fake_quant_caches(worker.model)
-        _sync()
+        synchronize()
         start = time.perf_counter()
         for m in linears:
             m.quantized_weight()
-        _sync()
+        synchronize()
         times.append(time.perf_counter() - start)
     cached = sum(m.quantized_weight().numel() * m.quantized_weight().element_size() for m in linears)
     return statistics.median(times) * 1e3, cached
@@ -104,10 +90,10 @@ def run_setting(profile: dict, micro_batches: int) -> list[dict]:
     times: dict[bool, list[float]] = {False: [], True: []}
     for step in range(profile["warmup"] + profile["steps"]):
         for quads, worker in workers.items():
-            _sync()
+            synchronize()
             start = time.perf_counter()
             worker.train_step({"tokens": tokens}, _loss)
-            _sync()
+            synchronize()
             if step >= profile["warmup"]:
                 times[quads].append(time.perf_counter() - start)
     results = []
@@ -171,7 +157,7 @@ def main() -> None:
     results = [r for mb in profile["micro_batches"] for r in run_setting(profile, mb)]
     record = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": _device_name(),
+        "device": device_name(),
         "torch": torch.__version__,
         "profile": args.profile,
         "command": f"python benchmarks/bench_aqat_step.py --profile {args.profile}",

@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
+from bench_device import device_name, synchronize
 from results_io import load_records, profile_markdown_path, save_record, write_text_atomic
 
 PROFILES = {
@@ -48,26 +48,15 @@ PROFILES = {
 RESULTS = Path(__file__).parent / "results" / "weight_sync.json"
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _device_name() -> str:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name()
-    return f"{platform.machine()} CPU ({torch.get_num_threads()} threads)"
-
-
 def _best_seconds(fn, repeats: int) -> float:
     """The fastest of ``repeats`` timed calls of ``fn`` (after one warm-up call)."""
     fn()
-    _sync()
+    synchronize()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
-        _sync()
+        synchronize()
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -213,7 +202,7 @@ def _engine_process(q: dict, precision: str, device: str, requests, replies) -> 
         tensors, quantized, version = from_buckets(buckets, device=device)
         engine.load_weights(decode_wire(tensors, quantized, version), version)
         del tensors
-        _sync()
+        synchronize()
         replies.put((version, time.perf_counter() - start))
 
 
@@ -224,12 +213,11 @@ def measure_sync(q: dict) -> dict:
     import torch.multiprocessing as mp
 
     from megatron_quads.controller.weight_sync import BufferKeeper, buckets_bytes, to_buckets
-    from megatron_quads.rollout.wire import encode_wire
+    from megatron_quads.rollout.wire import encode_wire, is_stack_name
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     transport = "cuda_ipc" if device.type == "cuda" else "object_store"
     parts = _trainer_parts(q, device)
-    from megatron_quads.rollout.wire import is_stack_name
     channels = _channel_sets(dict(layers=q["layers"], experts=q["experts"], hidden=q["hidden"], ffn=q["ffn"]),
                              q["ratio"], device)
     out = {"parameters": sum(t.numel() for _, t in parts),
@@ -318,7 +306,7 @@ def main() -> None:
     p = PROFILES[args.profile]
     record = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": _device_name(),
+        "device": device_name(),
         "command": " ".join(["python", *sys.argv]),
         "profile": dict(p),
         "results": measure(p, args.ratio),

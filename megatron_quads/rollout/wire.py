@@ -72,14 +72,12 @@ def encode_wire(
     checks = DeferredChecks()
     for name, tensor in named_tensors:
         match = _STACK_NAME.match(name)
+        if match is not None and match.group(5) != "weight":
+            raise ValueError(f"'{name}': a high-precision expert stack is named '<stack module>.weight'")
         if match is None or not quantized:
-            if match is not None and match.group(5) != "weight":
-                raise ValueError(f"'{name}': a high-precision expert stack is named '<stack module>.weight'")
             out[name] = tensor.detach().to(dtype, copy=True).contiguous()
             continue
-        layer, first, last, projection, leaf = match.groups()
-        if leaf != "weight":
-            raise ValueError(f"'{name}': a high-precision expert stack is named '<stack module>.weight'")
+        layer, first, last, projection, _ = match.groups()
         module = name.rpartition(".")[0]
         channels = None
         if residual_channels is not None:

@@ -1,0 +1,25 @@
+"""What a benchmark record says about the machine, and waiting for the device before reading a clock."""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+import torch
+
+
+def synchronize() -> None:
+    """Wait for the GPU's queued work (nothing to wait for on CPU)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def device_name() -> str:
+    """The GPU's name, or the CPU's model and the threads torch uses."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    cpuinfo = Path("/proc/cpuinfo")
+    for line in cpuinfo.read_text().splitlines() if cpuinfo.exists() else []:
+        if line.startswith("model name"):
+            return f"{line.split(':', 1)[1].strip()} ({torch.get_num_threads()} threads)"
+    return f"{platform.processor() or platform.machine()} CPU ({torch.get_num_threads()} threads)"
