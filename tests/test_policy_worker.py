@@ -126,6 +126,20 @@ def test_a_checkpoint_with_a_nan_parameter_fails_to_load_naming_it(tmp_path) -> 
         worker.load_checkpoint(saved)
 
 
+def test_a_checkpoint_whose_rng_file_would_run_code_is_refused(tmp_path) -> None:
+    from megatron_quads.trainer.checkpoint_audit import UnsafeCheckpointError
+
+    class OpensAFile:
+        def __reduce__(self):
+            return open, (str(tmp_path / "ran"), "w")
+
+    saved = _worker().save_checkpoint(tmp_path / "ckpt")
+    torch.save({"torch": OpensAFile()}, saved / "rng_rank00000.pt")
+    with pytest.raises(UnsafeCheckpointError, match=r"rng_rank00000\.pt: the RNG state is not plain data"):
+        _worker().load_checkpoint(saved)
+    assert not (tmp_path / "ran").exists()
+
+
 def test_a_model_only_load_carries_the_weights_into_the_bf16_optimizer(tmp_path) -> None:
     """The optimizer's fp32 main copies follow the loaded weights: a tiny step keeps them."""
     saved = _worker(dtype="bf16", optimizer="adam", seed=3).save_checkpoint(tmp_path / "m", with_optimizer=False)

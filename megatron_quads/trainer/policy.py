@@ -41,6 +41,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 from pydantic import BaseModel, ConfigDict, Field
 
+from megatron_quads.trainer.checkpoint_audit import audit_dist_checkpoint, load_plain_data
 from megatron_quads.trainer.fake_quant import invalidate_fake_quant_caches
 from megatron_quads.trainer.hf_export import export_hf_weights
 from megatron_quads.trainer.megatron_fixes import mark_expert_params_for_expert_dp, use_forked_checkpoint_result_queue
@@ -332,10 +333,13 @@ class PolicyWorker:
         ``with_optimizer=False`` loads model weights (and RNG, if present) only, e.g. to start
         training from a model-only checkpoint such as the embedded default. Every loaded parameter
         and optimizer tensor must be finite: a NaN or Inf raises ValueError naming the first one.
+        Its pickles are audited first (:func:`audit_dist_checkpoint`): one that could run code is
+        refused with :class:`UnsafeCheckpointError`.
         """
         path = Path(path)
         if not (path / "metadata.json").exists():
             raise FileNotFoundError(f"{path} is not a complete Megatron dist checkpoint (no metadata.json)")
+        audit_dist_checkpoint(path)
         state = self._sharded_state(is_loading=True, with_optimizer=with_optimizer)
         loaded = dist_checkpointing.load(state, str(path))
         self.model.load_state_dict(loaded["model"])
@@ -348,7 +352,7 @@ class PolicyWorker:
             self.optimizer.reload_model_params()
         rng_file = path / f"rng_rank{dist.get_rank():05d}.pt"
         if rng_file.exists():
-            rng = torch.load(rng_file, weights_only=False)
+            rng = load_plain_data(rng_file, rng_file, "the RNG state")
             torch.set_rng_state(rng["torch"])
             tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
             self.steps_done = rng["steps_done"]
