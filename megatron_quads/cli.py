@@ -52,14 +52,12 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
 
 
 def load_run_config(path: str | None, overrides: list[str]):
-    """The run config of ``path`` + ``overrides``, validated; file, YAML and override errors are raised
-    (:class:`ConfigError`) before the schema's heavy imports (torch, Megatron) happen."""
+    """The run config of ``path`` + ``overrides``, validated; every problem is a :class:`ConfigError`,
+    raised before torch, Megatron, Ray or vLLM is imported."""
+    from megatron_quads.controller.config import validate_config
     from megatron_quads.controller.config_file import read_config
 
-    tree = read_config(path, overrides)
-    from megatron_quads.controller.config import validate_config
-
-    return validate_config(tree)
+    return validate_config(read_config(path, overrides))
 
 
 def _cmd_train(args: argparse.Namespace) -> int:

@@ -2,7 +2,8 @@
 
 ``megatron-quads train CONFIG key=value ...``: the YAML file and the overrides are merged with
 OmegaConf, then validated by pydantic; an unknown key or an impossible value fails before any worker
-starts, with a message that names the key.
+starts, with a message that names the key. Only torch-free modules are imported here (pydantic and the
+trainer's and RL math's ``settings``), so a wrong config is reported before torch or Megatron-Core loads.
 """
 
 from __future__ import annotations
@@ -17,11 +18,9 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from megatron_quads.controller.config_file import ConfigError, read_config  # noqa: F401 (re-exported)
-from megatron_quads.rl.advantages import AdvantageConfig
-from megatron_quads.rl.loss import PolicyLossConfig
-from megatron_quads.trainer.model import ParallelConfig, PolicyModelConfig, load_model_config
-from megatron_quads.trainer.policy import OptimConfig
+from megatron_quads.rl.settings import AdvantageConfig, PolicyLossConfig
 from megatron_quads.trainer.quads_config import QuadsTrainerConfig
+from megatron_quads.trainer.settings import OptimConfig, ParallelConfig, PolicyModelConfig, load_model_config
 
 logger = logging.getLogger(__name__)
 

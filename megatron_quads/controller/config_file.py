@@ -1,8 +1,8 @@
 """Reading a run config: a YAML file plus dotted ``key=value`` overrides -> one plain mapping.
 
-This module imports no torch, Megatron, Ray or vLLM, so the command line reports a file that is
-missing, a directory, invalid YAML, a top-level list or scalar, or a malformed override at once,
-before the schema (``megatron_quads.controller.config``, which imports the trainer) is loaded.
+This module imports no torch, Megatron, Ray or vLLM (nor does the schema,
+``megatron_quads.controller.config``), so the command line reports a file that is missing, a
+directory, invalid YAML, a top-level list or scalar, or a malformed override at once.
 """
 
 from __future__ import annotations

@@ -12,19 +12,9 @@ rewards are all equal (or that has fewer than two valid responses) gets exactly 
 from __future__ import annotations
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from megatron_quads.rl._tensor import as_mask, check_shape, masked
-
-
-class AdvantageConfig(BaseModel):
-    """How rewards become advantages within a group of responses to one prompt."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    normalize_std: bool = Field(True, description="divide by the group's std (GRPO); False: Dr. GRPO")
-    eps: float = Field(1e-6, ge=0, description="added to the std before dividing")
-    unbiased_std: bool = Field(True, description="sample std (n - 1, as torch.std, TRL and veRL); False: population std")
+from megatron_quads.rl.settings import AdvantageConfig  # noqa: F401 (re-exported)
 
 
 def group_advantages(

@@ -21,36 +21,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from enum import Enum
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from megatron_quads.rl._tensor import as_mask, check_shape, masked, safe_div
-
-
-class CorrectionMode(str, Enum):
-    """Which importance-sampling correction the loss applies."""
-
-    NONE = "none"
-    TOKEN_TIS = "token_tis"
-    TOKEN_MIS = "token_mis"
-    SEQ_MIS = "seq_mis"
-
-
-class CorrectionConfig(BaseModel):
-    """The correction mode and its bounds on the trainer/rollout ratio ``w``."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    mode: CorrectionMode = CorrectionMode.NONE
-    c_high: float = Field(2.0, gt=1, description="TIS truncation C; upper bound of the MIS interval")
-    c_low: float | None = Field(None, gt=0, le=1, description="lower bound of the MIS interval; None: 1 / c_high")
-
-    @property
-    def bounds(self) -> tuple[float, float]:
-        """``(c_low, c_high)`` with the default ``c_low = 1 / c_high`` filled in."""
-        return (1.0 / self.c_high if self.c_low is None else self.c_low), self.c_high
+from megatron_quads.rl.settings import CorrectionConfig, CorrectionMode  # noqa: F401 (re-exported)
 
 
 @dataclass(frozen=True)

@@ -23,58 +23,22 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import Enum
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from megatron_quads.rl._tensor import as_mask, check_shape, masked, per_token, safe_div
-from megatron_quads.rl.correction import (
-    Correction,
+from megatron_quads.rl.correction import Correction, compute_correction
+from megatron_quads.rl.metrics import mismatch_metrics
+from megatron_quads.rl.settings import (  # noqa: F401 (re-exported)
+    BatchKeys,
     CorrectionConfig,
     CorrectionMode,
-    compute_correction,
+    LossAggregation,
+    PolicyLossConfig,
 )
-from megatron_quads.rl.metrics import mismatch_metrics
 
 LossOutput = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
 """(loss summed over the micro-batch, units it is normalised by, metrics as sums over those units)."""
-
-
-class LossAggregation(str, Enum):
-    """How token losses are reduced to one number (see the module docstring for ``(sum, count)``)."""
-
-    TOKEN_MEAN = "token_mean"
-    """Mean over all tokens of the global batch (DAPO, Dr. GRPO's choice of normaliser aside)."""
-    SEQ_MEAN_TOKEN_SUM = "seq_mean_token_sum"
-    """Mean over sequences of each sequence's token sum."""
-    SEQ_MEAN_TOKEN_MEAN = "seq_mean_token_mean"
-    """Mean over sequences of each sequence's token mean (the original GRPO)."""
-
-
-class PolicyLossConfig(BaseModel):
-    """Clipping, dual clip, aggregation, KL penalty and IS correction of the policy loss."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    eps_low: float = Field(0.2, ge=0, lt=1, description="ratio clipped below at 1 - eps_low")
-    eps_high: float = Field(0.2, ge=0, description="ratio clipped above at 1 + eps_high (clip-higher: e.g. 0.28)")
-    dual_clip: float | None = Field(None, gt=1, description="dual-clip c (Ye et al.) for A < 0, e.g. 3; None: off")
-    aggregation: LossAggregation = LossAggregation.TOKEN_MEAN
-    kl_beta: float = Field(0.0, ge=0, description="coefficient of the k3 KL penalty to the reference policy")
-    correction: CorrectionConfig = Field(default_factory=CorrectionConfig)
-
-
-class BatchKeys(BaseModel):
-    """Names of the micro-batch tensors :class:`PolicyLoss` reads."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    mask: str = Field("mask", description="response-token mask")
-    advantages: str = Field("advantages", description="[b] per response or per token")
-    logp_old: str | None = Field("logp_old", description="behaviour log-probs; None: the current log-probs, detached")
-    logp_rollout: str = Field("logp_rollout", description="rollout log-probs (needed by a correction; optional otherwise)")
-    logp_ref: str = Field("logp_ref", description="reference-policy log-probs (needed when kl_beta > 0)")
 
 
 @dataclass(frozen=True)

@@ -2,88 +2,31 @@
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-from pathlib import Path
-from typing import Literal
 
-import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from megatron_quads.atomic_io import write_text_atomic
 from megatron_quads.trainer.megatron_fixes import (
     fix_router_without_te,
     provide_grouped_gemm_fallback,
     sequence_parallel_block_spec,
 )
 from megatron_quads.trainer.quads_config import QuadsTrainerConfig
+from megatron_quads.trainer.settings import (  # noqa: F401 (re-exported)
+    MODEL_CONFIG_FILE,
+    ParallelConfig,
+    PolicyModelConfig,
+    load_model_config,
+    save_model_config,
+)
 from megatron_quads.trainer.specs import apply_quads
 
 logger = logging.getLogger(__name__)
-
-
-class ParallelConfig(BaseModel):
-    """Model-parallel layout of the trainer (data parallel is whatever the world size leaves)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    tensor_parallel: int = Field(1, ge=1)
-    expert_parallel: int = Field(1, ge=1)
-    expert_tensor_parallel: int | None = Field(None, ge=1, description="default: tensor_parallel")
-    pipeline_parallel: Literal[1] = 1
-    sequence_parallel: bool = Field(False, description="required (and switched on) when TP > 1 with MoE")
-
-
-class PolicyModelConfig(BaseModel):
-    """Architecture of a GPT-MoE policy (Qwen3-MoE-like: RMSNorm, SwiGLU experts, RoPE, GQA)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    num_layers: int = Field(4, ge=1)
-    hidden_size: int = Field(128, ge=16)
-    num_attention_heads: int = Field(4, ge=1)
-    num_query_groups: int | None = Field(None, ge=1, description="GQA groups; default: one per head")
-    kv_channels: int | None = Field(None, ge=1)
-    ffn_hidden_size: int = Field(256, ge=16, description="dense MLP size (layers without experts)")
-    num_experts: int = Field(8, ge=1)
-    moe_ffn_hidden_size: int = Field(64, ge=16)
-    moe_router_topk: int = Field(2, ge=1)
-    moe_shared_expert_size: int | None = Field(None, description="shared-expert ffn size; None: no shared expert")
-    moe_grouped_gemm: bool = Field(False, description="legacy GroupedMLP experts instead of SequentialMLP")
-    moe_token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
-    moe_aux_loss_coeff: float = 0.0
-    vocab_size: int = Field(64, ge=2)
-    max_sequence_length: int = Field(256, ge=2)
-    qk_layernorm: bool = True
-    rotary_base: int = 10000
-    rms_norm_eps: float = Field(1e-5, gt=0.0, description="RMSNorm epsilon (every norm, q/k norms included)")
-    norm_topk_prob: bool = Field(True, description="renormalise the top-k router probabilities to sum to 1")
-    untie_embeddings: bool = True
-    dtype: Literal["bf16", "fp32"] = "bf16"
-    init_method_std: float = 0.02
-
-    @model_validator(mode="after")
-    def _check(self) -> PolicyModelConfig:
-        if self.moe_router_topk > self.num_experts:
-            raise ValueError(f"moe_router_topk {self.moe_router_topk} > num_experts {self.num_experts}")
-        if self.hidden_size % self.num_attention_heads and self.kv_channels is None:
-            raise ValueError(
-                f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
-                f"{self.num_attention_heads}: set kv_channels"
-            )
-        return self
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        """The parameter dtype."""
-        return torch.bfloat16 if self.dtype == "bf16" else torch.float32
 
 
 def build_transformer_config(
@@ -185,24 +128,3 @@ def build_gpt_model(
         rotary_base=model.rotary_base,
         share_embeddings_and_output_weights=not model.untie_embeddings,
     )
-
-
-MODEL_CONFIG_FILE = "model_config.json"
-"""The architecture a Megatron dist checkpoint holds, written beside its files (PolicyModelConfig fields)."""
-
-
-def save_model_config(model: PolicyModelConfig, directory: str | os.PathLike[str]) -> Path:
-    """Write ``directory/model_config.json`` (atomically)."""
-    text = json.dumps(model.model_dump(mode="json"), indent=1, sort_keys=True) + "\n"
-    return write_text_atomic(Path(directory) / MODEL_CONFIG_FILE, text)
-
-
-def load_model_config(directory: str | os.PathLike[str]) -> PolicyModelConfig | None:
-    """The architecture recorded beside a dist checkpoint; None when it has no ``model_config.json``."""
-    path = Path(directory) / MODEL_CONFIG_FILE
-    if not path.is_file():
-        return None
-    try:
-        return PolicyModelConfig(**json.loads(path.read_text()))
-    except (ValueError, TypeError) as err:
-        raise ValueError(f"{path} is not a valid model config ({err}); re-create it with megatron-quads convert") from err

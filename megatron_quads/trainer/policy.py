@@ -39,19 +39,12 @@ from megatron.core.distributed import (
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
-from pydantic import BaseModel, ConfigDict, Field
 
 from megatron_quads.trainer.checkpoint_audit import audit_dist_checkpoint, load_plain_data
 from megatron_quads.trainer.fake_quant import invalidate_fake_quant_caches
 from megatron_quads.trainer.hf_export import export_hf_weights
 from megatron_quads.trainer.megatron_fixes import mark_expert_params_for_expert_dp, use_forked_checkpoint_result_queue
-from megatron_quads.trainer.model import (
-    ParallelConfig,
-    PolicyModelConfig,
-    build_gpt_model,
-    save_model_config,
-)
-from megatron_quads.trainer.quads_config import QuadsTrainerConfig
+from megatron_quads.trainer.model import build_gpt_model, save_model_config
 from megatron_quads.trainer.router_replay import (
     RoutingAgreement,
     check_routing,
@@ -60,6 +53,7 @@ from megatron_quads.trainer.router_replay import (
     replaying,
     reset_router_replay,
 )
+from megatron_quads.trainer.settings import OptimConfig, PolicyWorkerConfig  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -67,35 +61,6 @@ LossOutput = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
 """(loss summed over the micro-batch, number of units it is normalised by, metrics to average)."""
 LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], LossOutput]
 """``loss_fn(logprobs [b, s-1], micro_batch) -> LossOutput``; ``micro_batch`` holds the caller's tensors."""
-
-
-class OptimConfig(BaseModel):
-    """Megatron optimizer settings."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    optimizer: str = Field("adam", pattern="^(adam|sgd)$")
-    lr: float = Field(1e-6, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = Field(1.0, ge=0)
-    use_distributed_optimizer: bool = False
-
-
-class PolicyWorkerConfig(BaseModel):
-    """Everything one trainer rank needs to build its model and optimizer."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    model: PolicyModelConfig = PolicyModelConfig()
-    parallel: ParallelConfig = ParallelConfig()
-    quads: QuadsTrainerConfig = QuadsTrainerConfig()
-    optim: OptimConfig = OptimConfig()
-    micro_batch_size: int = Field(8, ge=1)
-    seed: int = 1234
-    router_replay: bool = Field(False, description="the routers replay given experts (batches carry routed_experts)")
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
