@@ -8,12 +8,14 @@ the device) is timed these ways:
 
 - ``bf16 copy, stacked``: one ``copy_`` per stacked tensor (the floor: the bytes a BF16 sync moves);
 - ``bf16 copy, per tensor``: one ``copy_`` per expert linear (what a per-tensor export launches);
+- ``per-expert amax`` and ``quantize (amax given)``: the two passes over the bf16 experts, apart;
 - ``amax + quantize, stacked``: the per-expert amax and one ``quantize`` per stacked tensor (no
   residual): the least an NVFP4 export does;
 - ``export, bf16`` / ``export, nvfp4`` / ``export, nvfp4 + residual``: the weight sync's export
-  (``rollout.wire.encode_wire``: per-expert amax with gate and up sharing it, quantization, ``W_S``
-  for sorted random channel sets of ``--ratio`` of each projection's inputs, one value check for
-  the whole set);
+  (``rollout.wire.encode_wire``: per-expert amax with gate and up sharing it, quantization, sorted
+  random channel sets of ``--ratio`` of each projection's inputs, one value check for the whole set);
+- ``decode, nvfp4 + residual``: the receiver's ``decode_wire`` of that payload (its value checks and
+  ``W_S`` re-blocked from ``q(W)`` and the channels, on the receiver's device);
 - ``quantize_hf_weights``: the per-linear path, tensor by tensor, on ``--path-layers`` layers
   (scaled to the whole set: it is linear in the layers).
 
@@ -110,7 +112,7 @@ def measure(p: dict, ratio: float) -> dict:
     """Seconds of each way over the whole expert set, and its bytes."""
     from megatron_quads.rollout.expert_stacks import _quantize_rows, expert_amax
     from megatron_quads.rollout.weights import quantize_hf_weights, routed_expert_scope
-    from megatron_quads.rollout.wire import encode_wire
+    from megatron_quads.rollout.wire import decode_wire, encode_wire
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     experts = _expert_set(p, device)
@@ -134,10 +136,12 @@ def measure(p: dict, ratio: float) -> dict:
     out["bf16_copy_per_tensor_s"] = _best_seconds(copy_per_tensor, p["repeats"])
     del targets
 
-    def amax_quantize() -> list:
-        return [_quantize_rows(w, expert_amax(w)) for pair in experts for w in pair]
-
-    out["amax_quantize_s"] = _best_seconds(amax_quantize, p["repeats"])
+    weights = [w for pair in experts for w in pair]
+    amaxes = [expert_amax(w) for w in weights]
+    out["amax_s"] = _best_seconds(lambda: [expert_amax(w) for w in weights], p["repeats"])
+    out["quantize_s"] = _best_seconds(lambda: [_quantize_rows(w, a) for w, a in zip(weights, amaxes)], p["repeats"])
+    out["amax_quantize_s"] = _best_seconds(lambda: [_quantize_rows(w, expert_amax(w)) for w in weights], p["repeats"])
+    del amaxes
     stacks = [pair for layer, (a, b) in enumerate(experts) for pair in _stack_pairs(layer, a, b)]
     channels = _channel_sets(p, ratio, device)
     ways = {"export_bf16": dict(quantized=False), "export_nvfp4": dict(quantized=True),
@@ -146,6 +150,9 @@ def measure(p: dict, ratio: float) -> dict:
         out[f"{key}_s"] = _best_seconds(lambda kwargs=kwargs: encode_wire(stacks, dtype=torch.bfloat16, **kwargs),
                                         p["repeats"])
         out[f"{key}_bytes"] = _nbytes(encode_wire(stacks, dtype=torch.bfloat16, **kwargs).values())
+    payload = encode_wire(stacks, dtype=torch.bfloat16, **ways["export_nvfp4_residual"])
+    out["decode_nvfp4_residual_s"] = _best_seconds(lambda: decode_wire(payload, True, 0), p["repeats"])
+    del payload
 
     scope = routed_expert_scope()
     layers = p["path_layers"]
@@ -259,10 +266,13 @@ def markdown(record: dict) -> str:
     rows = [
         ("bf16 copy, stacked (floor)", r["bf16_copy_stacked_s"], mb("bf16_bytes")),
         ("bf16 copy, per tensor", r["bf16_copy_per_tensor_s"], mb("bf16_bytes")),
+        ("per-expert amax, stacked", r.get("amax_s"), ""),
+        ("quantize, stacked (amax given)", r.get("quantize_s"), ""),
         ("amax + quantize, stacked", r["amax_quantize_s"], ""),
         ("export, bf16", r["export_bf16_s"], mb("export_bf16_bytes")),
         ("export, nvfp4", r["export_nvfp4_s"], mb("export_nvfp4_bytes")),
         (f"export, nvfp4 + residual (ratio {r['ratio']})", r["export_nvfp4_residual_s"], mb("export_nvfp4_residual_bytes")),
+        ("decode, nvfp4 + residual (receiver: checks, W_S)", r["decode_nvfp4_residual_s"], ""),
         (f"quantize_hf_weights (measured on {r['quantize_hf_weights_measured_layers']} layers, scaled)",
          r["quantize_hf_weights_s"], ""),
     ]
@@ -274,7 +284,8 @@ def markdown(record: dict) -> str:
         "quantize_hf_weights (one timed call).", "",
         "| way | seconds | vs the floor | payload MB |", "|---|---:|---:|---:|",
     ]
-    lines += [f"| {name} | {seconds:.4f} | {seconds / copy:.2f}x | {size} |" for name, seconds, size in rows]
+    lines += [f"| {name} | {seconds:.4f} | {seconds / copy:.2f}x | {size} |" for name, seconds, size in rows
+              if seconds is not None]  # rows a record does not hold are left out
     if "sync" in record:
         q, y = p["sync"], record["sync"]
         lines += [

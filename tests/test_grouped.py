@@ -184,6 +184,21 @@ def _projection_from_parameters(precision: str, n: int, k: int, channels_count: 
     return projection
 
 
+@pytest.mark.parametrize("precision", ["aqat", "w4a4", "quads"])
+def test_projections_without_states_prepare_and_compute_on_cpu(precision: str) -> None:
+    """The vLLM plugin's projections hold no per-expert states: preparing one points nothing and
+    the layer computes."""
+    from megatron_quads.rollout.grouped_experts import GroupedExperts
+
+    layer = GroupedExperts(_projection_from_parameters(precision, 128, 64, 32, "cpu", seed=1),
+                           _projection_from_parameters(precision, 64, 64, 16, "cpu", seed=2))
+    assert layer.gate_up.states == () and layer.down.states == ()
+    x = torch.randn(12, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    top_k_index = torch.rand(12, E, generator=torch.Generator().manual_seed(4)).topk(2, dim=1).indices
+    y = layer(x, top_k_index, torch.rand(12, 2), torch.nn.functional.silu)
+    assert y.shape == (12, 64) and torch.isfinite(y.float()).all() and float(y.float().abs().max()) > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["aqat", "w4a4", "quads"])
 def test_projections_prepared_from_stacked_parameters_compute_on_cuda_what_they_compute_on_cpu(precision: str) -> None:

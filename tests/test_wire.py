@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_quads.rollout.weights import quantize_hf_weights, routed_expert_scope
-from megatron_quads.rollout.wire import channels_key, decode_wire, encode_wire, stack_module
+from megatron_quads.rollout.wire import WIRE_FIELDS, channels_key, decode_wire, encode_wire, stack_module
 
 EXPERTS, HIDDEN, FFN = 4, 64, 32
 
@@ -119,9 +119,28 @@ def test_damaged_payloads_are_refused_naming_the_tensor() -> None:
     unsorted[f"{module}.residual_channels"] = payload[f"{module}.residual_channels"].flip(1).contiguous()
     with pytest.raises(ValueError, match=rf"{module}\.residual_channels.*sorted"):
         decode_wire(unsorted, quantized=True, weight_version=0)
-    missing = {k: v for k, v in payload.items() if not k.endswith(f"{module}.residual_weight")}
-    with pytest.raises(ValueError, match=rf"missing tensor '{module}\.residual_weight'"):
+    missing = {k: v for k, v in payload.items() if not k.endswith(f"{module}.weight_scale")}
+    with pytest.raises(ValueError, match=rf"missing tensor '{module}\.weight_scale'"):
         decode_wire(missing, quantized=True, weight_version=0)
+    outside = dict(payload)
+    outside[f"{module}.residual_channels"] = payload[f"{module}.residual_channels"] + HIDDEN  # past K
+    with pytest.raises(ValueError, match=rf"{module}\.residual_channels.*outside"):
+        decode_wire(outside, quantized=True, weight_version=0)
+    extra = {**payload, f"{module}.residual_weight": torch.zeros(EXPERTS, 2 * FFN, 16, dtype=torch.uint8)}
+    with pytest.raises(ValueError, match=rf"'{module}' has fields \['residual_weight'\] the wire does not carry"):
+        decode_wire(extra, quantized=True, weight_version=0)
+
+
+def test_the_wire_carries_channels_not_w_s() -> None:
+    """W_S is rebuilt by the receiver: an NVFP4 stack on the wire is its codes, scales and channels."""
+    payload = encode_wire(_stack(0, 7).named(), quantized=True, dtype=torch.bfloat16,
+                          residual_channels={channels_key(0, "gate_up_proj"): _channels(HIDDEN, 32, 1),
+                                             channels_key(0, "down_proj"): _channels(FFN, 16, 2)})
+    module = stack_module(0, 0, EXPERTS, "gate_up_proj")
+    assert sorted(k.removeprefix(f"{module}.") for k in payload if k.startswith(module)) == sorted(WIRE_FIELDS)
+    assert payload[f"{module}.residual_channels"].shape == (EXPERTS, 32)
+    assert decode_wire(payload, quantized=True, weight_version=0).expert_stacks[
+        channels_key(0, "gate_up_proj")].residual_weight.shape == (EXPERTS, 2 * FFN, 16)
 
 
 def test_the_trainer_names_its_stacks_as_the_wire_format_does() -> None:

@@ -41,6 +41,17 @@ def expert_weight(weight: NVFP4Tensor, expert: int) -> NVFP4Tensor:
     )
 
 
+def expert_weights(weight: NVFP4Tensor) -> list[NVFP4Tensor]:
+    """Every expert's ``[N, K]`` weight out of a stacked ``[E, N, K]`` NVFP4 tensor (views; one
+    ``unbind`` per field instead of an index per expert)."""
+    ws2 = weight.weight_scale_2.reshape(-1)
+    count = weight.shape[0]
+    decodes = ws2.unbind(0) if ws2.numel() > 1 else (ws2[0],) * count
+    shape = torch.Size(weight.shape[1:])
+    return [NVFP4Tensor(codes=c, scales=s, weight_scale_2=d, shape=shape, dtype=weight.dtype)
+            for c, s, d in zip(weight.codes.unbind(0), weight.scales.unbind(0), decodes, strict=True)]
+
+
 def check_grouped_shapes(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets: torch.Tensor) -> None:
     """Raise a clear error unless the shapes of ``x``, the stacked ``weight`` and ``expert_offsets``
     fit together (no host synchronisation: the kernels call this too)."""

@@ -89,19 +89,21 @@ class StackedLinearWeight:
         """The fields by name."""
         return {f: getattr(self, f) for f in self.FIELDS}
 
-    def expert(self, index: int, rows: slice = slice(None)) -> QuantizedLinearWeight:
-        """Rows ``rows`` of expert ``index`` as a :class:`QuantizedLinearWeight` (views, not copies).
-
-        The stack's fields were checked as a whole, so the linear is built without checking again.
-        """
-        return QuantizedLinearWeight.from_checked_fields(
-            weight=self.weight[index, rows],
-            weight_scale=self.weight_scale[index, rows],
-            weight_scale_2=self.weight_scale_2[index],
-            residual_channels=self.residual_channels[index],
-            residual_weight=self.residual_weight[index, rows],
-            residual_weight_scale=self.residual_weight_scale[index, rows],
-        )
+    def expert_linears(self, row_parts: int = 1) -> list[list[QuantizedLinearWeight]]:
+        """Per expert, its rows cut into ``row_parts`` equal parts (gate_up: 2, gate then up), each a
+        :class:`QuantizedLinearWeight` of views (one ``unbind`` per field, not an index per expert)."""
+        by_field = {}
+        for name in ("weight", "weight_scale", "residual_weight", "residual_weight_scale"):
+            by_field[name] = [part.unbind(0) for part in getattr(self, name).chunk(row_parts, dim=1)]
+        decodes, channels = self.weight_scale_2.unbind(0), self.residual_channels.unbind(0)
+        return [
+            [QuantizedLinearWeight.from_checked_fields(
+                weight=by_field["weight"][p][e], weight_scale=by_field["weight_scale"][p][e], weight_scale_2=decodes[e],
+                residual_channels=channels[e], residual_weight=by_field["residual_weight"][p][e],
+                residual_weight_scale=by_field["residual_weight_scale"][p][e])
+             for p in range(row_parts)]
+            for e in range(self.num_experts)
+        ]
 
 
 _STACK_DTYPES = {
@@ -114,10 +116,13 @@ _STACK_DTYPES = {
 }
 
 
-def check_stack_fields(fields: dict[str, torch.Tensor], prefix: str) -> None:
-    """Raise ValueError naming ``<prefix><field>`` unless the stacked fields' dtypes, shapes and
-    devices fit together (values are not read)."""
+def check_stack_fields(fields: dict[str, torch.Tensor], prefix: str,
+                       names: tuple[str, ...] = StackedLinearWeight.FIELDS) -> None:
+    """Raise ValueError naming ``<prefix><field>`` unless the stacked fields ``names`` (all by default)
+    are there and their dtypes, shapes and devices fit together (values are not read)."""
     for name, dtype in _STACK_DTYPES.items():
+        if name not in names:
+            continue
         t = fields.get(name)
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"missing tensor '{prefix}{name}' of a stacked expert projection")
@@ -136,12 +141,14 @@ def check_stack_fields(fields: dict[str, torch.Tensor], prefix: str) -> None:
         "residual_weight_scale": (n, rows, s // BLOCK_SIZE),
     }
     for name, shape in expected.items():
+        if name not in names:
+            continue
         if tuple(fields[name].shape) != shape or s < 0 or s % BLOCK_SIZE or s > k:
             raise ValueError(
                 f"'{prefix}{name}' has shape {tuple(fields[name].shape)}; expected {shape} for weight "
                 f"{tuple(w.shape)} and residual_channels [experts, |S|] with |S| a multiple of 16 and at most K={k}"
             )
-    devices = {t.device for t in fields.values()}
+    devices = {fields[name].device for name in names}
     if len(devices) > 1:
         raise ValueError(f"'{prefix}*' tensors live on different devices {sorted(map(str, devices))}; move them to one")
 
@@ -280,3 +287,16 @@ def quantize_stack(
     residual, residual_scales = reblock_residual_stack(stacked, channels, checks)
     return StackedLinearWeight(q.codes, q.scales.view(_FP8), ws2, channels.to(device=weight.device, dtype=torch.int32),
                                residual, residual_scales)
+
+
+
+def rebuild_residual(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
+                     residual_channels: torch.Tensor, checks: DeferredChecks | None = None) -> StackedLinearWeight:
+    """The stack of ``q(W)`` fields and channels ``[n, |S|]`` (sorted and unique per expert, inside
+    ``[0, K)``: the caller checks them first) with ``W_S`` re-blocked from ``q(W)`` on its device."""
+    n, rows, kh = weight.shape
+    stacked = NVFP4Tensor(codes=weight, scales=weight_scale, weight_scale_2=weight_scale_2,
+                          shape=torch.Size((n, rows, 2 * kh)), dtype=torch.float32)
+    channels = residual_channels.to(device=weight.device, dtype=torch.int32)
+    residual, residual_scales = reblock_residual_stack(stacked, channels, checks)
+    return StackedLinearWeight(weight, weight_scale, weight_scale_2, channels, residual, residual_scales)

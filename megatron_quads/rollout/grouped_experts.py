@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from megatron_quads.nvfp4 import BLOCK_SIZE, NVFP4Tensor
-from megatron_quads.nvfp4.stacked import expert_weight, stack_experts
+from megatron_quads.nvfp4.stacked import expert_weights, stack_experts
 from megatron_quads.rollout.grouped import (
     combine_routed_rows,
     grouped_rac_linear,
@@ -94,16 +94,22 @@ class GroupedProjection:
         return self.channels[:, : self.num_channels].contiguous(), _leading_columns(self.residual, self.num_channels, copy=True)
 
     def view_states(self) -> None:
-        """Point each expert's state at its slice of the stacks (of the tail: its chosen columns)."""
+        """Point each expert's state at its slice of the stacks (of the tail: its chosen columns); a
+        projection without states (the vLLM plugin's) has nothing to point."""
+        if not self.states:
+            return
         ratio = self.precision.ratio
-        for e, state in enumerate(self.states):
-            state.quantized = expert_weight(self.weight, e)
-            if self.residual is not None:
-                state.channels[ratio] = self.channels[e, : self.num_channels]
-                state.residual[ratio] = _leading_columns(expert_weight(self.residual, e), self.num_channels)
-            elif self.precision.kind == "quads":  # no tail: no channels, on the stacks' device
-                state.channels[ratio] = torch.zeros(0, dtype=torch.int32, device=self.weight.codes.device)
-                state.residual[ratio] = None
+        for state, expert in zip(self.states, expert_weights(self.weight), strict=True):
+            state.quantized = expert
+        if self.residual is not None:
+            tails = zip(self.channels[:, : self.num_channels].unbind(0),
+                        expert_weights(_leading_columns(self.residual, self.num_channels)), strict=True)
+            for state, (channels, residual) in zip(self.states, tails, strict=True):
+                state.channels[ratio], state.residual[ratio] = channels, residual
+        elif self.precision.kind == "quads":  # no tail: no channels, on the stacks' device
+            no_channels = torch.zeros(0, dtype=torch.int32, device=self.weight.codes.device)
+            for state in self.states:
+                state.channels[ratio], state.residual[ratio] = no_channels, None
 
     def to(self, device: torch.device) -> None:
         """Move the stacks (one copy each, not one per expert) and prepare them for ``device``."""

@@ -21,7 +21,6 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from megatron_quads.nvfp4 import NVFP4Tensor, quantize
-from megatron_quads.nvfp4.stacked import expert_weight
 from megatron_quads.rollout.calibration import ChannelStats, RacCalibrator
 from megatron_quads.rollout.engine import ENGINE_PRECISIONS, Generation, SamplingParams
 from megatron_quads.rollout.grouped_experts import GroupedExperts, GroupedProjection
@@ -194,9 +193,10 @@ class TorchRolloutEngine:
         self._prepare_experts()
 
     def _stacked_states(self, stacks: Mapping[str, object], states: dict[str, LinearState]) -> dict:
-        """Per-expert states that view each layer's arrived stacks (moved to the engine's device and
-        dtype once per stack, not per expert); returns the stacks by engine layer and projection kind
-        for :meth:`_prepare_experts`, which groups them as they are."""
+        """Per-expert states of each layer's arrived stacks (moved to the engine's device and dtype
+        once per stack, not per expert); returns the stacks by engine layer and projection kind for
+        :meth:`_prepare_experts`, whose grouped projections point each state at its expert's slice
+        (until then a state holds the whole stack)."""
         layers: dict[str, dict[str, tuple]] = {}
         for key, stack in stacks.items():
             base, projection = key.rsplit(".", 1)
@@ -212,11 +212,7 @@ class TorchRolloutEngine:
                 residual = NVFP4Tensor(stack.residual_weight.to(self.device), stack.residual_weight_scale.to(self.device),
                                        ws2, torch.Size((n, rows, width)), self.dtype)
             names = [f"{base}.{kind}.{e}" for e in range(n)]
-            for e, name in enumerate(names):
-                states[name] = LinearState(expert_weight(weight, e))
-                if channels is not None:
-                    states[name].channels[self.ratio] = channels[e]
-                    states[name].residual[self.ratio] = expert_weight(residual, e)
+            states.update((name, LinearState(weight)) for name in names)
             layers.setdefault(base, {})[kind] = (weight, channels, residual, names)
         return layers
 
@@ -280,20 +276,20 @@ class TorchRolloutEngine:
             base, kind, expert = _ENGINE_EXPERT.match(name).groups()
             layers.setdefault(base, {}).setdefault(kind, {})[int(expert)] = name
         for base, kinds in layers.items():
-            names = {kind: [by_expert[e] for e in sorted(by_expert)] for kind, by_expert in kinds.items()}
-            for name in names["gate_up"] + names["down"]:
-                state = self.states[name]
-                if precision.kind == "quads" and self.ratio not in state.channels:
-                    state.channels[self.ratio] = torch.zeros(0, dtype=torch.int32, device=state.quantized.codes.device)  # until calibrated: plain W4A4
-                    state.residual[self.ratio] = None
-            if not self.grouped:
-                continue
-            if base in self._layer_stacks:
+            if base in self._layer_stacks:  # the projections point the states at the stacks they arrived in
                 grouped = self._grouped_from_stacks(self._layer_stacks[base], precision)
             else:
+                names = {kind: [by_expert[e] for e in sorted(by_expert)] for kind, by_expert in kinds.items()}
+                for name in names["gate_up"] + names["down"]:
+                    state = self.states[name]
+                    if precision.kind == "quads" and self.ratio not in state.channels:
+                        state.channels[self.ratio] = torch.zeros(0, dtype=torch.int32, device=state.quantized.codes.device)  # until calibrated: plain W4A4
+                        state.residual[self.ratio] = None
+                if not self.grouped:
+                    continue
                 grouped = GroupedExperts.from_states([self.states[n] for n in names["gate_up"]],
                                                      [self.states[n] for n in names["down"]], precision)
-            if grouped is not None:
+            if grouped is not None and self.grouped:
                 layer = self.model.get_submodule(base)
                 layer.grouped = grouped
                 self._grouped_layers.append(layer)

@@ -611,6 +611,34 @@ def _check_unquantized(name: str, t: Any) -> None:
         )
 
 
+class LazyLinears(Mapping[str, "QuantizedLinearWeight"]):
+    """Quantized linears by module name, whose objects are built by ``build`` on the first access to
+    a value: names, membership and length need no objects (a weight sync's engine that holds experts
+    stacked never asks for them)."""
+
+    def __init__(self, names: Sequence[str], build: Callable[[], dict[str, QuantizedLinearWeight]]) -> None:
+        self._names, self._known = list(names), frozenset(names)
+        self._build: Callable[[], dict[str, QuantizedLinearWeight]] | None = build
+        self._linears: dict[str, QuantizedLinearWeight] = {}
+
+    def _built(self) -> dict[str, QuantizedLinearWeight]:
+        if self._build is not None:
+            self._linears, self._build = self._build(), None
+        return self._linears
+
+    def __getitem__(self, module: str) -> QuantizedLinearWeight:
+        return self._built()[module]
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __contains__(self, module: object) -> bool:
+        return module in self._known
+
+
 @dataclass(eq=False)
 class QuantizedModelWeights:
     """A model's rollout weights: quantized linears by HF module name, other tensors by HF tensor name.
@@ -627,7 +655,7 @@ class QuantizedModelWeights:
             not part of the checkpoint, and dropped by every method that returns new weights.
     """
 
-    quantized: dict[str, QuantizedLinearWeight]
+    quantized: Mapping[str, QuantizedLinearWeight]
     unquantized: dict[str, torch.Tensor] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=make_quant_config)
     expert_stacks: dict[str, Any] = field(default_factory=dict)
@@ -642,26 +670,31 @@ class QuantizedModelWeights:
         expert_stacks: dict[str, Any] | None = None,
     ) -> QuantizedModelWeights:
         """Build from linears whose fused siblings already share one ``weight_scale_2`` tensor (views
-        of the checked ``expert_stacks``): every rule but that value comparison is checked."""
+        of the checked ``expert_stacks``): every rule but that value comparison is checked. For
+        :class:`LazyLinears` (built from stacks, without input scales) only the rules on names are."""
         weights = object.__new__(cls)
         weights.quantized, weights.unquantized, weights.config = quantized, unquantized, config
         weights.expert_stacks = dict(expert_stacks or {})
-        weights._validate(shared_scales=False)
+        weights._validate(shared_scales=False, per_linear=not isinstance(quantized, LazyLinears))
         return weights
 
-    def _validate(self, shared_scales: bool) -> None:
+    def _validate(self, shared_scales: bool, per_linear: bool = True) -> None:
         validate_quant_config(self.config)
-        for module, lin in self.quantized.items():
+        for module in self.quantized:
             if not isinstance(module, str) or not module:
                 raise ValueError(f"quantized module names must be non-empty strings, got {module!r}")
-            if not isinstance(lin, QuantizedLinearWeight):
-                raise TypeError(f"quantized['{module}'] must be a QuantizedLinearWeight, got {type(lin).__name__}")
-        reserved = {fmt.tensor_name(m, leaf) for m in self.quantized for leaf in (*fmt.MODELOPT_LEAVES, *fmt.RESIDUAL_LEAVES)}
+        if per_linear:
+            for module, lin in self.quantized.items():
+                if not isinstance(lin, QuantizedLinearWeight):
+                    raise TypeError(f"quantized['{module}'] must be a QuantizedLinearWeight, got {type(lin).__name__}")
+        reserved_leaves = {*fmt.MODELOPT_LEAVES, *fmt.RESIDUAL_LEAVES}
         for name, t in self.unquantized.items():
             _check_unquantized(name, t)
-            if name in reserved:
-                raise ValueError(f"unquantized tensor '{name}' collides with a tensor of quantized module '{name.rpartition('.')[0]}'")
-        self._check_input_scales()
+            module, leaf = fmt.split_tensor_name(name)
+            if leaf in reserved_leaves and module in self.quantized:
+                raise ValueError(f"unquantized tensor '{name}' collides with a tensor of quantized module '{module}'")
+        if per_linear:
+            self._check_input_scales()
         if shared_scales:
             self._check_shared_scales()
         self._check_excludes()

@@ -6,9 +6,10 @@ A sender's payload is one ``{name: tensor}`` dict:
 - each MoE layer's routed experts ``[first, last]`` that the sender holds as stacks, under
   ``model.layers.<L>.mlp.experts.<first>-<last>.<projection>.<field>`` with ``projection``
   ``gate_up_proj`` (``[n, 2I, H]``: every expert's gate rows, then its up rows) or ``down_proj``
-  (``[n, H, I]``). In BF16 the field is ``weight``; in NVFP4 the fields are those of
-  :class:`~megatron_quads.rollout.expert_stacks.StackedLinearWeight` (codes, block scales, one decode
-  scale per expert, and the RAC channels and ``W_S``).
+  (``[n, H, I]``). In BF16 the field is ``weight``; in NVFP4 the fields are :data:`WIRE_FIELDS`
+  (codes, block scales, one decode scale per expert, and the RAC channels). ``W_S`` is not sent:
+  the receiver re-blocks it from ``q(W)`` and the channels on its own device, byte for byte what the
+  sender would have made, so the wire carries only the format's main tensors and the channel sets.
 
 :func:`encode_wire` builds a payload from the trainer's export; :func:`decode_wire` turns the union
 of every sender's payloads into what engines load (BF16 tensors by HF name, or a
@@ -25,11 +26,12 @@ import torch
 
 from megatron_quads.rollout.expert_stacks import (
     DeferredChecks,
-    StackedLinearWeight,
     check_stack_fields,
     quantize_stack,
+    rebuild_residual,
 )
 from megatron_quads.rollout.weights import (
+    LazyLinears,
     QuantizedLinearWeight,
     QuantizedModelWeights,
     excluded_modules,
@@ -37,6 +39,10 @@ from megatron_quads.rollout.weights import (
 )
 
 PROJECTIONS = ("gate_up_proj", "down_proj")
+_LINEARS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+"""The checkpoint linears of each stacked projection, in the order of the stack's rows."""
+WIRE_FIELDS = ("weight", "weight_scale", "weight_scale_2", "residual_channels")
+"""The fields of an NVFP4 expert stack on the wire (``W_S`` is rebuilt by the receiver)."""
 _STACK_NAME = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)-(\d+)\.(gate_up_proj|down_proj)\.(\w+)$")
 
 
@@ -66,7 +72,7 @@ def encode_wire(
     trainer's parameters do not reach the payload. ``quantized``: stacks in NVFP4 (else ``dtype``).
 
     ``residual_channels`` maps :func:`channels_key` to every expert's sorted channels ``[experts,
-    |S|]`` (the stack's rows are taken); without it ``W_S`` is empty.
+    |S|]`` (the stack's rows are taken); without it there are none.
     """
     out: dict[str, torch.Tensor] = {}
     checks = DeferredChecks()
@@ -79,32 +85,34 @@ def encode_wire(
             continue
         layer, first, last, projection, _ = match.groups()
         module = name.rpartition(".")[0]
-        channels = None
+        stack = quantize_stack(tensor.detach(), None, checks, what=module)
+        fields = {"weight": stack.weight, "weight_scale": stack.weight_scale, "weight_scale_2": stack.weight_scale_2,
+                  "residual_channels": stack.residual_channels}
         if residual_channels is not None:
             every = residual_channels[channels_key(int(layer), projection)]
-            channels = every[int(first) : int(last) + 1].to(tensor.device)
-        stack = quantize_stack(tensor.detach(), channels, checks, what=module)
-        out.update({f"{module}.{f}": t for f, t in stack.tensors().items()})
+            fields["residual_channels"] = every[int(first) : int(last) + 1].to(device=tensor.device, dtype=torch.int32)
+        check_stack_fields(fields, f"{module}.", WIRE_FIELDS)
+        out.update({f"{module}.{f}": t for f, t in fields.items()})
     checks.raise_if_failed()
     return out
 
 
-def _value_checks(stack: StackedLinearWeight, in_features: int, module: str, checks: DeferredChecks) -> None:
+def _value_checks(fields: Mapping[str, torch.Tensor], module: str, checks: DeferredChecks) -> None:
     """Flag what the per-linear checks of the format would reject, for a whole stack at once."""
-    for name in ("weight_scale", "residual_weight_scale"):
-        b = getattr(stack, name).view(torch.uint8)
-        checks.add(f"'{module}.{name}' (negative or NaN block scales)", (b & 0x80).ne(0) | (b & 0x7F).eq(0x7F))
-    ws2 = stack.weight_scale_2
+    in_features = 2 * fields["weight"].shape[2]
+    b = fields["weight_scale"].view(torch.uint8)
+    checks.add(f"'{module}.weight_scale' (negative or NaN block scales)", (b & 0x80).ne(0) | (b & 0x7F).eq(0x7F))
+    ws2 = fields["weight_scale_2"]
     checks.add(f"'{module}.weight_scale_2' (not finite and >= 0)", ~(torch.isfinite(ws2) & (ws2 >= 0)))
-    ch = stack.residual_channels
+    ch = fields["residual_channels"]
     if ch.shape[1]:
         bad = (ch < 0) | (ch >= in_features)
         checks.add(f"'{module}.residual_channels' (outside [0, K={in_features}))", bad)
         checks.add(f"'{module}.residual_channels' (not sorted and unique per expert)", ch[:, 1:] <= ch[:, :-1])
 
 
-def _layer_stack(parts: list[tuple[int, int, StackedLinearWeight]], module: str) -> StackedLinearWeight:
-    """One layer's projection from its senders' stacks ``(first, count, stack)``: they must cover
+def _layer_stack(parts: list[tuple[int, int, dict[str, torch.Tensor]]], module: str) -> dict[str, torch.Tensor]:
+    """One layer's projection from its senders' stacks ``(first, count, wire fields)``: they must cover
     experts ``0..E-1`` once, in order (a single stack is kept as it is, several are concatenated)."""
     parts = sorted(parts, key=lambda p: p[0])
     expected = 0
@@ -115,8 +123,7 @@ def _layer_stack(parts: list[tuple[int, int, StackedLinearWeight]], module: str)
         expected = first + count
     if len(parts) == 1:
         return parts[0][2]
-    fields = {f: torch.cat([getattr(stack, f) for _, _, stack in parts]) for f in StackedLinearWeight.FIELDS}
-    return StackedLinearWeight(**fields)
+    return {f: torch.cat([fields[f] for _, _, fields in parts]) for f in WIRE_FIELDS}
 
 
 def decode_wire(
@@ -124,8 +131,9 @@ def decode_wire(
 ) -> QuantizedModelWeights | dict[str, torch.Tensor]:
     """The union of every sender's payload as engines load it: BF16 tensors by HF name, or (``quantized``)
     a QuantizedModelWeights whose expert linears view each layer's stacks (kept in its
-    ``expert_stacks``). A stack whose fields do not fit, or hold values NVFP4 cannot (checked once
-    for the whole payload), and experts that arrive twice or not at all raise ValueError naming them."""
+    ``expert_stacks``, with ``W_S`` re-blocked here from ``q(W)`` and the channels). A stack whose
+    fields do not fit, or hold values NVFP4 cannot (checked once for the whole payload), and experts
+    that arrive twice or not at all raise ValueError naming them."""
     dense: dict[str, torch.Tensor] = {}
     stacks: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
@@ -135,7 +143,7 @@ def decode_wire(
         else:
             stacks.setdefault(name.rpartition(".")[0], {})[match.group(5)] = tensor
     checks = DeferredChecks(hint="the payload is damaged or was not made by the weight-sync export (encode_wire)")
-    by_layer: dict[str, list[tuple[int, int, StackedLinearWeight]]] = {}
+    by_layer: dict[str, list[tuple[int, int, dict[str, torch.Tensor]]]] = {}
     for module, fields in stacks.items():
         layer, first, last, projection, _ = _STACK_NAME.match(f"{module}.weight").groups()
         first, count = int(first), int(last) - int(first) + 1
@@ -144,28 +152,32 @@ def decode_wire(
                 raise ValueError(f"BF16 expert stack '{module}' has fields {sorted(fields)}; expected only 'weight'")
             _split_dense(fields["weight"], f"model.layers.{layer}.mlp.experts", first, count, projection, module, dense)
             continue
-        check_stack_fields(fields, f"{module}.")
-        stack = StackedLinearWeight(**{f: fields[f] for f in StackedLinearWeight.FIELDS})
-        if stack.num_experts != count:
-            raise ValueError(f"'{module}.weight' holds {stack.num_experts} experts; its name says {count}")
-        if projection == "gate_up_proj" and stack.weight.shape[1] % 2:
-            raise ValueError(f"'{module}.weight' has {stack.weight.shape[1]} rows; gate_up stacks hold 2 * ffn rows")
-        _value_checks(stack, 2 * stack.weight.shape[2], module, checks)
-        by_layer.setdefault(channels_key(int(layer), projection), []).append((first, count, stack))
+        unexpected = sorted(set(fields) - set(WIRE_FIELDS))
+        if unexpected:
+            raise ValueError(f"NVFP4 expert stack '{module}' has fields {unexpected} the wire does not carry; "
+                             f"expected {list(WIRE_FIELDS)} (W_S is rebuilt by the receiver)")
+        check_stack_fields(fields, f"{module}.", WIRE_FIELDS)
+        n, rows = fields["weight"].shape[:2]
+        if n != count:
+            raise ValueError(f"'{module}.weight' holds {n} experts; its name says {count}")
+        if projection == "gate_up_proj" and rows % 2:
+            raise ValueError(f"'{module}.weight' has {rows} rows; gate_up stacks hold 2 * ffn rows")
+        _value_checks(fields, module, checks)
+        by_layer.setdefault(channels_key(int(layer), projection), []).append((first, count, fields))
     if not quantized:
         return dense
+    checks.raise_if_failed()  # channels are sorted, unique and inside [0, K) before W_S is gathered with them
+    layer_stacks = {key: rebuild_residual(**_layer_stack(parts, key), checks=checks) for key, parts in by_layer.items()}
     checks.raise_if_failed()
-    layer_stacks = {key: _layer_stack(parts, key) for key, parts in by_layer.items()}
-    linears: dict[str, QuantizedLinearWeight] = {}
-    for key, stack in layer_stacks.items():
-        base, projection = key.rsplit(".", 1)
-        rows = stack.weight.shape[1]
-        for e in range(stack.num_experts):
-            if projection == "down_proj":
-                linears[f"{base}.{e}.down_proj"] = stack.expert(e)
-            else:
-                linears[f"{base}.{e}.gate_proj"] = stack.expert(e, slice(0, rows // 2))
-                linears[f"{base}.{e}.up_proj"] = stack.expert(e, slice(rows // 2, rows))
+    modules = {key: [[f"{key.rsplit('.', 1)[0]}.{e}.{name}" for name in _LINEARS[key.rsplit('.', 1)[1]]]
+                     for e in range(stack.num_experts)] for key, stack in layer_stacks.items()}
+
+    def expert_linears() -> dict[str, QuantizedLinearWeight]:
+        return {name: lin for key, stack in layer_stacks.items()
+                for names, parts in zip(modules[key], stack.expert_linears(len(_LINEARS[key.rsplit(".", 1)[1]])), strict=True)
+                for name, lin in zip(names, parts, strict=True)}
+
+    linears = LazyLinears([name for per_expert in modules.values() for names in per_expert for name in names], expert_linears)
     config = make_quant_config(ratio, excluded_modules(linears, dense), weight_version)
     return QuantizedModelWeights.from_checked_linears(linears, dense, config, expert_stacks=layer_stacks)
 
@@ -175,11 +187,7 @@ def _split_dense(weight: torch.Tensor, base: str, first: int, count: int, projec
     """Per-expert HF tensors (views) of a BF16 stack."""
     if weight.ndim != 3 or weight.shape[0] != count:
         raise ValueError(f"'{module}.weight' has shape {tuple(weight.shape)}; expected [{count}, N, K]")
-    for i in range(count):
-        prefix = f"{base}.{first + i}"
-        if projection == "down_proj":
-            out[f"{prefix}.down_proj.weight"] = weight[i]
-        else:
-            gate, up = weight[i].chunk(2)
-            out[f"{prefix}.gate_proj.weight"] = gate
-            out[f"{prefix}.up_proj.weight"] = up
+    names = ("down_proj",) if projection == "down_proj" else ("gate_proj", "up_proj")
+    per_part = [part.unbind(0) for part in weight.chunk(len(names), dim=1)]
+    for p, name in enumerate(names):
+        out.update({f"{base}.{first + i}.{name}.weight": t for i, t in enumerate(per_part[p])})
