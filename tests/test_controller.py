@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -325,6 +326,25 @@ def test_a_killed_vllm_rollout_worker_is_restarted_and_resynced(tmp_path: Path) 
     assert len(out) == 2 and all(len(g.token_ids) >= 1 for g in out)
     assert rollouts.restarts == 1
     assert ray.get(rollouts.workers[0].ping.remote()) == 7  # re-synced to the current weights
+
+    # an engine that dies inside its weight load: restarted, loaded again, the sync completes
+    from megatron_quads.controller.workers import RolloutWorker
+
+    died = tmp_path / "died_in_load"
+
+    class DiesInItsFirstLoad(RolloutWorker):
+        def load_weights(self, buckets: list, version: int) -> tuple[int, dict]:
+            if not died.exists():
+                died.touch()
+                os._exit(1)
+            return super().load_weights(buckets, version)
+
+    rollouts.factories[0] = ray.remote(DiesInItsFirstLoad).options(num_cpus=0)
+    ray.kill(rollouts.workers[0], no_restart=True)
+    rollouts.workers[0] = rollouts.factories[0].remote(cfg)
+    rollouts.sync(trainers, 8)
+    assert died.exists() and rollouts.restarts == 2
+    assert ray.get(rollouts.workers[0].ping.remote()) == 8
 
 
 @pytest.mark.parametrize(
