@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import datetime
 import platform
+import sys
 from pathlib import Path
 
 import torch
@@ -23,3 +25,10 @@ def device_name() -> str:
         if line.startswith("model name"):
             return f"{line.split(':', 1)[1].strip()} ({torch.get_num_threads()} threads)"
     return f"{platform.processor() or platform.machine()} CPU ({torch.get_num_threads()} threads)"
+
+
+def record_stamp() -> dict[str, str]:
+    """What every benchmark record starts with: the UTC date, this machine (:func:`device_name`) and
+    the command that ran."""
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": device_name(), "command": " ".join(["python", *sys.argv])}

@@ -32,14 +32,12 @@ profile's from the JSON alone).
 from __future__ import annotations
 
 import argparse
-import datetime
-import sys
 import time
 from pathlib import Path
 
 import torch
-from bench_device import device_name, synchronize
-from results_io import load_records, profile_markdown_path, save_record, write_text_atomic
+from bench_device import record_stamp, synchronize
+from results_io import load_records, profile_markdown_path, publish, write_text_atomic
 
 PROFILES = {
     "gpu": dict(layers=48, experts=128, hidden=2048, ffn=768, path_layers=2, repeats=3,
@@ -316,18 +314,13 @@ def main() -> None:
         return
     p = PROFILES[args.profile]
     record = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": device_name(),
-        "command": " ".join(["python", *sys.argv]),
+        **record_stamp(),
         "profile": dict(p),
         "results": measure(p, args.ratio),
     }
     record["profile"]["sync"] = {**p["sync"], "ratio": args.ratio}
     record["sync"] = measure_sync(record["profile"]["sync"])
-    save_record(args.out, args.profile, record)
-    text = markdown(record)
-    write_text_atomic(profile_markdown_path(args.out, args.profile), text)
-    print(text)
+    publish(args.out, args.profile, record, markdown(record))
 
 
 if __name__ == "__main__":

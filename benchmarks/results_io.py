@@ -74,3 +74,10 @@ def save_record(json_path: Path, key: str, record: dict, markdown_path: Path | N
     records[key] = record
     write_records(json_path, records, markdown_path, render)
     return records
+
+
+def publish(json_path: Path, profile: str, record: dict, text: str) -> None:
+    """Store ``record`` as ``profile``'s in ``json_path``, write ``text`` (its Markdown) beside it and print it."""
+    save_record(json_path, profile, record)
+    write_text_atomic(profile_markdown_path(json_path, profile), text)
+    print(text)
