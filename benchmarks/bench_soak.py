@@ -31,7 +31,7 @@ from pathlib import Path
 
 import psutil
 from bench_device import record_stamp
-from results_io import publish
+from results_io import load_records, profile_markdown_path, publish, write_text_atomic
 
 RESULTS = Path(__file__).parent / "results" / "soak.json"
 REPO = Path(__file__).resolve().parents[1]
@@ -173,7 +173,8 @@ def markdown(record: dict) -> str:
         f"| steps | {r['steps']} |",
         f"| rollout workers killed | {r['engine_kills']} |",
         f"| driver killed (then resumed) | {r['driver_kills']} |",
-        f"| engine restarts the run reported (`rollout_restarts`) | {r['restarts_reported']} |",
+        f"| engine restarts in the kept metrics (`rollout_restarts`; steps redone after a resume keep the "
+        f"relaunched driver's count) | {r['restarts_reported']} |",
         f"| reference run, seconds | {r['reference_s']:.0f} |",
         f"| soaked run, seconds (all launches) | {r['soaked_s']:.0f} |",
         f"| metrics compared per step | {r['compared_keys']} (all but time and restart counts) |",
@@ -195,8 +196,13 @@ def main() -> None:
     parser.add_argument("--kill-driver-at", type=int, nargs="*", default=[75, 145])
     parser.add_argument("--profile", default="cpu", help="the record's name in the results file")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--render", action="store_true", help="only rewrite the Markdown views from the JSON file")
     parser.add_argument("override", nargs="*", help="extra key=value overrides for both runs")
     args = parser.parse_args()
+    if args.render:
+        for profile, record in load_records(args.out).items():
+            write_text_atomic(profile_markdown_path(args.out, profile), markdown(record))
+        return
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
         results = soak(args, Path(tmp))
     record = {**record_stamp(), "results": results}
