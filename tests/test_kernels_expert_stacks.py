@@ -99,3 +99,23 @@ def test_the_export_on_the_gpu_equals_quantize_hf_weights_on_the_cpu() -> None:
     for name, tensor in got.state_dict().items():
         raw = (lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t)
         assert torch.equal(raw(tensor).cpu(), raw(expected[name])), name
+
+
+@pytest.mark.parametrize("shapes", [((3, 20, 64), (5, 24, 80)), ((4, 48, 768), (2, 96, 256)), ((2, 7, 48), (1, 16))])
+def test_quantizing_one_stack_while_taking_the_next_ones_amax_equals_the_two_kernels(shapes) -> None:
+    from megatron_quads.nvfp4.quantize_kernel import quantize_kernel, quantize_stack_and_amax
+
+    (n, rows, k), other_shape = shapes
+    gen = torch.Generator().manual_seed(4)
+    w = (torch.randn(n, rows, k, generator=gen) * torch.logspace(-3, 1, n)[:, None, None]).to(torch.bfloat16).to(DEVICE)
+    w[1] = 0.0
+    other = torch.randn(*other_shape, generator=gen).to(torch.bfloat16).to(DEVICE)
+    other.view(-1)[5] = float("nan")
+    amax = leading_amax_kernel(w)
+    got, next_amax = quantize_stack_and_amax(w, amax, other)
+    expected = quantize_kernel(w, amax[:, None], validate=False)
+    assert torch.equal(got.codes, expected.codes)
+    assert torch.equal(got.scales.view(torch.uint8), expected.scales.view(torch.uint8))
+    assert torch.equal(got.weight_scale_2, expected.weight_scale_2)
+    reference = leading_amax_kernel(other)
+    assert torch.equal(next_amax.nan_to_num(-1.0), reference.nan_to_num(-1.0)) and torch.isnan(next_amax[0])

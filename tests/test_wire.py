@@ -171,3 +171,34 @@ def test_payloads_of_several_senders_decode_to_one_model() -> None:
                            (f"{stack_module(0, 1, 3, 'down_proj')}.weight", whole.down[1:])], quantized=True, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="overlap"):
         decode_wire({**halves[0], **overlap}, quantized=True, weight_version=1)
+
+
+def test_the_stack_quantizer_holds_one_stack_back_and_gives_what_quantize_stack_gives() -> None:
+    from megatron_quads.rollout.expert_stacks import StackQuantizer, quantize_stack
+
+    first, second = _stack(0, 11), _stack(1, 12)
+    quantizer = StackQuantizer()
+    assert quantizer.add(first.gate_up, key="a") == []  # held back until the next stack arrives
+    done = quantizer.add(first.down, key="b") + quantizer.add(second.gate_up, key="c") + quantizer.finish()
+    assert [key for key, _ in done] == ["a", "b", "c"] and quantizer.finish() == []
+    for (_, got), weight in zip(done, (first.gate_up, first.down, second.gate_up), strict=True):
+        expected = quantize_stack(weight)
+        for name, tensor in expected.tensors().items():
+            raw = (lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t)
+            assert torch.equal(raw(got.tensors()[name]), raw(tensor)), name
+    with pytest.raises(ValueError, match=r"layer 9: a stack is a floating-point \[experts, N, K\]"):
+        StackQuantizer().add(torch.zeros(2, 8, 24), what="layer 9")
+
+
+def test_deferred_finite_checks_name_each_failing_tensor_in_one_read_back() -> None:
+    from megatron_quads.rollout.expert_stacks import DeferredChecks
+
+    checks = DeferredChecks()
+    checks.add_finite("stack A", torch.tensor([1.0, 2.0]))
+    checks.add_finite("stack B", torch.tensor([0.0, float("inf"), 3.0]))
+    checks.add_finite("stack C", torch.tensor([float("nan")]))
+    checks.add("flag D", torch.tensor([False, False]))
+    with pytest.raises(ValueError, match=r"2 check\(s\) failed: stack B, stack C"):
+        checks.raise_if_failed()
+    checks.add_finite("stack E", torch.tensor([5.0]))
+    checks.raise_if_failed()  # every value finite: nothing raised, and the earlier failures are gone

@@ -355,33 +355,36 @@ def _amax_kernel(x_ptr, out_ptr, n_blocks, n_iter, BLOCK: tl.constexpr):
     tl.atomic_max(out_ptr, tl.max(acc, axis=0).to(tl.int32, bitcast=True))
 
 
-@triton.jit(do_not_specialize=["n_blocks", "n_iter"])
-def _leading_amax_kernel(x_ptr, out_ptr, n_blocks, n_iter, BLOCK: tl.constexpr):
-    """Grid ``(P, n)``: ``max|x[i]|`` of each of the ``n`` leading slices (``16 * n_blocks`` elements
-    each) into ``out_ptr[i]`` (int32 bits of zeroed fp32s), ``P`` programs a slice. NaN wins: its
-    bits order above every other non-negative float's."""
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    base = tl.program_id(1).to(tl.int64) * n_blocks * 16
+@triton.jit
+def _leading_amax_part(x_ptr, out_ptr, slice_index, part, parts, n_blocks, n_iter, BLOCK: tl.constexpr):
+    """Part ``part`` of ``parts`` of slice ``slice_index`` (``16 * n_blocks`` elements): its chunks of
+    ``BLOCK`` elements ``part, part + parts, ...`` folded into ``out_ptr[slice_index]`` (int32 bits of
+    a zeroed fp32). NaN wins: its bits order above every other non-negative float's."""
+    base = slice_index.to(tl.int64) * n_blocks * 16
     acc = tl.zeros([BLOCK], tl.int32)
     for i in range(n_iter):
-        offs = (pid + i * nprog).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        offs = (part + i * parts).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + base + offs, mask=offs < n_blocks * 16, other=0, eviction_policy="evict_first")
         # |x| as int32 bits: they order like the floats, with NaN above inf (a float max may drop NaN)
         acc = tl.maximum(acc, _to_f32(x).to(tl.int32, bitcast=True) & 0x7FFFFFFF)
-    tl.atomic_max(out_ptr + tl.program_id(1), tl.max(acc, axis=0))
+    tl.atomic_max(out_ptr + slice_index, tl.max(acc, axis=0))
 
 
-@triton.jit(do_not_specialize=_NO_SPECIALIZE)
-def _quantize_kernel(w_ptr, amax_ptr, codes_ptr, scales_ptr, R, mat_rows, amax_div, KB, m_bucket,
-                     BLOCK_2D: tl.constexpr, IS_BF16: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr,
-                     PERSISTENT: tl.constexpr, FAST_MAX_ROWS: tl.constexpr, TILE_SCALES: tl.constexpr):
-    """Grid ``(P, cdiv(KB, NB))``: program ``(p, k)`` quantizes the ``[ROWS, NB * 16]`` tiles of K
-    tile ``k`` in row tiles ``p, p + P, ...`` of the ``R`` rows (``PERSISTENT``, loading the next
-    tile's words into registers before the current one is quantized, so a program always has reads
-    in flight; otherwise ``P`` covers every row tile). ``m_bucket`` is only an autotune key."""
-    k_tile = tl.program_id(1)
-    row_tile = tl.program_id(0)
+@triton.jit(do_not_specialize=["n_blocks", "n_iter"])
+def _leading_amax_kernel(x_ptr, out_ptr, n_blocks, n_iter, BLOCK: tl.constexpr):
+    """Grid ``(P, n)``: ``max|x[i]|`` of each of the ``n`` leading slices (``16 * n_blocks`` elements
+    each) into ``out_ptr[i]``, ``P`` programs a slice (:func:`_leading_amax_part`)."""
+    _leading_amax_part(x_ptr, out_ptr, tl.program_id(1), tl.program_id(0), tl.num_programs(0), n_blocks, n_iter, BLOCK)
+
+
+@triton.jit
+def _quantize_row_tiles(w_ptr, amax_ptr, codes_ptr, scales_ptr, R, mat_rows, amax_div, KB, row_tile, k_tile, step,
+                        BLOCK_2D: tl.constexpr, IS_BF16: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr,
+                        PERSISTENT: tl.constexpr, FAST_MAX_ROWS: tl.constexpr, TILE_SCALES: tl.constexpr):
+    """Quantize the ``[ROWS, NB * 16]`` tiles of K tile ``k_tile`` in row tiles ``row_tile, row_tile +
+    step, ...`` of the ``R`` rows (``PERSISTENT``, loading the next tile's words into registers before
+    the current one is quantized, so a program always has reads in flight; otherwise row tile
+    ``row_tile`` alone)."""
     blocks = k_tile * NB + tl.arange(0, NB)
     n_row_tiles = (R // mat_rows) * tl.cdiv(mat_rows, ROWS)  # mat_rows == R without BLOCK_2D
     enc_s, dec_s, decode_s = global_scales(tl.load(amax_ptr))  # used when one amax covers every row
@@ -395,7 +398,6 @@ def _quantize_kernel(w_ptr, amax_ptr, codes_ptr, scales_ptr, R, mat_rows, amax_d
         _quantize_tile(codes_ptr, scales_ptr, low, high, enc, dec, rows, row_mask, blocks, KB, ROWS, NB, BLOCK_2D, IS_BF16,
                        FAST_MAX_ROWS, TILE_SCALES)
     else:
-        step = tl.num_programs(0)
         low, high = _load_halves(w_ptr, rows, row_mask & (row_tile < n_row_tiles), blocks, KB, "evict_first")
         while row_tile < n_row_tiles:
             next_rows, next_mask = _tile_rows(row_tile + step, mat_rows, ROWS, BLOCK_2D)
@@ -407,6 +409,45 @@ def _quantize_kernel(w_ptr, amax_ptr, codes_ptr, scales_ptr, R, mat_rows, amax_d
                            IS_BF16, FAST_MAX_ROWS, TILE_SCALES)
             row_tile += step
             low, high, rows, row_mask = next_low, next_high, next_rows, next_mask
+
+
+@triton.jit(do_not_specialize=_NO_SPECIALIZE)
+def _quantize_kernel(w_ptr, amax_ptr, codes_ptr, scales_ptr, R, mat_rows, amax_div, KB, m_bucket,
+                     BLOCK_2D: tl.constexpr, IS_BF16: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr,
+                     PERSISTENT: tl.constexpr, FAST_MAX_ROWS: tl.constexpr, TILE_SCALES: tl.constexpr):
+    """Grid ``(P, cdiv(KB, NB))``: program ``(p, k)`` quantizes K tile ``k`` of row tiles ``p, p + P,
+    ...`` (:func:`_quantize_row_tiles`; without ``PERSISTENT`` ``P`` covers every row tile).
+    ``m_bucket`` is only an autotune key."""
+    _quantize_row_tiles(w_ptr, amax_ptr, codes_ptr, scales_ptr, R, mat_rows, amax_div, KB, tl.program_id(0),
+                        tl.program_id(1), tl.num_programs(0), BLOCK_2D, IS_BF16, ROWS, NB, PERSISTENT, FAST_MAX_ROWS,
+                        TILE_SCALES)
+
+
+@triton.jit(do_not_specialize=["R", "amax_div", "KB", "q_row_programs", "q_programs", "a_blocks", "a_iter", "a_parts",
+                               "a_programs"])
+def _quantize_and_amax_kernel(w_ptr, amax_ptr, codes_ptr, scales_ptr, R, amax_div, KB, q_row_programs, q_programs,
+                              a_ptr, a_out_ptr, a_blocks, a_iter, a_parts, a_programs,
+                              IS_BF16: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr,
+                              FAST_MAX_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Two independent jobs in one launch: ``q_programs`` programs quantize ``w`` with 1x16 blocks and
+    one amax per ``amax_div`` rows (as :func:`_quantize_kernel`'s persistent grid ``(q_row_programs,
+    k tiles)``), and ``a_programs`` programs fold the per-slice amax of another tensor ``a`` (as
+    :func:`_leading_amax_kernel`, ``a_parts`` programs a slice). The quantization is busy computing
+    while the amax only streams memory, so together they keep both the SMs and DRAM busy. The two
+    kinds alternate in program order, so every SM holds both."""
+    pid = tl.program_id(0)
+    mixed = 2 * tl.minimum(q_programs, a_programs)
+    if pid < mixed:
+        is_amax = pid % 2 == 1
+        index = pid // 2
+    else:
+        is_amax = a_programs > q_programs
+        index = pid - mixed // 2
+    if is_amax:
+        _leading_amax_part(a_ptr, a_out_ptr, index // a_parts, index % a_parts, a_parts, a_blocks, a_iter, BLOCK)
+    else:
+        _quantize_row_tiles(w_ptr, amax_ptr, codes_ptr, scales_ptr, R, R, amax_div, KB, index % q_row_programs,
+                            index // q_row_programs, q_row_programs, False, IS_BF16, ROWS, NB, True, FAST_MAX_ROWS, False)
 
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
@@ -693,6 +734,51 @@ def leading_amax_kernel(x: torch.Tensor) -> torch.Tensor:
         _leading_amax_kernel[(programs, n)](_bits_view(x), bits, per // BLOCK_SIZE, triton.cdiv(n_chunks, programs),
                                             BLOCK=_AMAX_BLOCK, num_warps=8)
     return bits.view(torch.float32)
+
+
+_PAIRED_QUANTIZE_PER_SM = 32
+"""Quantizing programs per SM of :func:`quantize_stack_and_amax`."""
+_PAIRED_AMAX_PER_SM = 2
+"""Amax programs per SM of :func:`quantize_stack_and_amax`."""
+
+
+def quantize_stack_and_amax(x: torch.Tensor, amax: torch.Tensor, other: torch.Tensor) -> tuple[NVFP4Tensor, torch.Tensor]:
+    """``(quantize_kernel(x, amax[:, None], validate=False), leading_amax_kernel(other))`` in one launch:
+    ``x`` is a ``[n, N, K]`` stack quantized with one amax per expert (fp32 ``[n]`` on ``x``'s device),
+    ``other`` any tensor whose per-slice amax is wanted (the next stack). The same bytes as the two
+    calls; no host sync and no NaN / Inf check."""
+    _check_shape(x, False)
+    if x.ndim != 3 or amax.shape != (x.shape[0],) or amax.dtype != torch.float32 or amax.device != x.device:
+        raise ValueError(f"quantize_stack_and_amax needs a [n, N, K] stack and an fp32 amax [n] on its device, got "
+                         f"{tuple(x.shape)} and {amax.dtype} {tuple(amax.shape)} on {amax.device}")
+    x, other = x.contiguous(), other.contiguous()
+    m = other.shape[0] if other.ndim else 1
+    per = other.numel() // m if m else 0
+    if other.device != x.device or per % BLOCK_SIZE or not x.numel() or not per:
+        return quantize_kernel(x, amax[:, None], validate=False), leading_amax_kernel(other)
+    n, mat_rows, k = x.shape
+    rows, kb = _num_rows(x), k // BLOCK_SIZE
+    row_tile, nb, warps = _tile_config(rows, False, kb)
+    k_tiles = triton.cdiv(kb, nb)
+    q_rows = _persistent_grid(x.device, triton.cdiv(rows, row_tile), k_tiles, _PAIRED_QUANTIZE_PER_SM)[0]
+    a_chunks = triton.cdiv(per, _AMAX_BLOCK)
+    a_parts = max(1, min(a_chunks, triton.cdiv(_PAIRED_AMAX_PER_SM * _num_sms(x.device), m)))
+    codes, scales = _code_buffers(x, None)
+    words, misaligned = _code_words(codes)
+    bits = torch.zeros(m, dtype=torch.int32, device=x.device)
+    amax = amax.contiguous()
+    q_programs, a_programs = q_rows * k_tiles, m * a_parts
+    _quantize_and_amax_kernel[(q_programs + a_programs,)](
+        _words_view(x), amax, words, scales, rows, mat_rows, kb, q_rows, q_programs,
+        _bits_view(other), bits, per // BLOCK_SIZE, triton.cdiv(a_chunks, a_parts), a_parts, a_programs,
+        IS_BF16=x.dtype == torch.bfloat16, ROWS=row_tile, NB=nb, FAST_MAX_ROWS=_fast_max_rows(), BLOCK=_AMAX_BLOCK,
+        num_warps=warps)
+    if misaligned is not None:
+        misaligned.copy_(words.view(torch.uint8))
+    quantized = NVFP4Tensor(codes=codes, scales=scales.view(torch.float8_e4m3fn),
+                            weight_scale_2=decode_scale_from_amax(amax[:, None]), shape=x.shape, dtype=x.dtype,
+                            global_amax=amax[:, None], block_2d=False)
+    return quantized, bits.view(torch.float32)
 
 
 def _launch_quantize(x: torch.Tensor, amax_rows: tuple[torch.Tensor, int], codes: torch.Tensor,

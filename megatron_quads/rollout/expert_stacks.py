@@ -35,6 +35,7 @@ class DeferredChecks:
     hint: str = ("NVFP4 has no encoding for NaN or Inf: find where they come from upstream (the optimizer step, a "
                  "loaded checkpoint)")
     flags: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    finite: list[tuple[str, torch.Tensor]] = field(default_factory=list)
 
     def add(self, what: str, failed: torch.Tensor) -> None:
         """Record a boolean tensor that is True where ``what`` failed (small ones are kept as they are,
@@ -42,8 +43,18 @@ class DeferredChecks:
         flat = failed.reshape(-1)
         self.flags.append((what, flat if flat.numel() <= _SMALL_FLAGS else flat.any().reshape(1)))
 
+    def add_finite(self, what: str, values: torch.Tensor) -> None:
+        """Record a small float tensor that ``what`` needs finite (checked with the others of its kind
+        in one launch by :meth:`raise_if_failed`)."""
+        self.finite.append((what, values.reshape(-1).to(torch.float32)))
+
     def raise_if_failed(self) -> None:
         """Raise ValueError naming every recorded failure (one host synchronisation)."""
+        if self.finite:
+            finite, self.finite = self.finite, []
+            bad = ~torch.isfinite(torch.cat([v for _, v in finite]))
+            for (what, v), part in zip(finite, bad.split([v.numel() for _, v in finite]), strict=True):
+                self.flags.append((what, part))
         if not self.flags:
             return
         flags, self.flags = self.flags, []
@@ -255,28 +266,18 @@ def reblock_residual_stack(
     return codes.reshape(n, rows, s // 2), scales.view(_FP8)
 
 
-def quantize_stack(
-    weight: torch.Tensor,
-    channels: torch.Tensor | None = None,
-    checks: DeferredChecks | None = None,
-    what: str = "expert stack",
-) -> StackedLinearWeight:
-    """NVFP4-plus-residual weights of a high-precision ``[n, N, K]`` stack, one global amax per
-    expert; ``channels`` ``[n, |S|]`` (sorted, unique per expert; None: no residual) give ``W_S``.
-
-    Non-finite weights are flagged in ``checks`` (raised by :meth:`DeferredChecks.raise_if_failed`).
-    """
+def _check_stack(weight: torch.Tensor, what: str) -> None:
     if weight.ndim != 3 or weight.shape[2] % BLOCK_SIZE or not weight.is_floating_point():
         raise ValueError(f"{what}: a stack is a floating-point [experts, N, K] tensor with K a multiple of 16, got "
                          f"{tuple(weight.shape)} {weight.dtype}")
+
+
+def _stack_weight(weight: torch.Tensor, q: NVFP4Tensor, amax: torch.Tensor, channels: torch.Tensor | None,
+                  checks: DeferredChecks | None, what: str) -> StackedLinearWeight:
+    """The :class:`StackedLinearWeight` of ``weight`` from its quantization ``q`` with per-expert ``amax``."""
     n, rows, k = weight.shape
-    amax = expert_amax(weight)
     if checks is not None:
-        checks.add(f"{what} (NaN or Inf weights)", ~torch.isfinite(amax))
-    try:
-        q = _quantize_rows(weight, amax)
-    except ValueError as err:  # the reference path checks values itself
-        raise ValueError(f"{what}: {err}") from err
+        checks.add_finite(f"{what} (NaN or Inf weights)", amax)
     ws2 = q.weight_scale_2.reshape(n)
     if channels is None:
         channels = torch.zeros(n, 0, dtype=torch.int32, device=weight.device)
@@ -288,6 +289,73 @@ def quantize_stack(
     return StackedLinearWeight(q.codes, q.scales.view(_FP8), ws2, channels.to(device=weight.device, dtype=torch.int32),
                                residual, residual_scales)
 
+
+def _quantize_with_next_amax(weight: torch.Tensor, amax: torch.Tensor, following: torch.Tensor | None,
+                             what: str) -> tuple[NVFP4Tensor, torch.Tensor | None]:
+    """``weight`` quantized with its per-expert ``amax``, and the per-expert amax of ``following`` (on
+    CUDA in one launch: the amax streams memory while the quantization computes)."""
+    from megatron_quads.nvfp4.backend import use_kernels
+
+    if following is not None and use_kernels(weight, following) and following.device == weight.device:
+        from megatron_quads.nvfp4.quantize_kernel import quantize_stack_and_amax
+
+        return quantize_stack_and_amax(weight, amax, following)
+    try:
+        q = _quantize_rows(weight, amax)
+    except ValueError as err:  # the reference path checks values itself
+        raise ValueError(f"{what}: {err}") from err
+    return q, None if following is None else expert_amax(following)
+
+
+class StackQuantizer:
+    """Quantizes stacks in the order they are added, each as :func:`quantize_stack` does, holding one
+    back: a stack is quantized when the next one arrives (or at :meth:`finish`), together with the
+    next one's per-expert amax, so on CUDA each launch keeps the SMs and DRAM busy at once."""
+
+    def __init__(self, checks: DeferredChecks | None = None) -> None:
+        self.checks = checks
+        self._pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, str, object] | None = None
+
+    def add(self, weight: torch.Tensor, channels: torch.Tensor | None = None, what: str = "expert stack",
+            key: object = None) -> list[tuple[object, StackedLinearWeight]]:
+        """Queue ``weight`` (``[n, N, K]``, channels as :func:`quantize_stack`); returns the stacks this
+        completes as ``(key, stack)``."""
+        _check_stack(weight, what)
+        if self._pending is None:
+            self._pending = (weight, expert_amax(weight), channels, what, key)
+            return []
+        done = self._complete(weight)
+        self._pending = (weight, done[1], channels, what, key)
+        return [done[0]]
+
+    def finish(self) -> list[tuple[object, StackedLinearWeight]]:
+        """Quantize the stack still held back; returns it as ``[(key, stack)]`` (empty if none)."""
+        if self._pending is None:
+            return []
+        done = self._complete(None)
+        self._pending = None
+        return [done[0]]
+
+    def _complete(self, following: torch.Tensor | None) -> tuple[tuple[object, StackedLinearWeight], torch.Tensor | None]:
+        weight, amax, channels, what, key = self._pending
+        q, next_amax = _quantize_with_next_amax(weight, amax, following, what)
+        return (key, _stack_weight(weight, q, amax, channels, self.checks, what)), next_amax
+
+
+def quantize_stack(
+    weight: torch.Tensor,
+    channels: torch.Tensor | None = None,
+    checks: DeferredChecks | None = None,
+    what: str = "expert stack",
+) -> StackedLinearWeight:
+    """NVFP4-plus-residual weights of a high-precision ``[n, N, K]`` stack, one global amax per
+    expert; ``channels`` ``[n, |S|]`` (sorted, unique per expert; None: no residual) give ``W_S``.
+
+    Non-finite weights are flagged in ``checks`` (raised by :meth:`DeferredChecks.raise_if_failed`).
+    """
+    quantizer = StackQuantizer(checks)
+    quantizer.add(weight, channels, what)
+    return quantizer.finish()[0][1]
 
 
 def rebuild_residual(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,

@@ -26,8 +26,9 @@ import torch
 
 from megatron_quads.rollout.expert_stacks import (
     DeferredChecks,
+    StackedLinearWeight,
+    StackQuantizer,
     check_stack_fields,
-    quantize_stack,
     rebuild_residual,
 )
 from megatron_quads.rollout.weights import (
@@ -76,6 +77,16 @@ def encode_wire(
     """
     out: dict[str, torch.Tensor] = {}
     checks = DeferredChecks()
+    quantizer = StackQuantizer(checks)
+
+    def store(done: list[tuple[object, StackedLinearWeight]]) -> None:
+        for (module, device, channels), stack in done:
+            fields = {"weight": stack.weight, "weight_scale": stack.weight_scale, "weight_scale_2": stack.weight_scale_2,
+                      "residual_channels": stack.residual_channels if channels is None
+                      else channels.to(device=device, dtype=torch.int32)}
+            check_stack_fields(fields, f"{module}.", WIRE_FIELDS)
+            out.update({f"{module}.{f}": t for f, t in fields.items()})
+
     for name, tensor in named_tensors:
         match = _STACK_NAME.match(name)
         if match is not None and match.group(5) != "weight":
@@ -85,14 +96,11 @@ def encode_wire(
             continue
         layer, first, last, projection, _ = match.groups()
         module = name.rpartition(".")[0]
-        stack = quantize_stack(tensor.detach(), None, checks, what=module)
-        fields = {"weight": stack.weight, "weight_scale": stack.weight_scale, "weight_scale_2": stack.weight_scale_2,
-                  "residual_channels": stack.residual_channels}
+        channels = None
         if residual_channels is not None:
-            every = residual_channels[channels_key(int(layer), projection)]
-            fields["residual_channels"] = every[int(first) : int(last) + 1].to(device=tensor.device, dtype=torch.int32)
-        check_stack_fields(fields, f"{module}.", WIRE_FIELDS)
-        out.update({f"{module}.{f}": t for f, t in fields.items()})
+            channels = residual_channels[channels_key(int(layer), projection)][int(first) : int(last) + 1]
+        store(quantizer.add(tensor.detach(), None, what=module, key=(module, tensor.device, channels)))
+    store(quantizer.finish())
     checks.raise_if_failed()
     return out
 
