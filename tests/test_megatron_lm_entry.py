@@ -414,3 +414,10 @@ def test_to_quads_without_ratio_needs_a_recorded_one(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--ratio is required: .* records no --quads-rac-ratio"):
         to_quads(tmp_path / "ckpt", tmp_path / "out", None, tokenizer="char", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_cli_to_quads_without_ratio_on_a_source_without_one_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from megatron_quads.cli import main
+
+    assert main(["convert", "to-quads", str(tmp_path / "hf"), str(tmp_path / "out")]) == 2
+    assert "--ratio is required" in capsys.readouterr().err
