@@ -200,7 +200,9 @@ def _add_convert(sub) -> None:
     to_quads = kinds.add_parser("to-quads", help="HF directory or Megatron checkpoint -> NVFP4-plus-residual (vLLM)")
     common(to_quads)
     model_config(to_quads)
-    to_quads.add_argument("--ratio", type=float, required=True, help="RAC residual-channel ratio (0 to 1)")
+    to_quads.add_argument("--ratio", type=float, default=None,
+                          help="RAC residual-channel ratio (0 to 1); default: the --quads-rac-ratio a Megatron-LM "
+                               "checkpoint recorded (required otherwise)")
     calibration = to_quads.add_mutually_exclusive_group()
     calibration.add_argument("--calibration", default=None,
                              help="calibration prompts: a text file (one per line) or JSONL with a 'prompt' or 'text' field")

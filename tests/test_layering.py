@@ -22,14 +22,15 @@ ALLOWED: dict[str, set[str]] = {
     "demo": {"nvfp4"},
     "rollout": {"nvfp4", "kernels", "atomic_io"},
     "trainer": {"nvfp4", "kernels", "atomic_io"},
+    "megatron_lm": {"nvfp4", "kernels", "trainer", "atomic_io"},
     "vllm_plugin": {"nvfp4", "kernels", "rollout", "atomic_io"},
-    "convert": {"nvfp4", "kernels", "rollout", "trainer", "tasks", "embedded", "manifest", "atomic_io"},
+    "convert": {"nvfp4", "kernels", "rollout", "trainer", "megatron_lm", "tasks", "embedded", "manifest", "atomic_io"},
     "embedded": {"nvfp4", "rollout", "tasks", "manifest", "atomic_io"},
     "analyze": {"nvfp4", "kernels", "rollout", "trainer", "atomic_io"},
-    "controller": {"nvfp4", "kernels", "rollout", "trainer", "rl", "tasks", "embedded", "vllm_plugin", "convert",
-                   "manifest", "atomic_io"},
-    "cli": {"nvfp4", "kernels", "rollout", "trainer", "rl", "tasks", "embedded", "vllm_plugin", "convert",
-            "controller", "analyze", "demo", "manifest", "atomic_io"},
+    "controller": {"nvfp4", "kernels", "rollout", "trainer", "megatron_lm", "rl", "tasks", "embedded", "vllm_plugin",
+                   "convert", "manifest", "atomic_io"},
+    "cli": {"nvfp4", "kernels", "rollout", "trainer", "megatron_lm", "rl", "tasks", "embedded", "vllm_plugin",
+            "convert", "controller", "analyze", "demo", "manifest", "atomic_io"},
 }
 """Layer -> the layers it may import (modules of its own layer always)."""
 
@@ -37,7 +38,7 @@ THIRD_PARTY: dict[str, set[str]] = {
     "ray": {"controller"},
     "vllm": {"vllm_plugin"},
     "triton": {"nvfp4", "kernels"},
-    "megatron": {"trainer", "controller", "convert", "analyze"},
+    "megatron": {"trainer", "megatron_lm", "controller", "convert", "analyze"},
 }
 """A third-party package -> the only layers that import it."""
 

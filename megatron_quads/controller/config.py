@@ -20,7 +20,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from megatron_quads.controller.config_file import ConfigError, read_config  # noqa: F401 (re-exported)
 from megatron_quads.rl.settings import AdvantageConfig, PolicyLossConfig
 from megatron_quads.trainer.quads_config import QuadsTrainerConfig
-from megatron_quads.trainer.settings import OptimConfig, ParallelConfig, PolicyModelConfig, load_model_config
+from megatron_quads.trainer.settings import (
+    OptimConfig,
+    ParallelConfig,
+    PolicyModelConfig,
+    load_model_config,
+    transformer_engine_problem,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -253,6 +259,10 @@ class RunConfig(_Strict):
             )
         self._check_placement()
         self._check_architecture()
+        if self.model.architecture is not None:
+            problem = transformer_engine_problem(self.model.architecture, self.parallel, self.trainer_quads())
+            if problem:
+                raise ValueError(problem)
         vllm = self.rollout.vllm
         if (self.rollout.engine == "vllm" and self.rollout.router_replay == "r3"
                 and (vllm.multiprocess or vllm.tensor_parallel_size > 1 or not vllm.enforce_eager)):

@@ -25,6 +25,7 @@ from megatron_quads.convert.names import (
     megatron_from_hf,
     megatron_tensors,
 )
+from megatron_quads.megatron_lm.checkpoint import megatron_lm_model_config
 from megatron_quads.trainer.model import PolicyModelConfig, load_model_config
 
 DIST_METADATA = "metadata.json"
@@ -73,9 +74,11 @@ class MegatronCheckpoint:
             raise FileNotFoundError(f"{self.directory} is not a complete Megatron dist checkpoint (no {DIST_METADATA})")
         found = load_model_config(self.directory)
         if model is None and found is None:
+            found = megatron_lm_model_config(self.directory)  # a Megatron-LM checkpoint records its arguments
+        if model is None and found is None:
             raise FileNotFoundError(
-                f"{self.directory} has no model_config.json recording its architecture; pass --model-config FILE "
-                "(a model_config.json, or the run's config.yaml) to say what it holds"
+                f"{self.directory} has no model_config.json and no Megatron-LM arguments recording its architecture; "
+                "pass --model-config FILE (a model_config.json, or the run's config.yaml) to say what it holds"
             )
         self.model: PolicyModelConfig = model or found
         with single_process_group():

@@ -31,6 +31,7 @@ from megatron_quads.convert.megatron_source import MegatronCheckpoint, is_dist_c
 from megatron_quads.convert.names import hf_tensor_shapes
 from megatron_quads.convert.progress import progress_bar
 from megatron_quads.manifest import write_manifest
+from megatron_quads.megatron_lm.checkpoint import recorded_rac_ratio
 from megatron_quads.rollout import checkpoint_format as fmt
 from megatron_quads.rollout.weight_calibration import WeightCalibration, calibrate_weights
 from megatron_quads.rollout.weights import (
@@ -77,14 +78,15 @@ class _Prompts:
 
 
 def to_quads(
-    source: str | os.PathLike[str], out: str | os.PathLike[str], ratio: float, *,
+    source: str | os.PathLike[str], out: str | os.PathLike[str], ratio: float | None, *,
     calibration_file: str | os.PathLike[str] | None = None, calibration_prompts: int | None = None,
     input_scales: str = "dynamic", scope: str = "experts", model: PolicyModelConfig | None = None,
     tokenizer: str | os.PathLike[str] | None = None, overwrite: bool = False, progress: bool = True, seed: int = 0,
 ) -> Path:
     """Convert ``source`` (HF directory or Megatron dist checkpoint) into a QUADS checkpoint at ``out``.
 
-    ``ratio``: the RAC ratio in [0, 1]; ``scope``: ``experts`` (routed experts) or
+    ``ratio``: the RAC ratio in [0, 1] (None: the ``--quads-rac-ratio`` a Megatron-LM checkpoint
+    recorded); ``scope``: ``experts`` (routed experts) or
     ``experts_and_attention`` (plus attention q/k/v/o); ``input_scales``: ``static`` (an
     ``input_scale`` per linear from its calibration amax) or ``dynamic`` (none). Calibration prompts
     come from ``calibration_file`` (text, one prompt per line, or JSONL with a ``prompt`` / ``text``
@@ -96,6 +98,8 @@ def to_quads(
     checkpoint without ``model_config.json``. Unquantized tensors are float32 when the source model's
     dtype is float32 (so small fp32 models compare exactly), else bfloat16. Returns ``Path(out)``.
     """
+    if ratio is None:
+        ratio = _recorded_ratio(source)
     _check_options(ratio, input_scales, scope, calibration_file, calibration_prompts)
     if Path(out).exists() and not overwrite:  # before the work, not after it
         raise FileExistsError(f"{out} already exists; pass --overwrite (overwrite=True) to replace it, or choose a new directory")
@@ -122,6 +126,16 @@ def to_quads(
     logger.info("wrote %s (%d NVFP4 linears, residual fraction %.3f) in %.1f s", out, len(weights.quantized),
                 weights.residual_fraction, time.perf_counter() - start)
     return Path(out)
+
+
+def _recorded_ratio(source: str | os.PathLike[str]) -> float:
+    """The ``--quads-rac-ratio`` a Megatron-LM checkpoint's run recorded (the ratio when none is given)."""
+    ratio = recorded_rac_ratio(source) if is_dist_checkpoint(source) else None
+    if ratio is None:
+        raise ValueError(f"--ratio is required: {source} records no --quads-rac-ratio (only a Megatron-LM run "
+                         "given that flag does)")
+    logger.info("RAC ratio %s, as %s's run recorded it (--quads-rac-ratio)", ratio, source)
+    return ratio
 
 
 def _check_options(ratio: float, input_scales: str, scope: str, calibration_file: Any, calibration_prompts: int | None) -> None:

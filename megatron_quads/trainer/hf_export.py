@@ -22,9 +22,10 @@ from megatron.core.utils import unwrap_model
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
-# Megatron local-spec name (inside decoder.layers.N.) -> HF name (inside model.layers.N.)
+# Megatron name (inside decoder.layers.N.) -> HF name (inside model.layers.N.); local and TE specs
 _LAYER_NAMES = {
     "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",  # TE: norm fused into QKV
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
     "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
@@ -45,6 +46,11 @@ _TOP_NAMES = {
 }
 _LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight$")
 _GROUPED_EXPERT = re.compile(r"^mlp\.experts\.weight([12])$")
+_TE_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.linear_fc([12])\.weight(\d+)$")  # TEGroupedMLP: one per expert
+
+
+def _is_expert_param(local_name: str) -> bool:
+    return any(p.match(local_name) for p in (_LOCAL_EXPERT, _GROUPED_EXPERT, _TE_GROUPED_EXPERT))
 
 
 def _gather(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
@@ -96,10 +102,15 @@ def _expert_tensors(
 
 
 def _local_expert_shards(name: str, param: torch.Tensor, config: TransformerConfig, num_local: int):
-    """(local expert index, fc, per-expert weight in linear layout) of a SequentialMLP or GroupedMLP param."""
+    """(local expert index, fc, per-expert weight in linear layout) of a SequentialMLP, GroupedMLP or
+    TEGroupedMLP param."""
     match = _LOCAL_EXPERT.match(name)
     if match:
         yield int(match.group(1)), match.group(2), param
+        return
+    match = _TE_GROUPED_EXPERT.match(name)
+    if match:  # TE's grouped linear holds expert i as weight{i}, [out, in] like a linear
+        yield int(match.group(2)), match.group(1), param
         return
     fc = _GROUPED_EXPERT.match(name).group(1)
     hidden = config.hidden_size
@@ -127,7 +138,7 @@ def export_hf_weights(model: torch.nn.Module | list[torch.nn.Module]) -> Iterato
     for name, param in gpt.named_parameters():
         match = _LAYER.match(name)
         local = match.group(2) if match else ""
-        if _LOCAL_EXPERT.match(local) or _GROUPED_EXPERT.match(local):
+        if _is_expert_param(local):
             prefix = f"model.layers.{match.group(1)}"
             for i, fc, weight in _local_expert_shards(local, param, config, num_local):
                 # every EP rank holds experts [ep_rank * num_local, ...): gather them over EP
@@ -196,7 +207,7 @@ def export_rollout_parts(model: torch.nn.Module | list[torch.nn.Module]) -> Iter
     for name, param in gpt.named_parameters():
         match = _LAYER.match(name)
         local = match.group(2) if match else ""
-        if not (_LOCAL_EXPERT.match(local) or _GROUPED_EXPERT.match(local)):
+        if not _is_expert_param(local):
             dense[name] = param
             continue
         layer = int(match.group(1))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 import torch.nn.functional as F
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -36,6 +36,7 @@ def build_transformer_config(
     parameters uninitialised (for a caller that fills every one, e.g. a checkpoint converter);
     ``routing_replay`` gives every router Megatron's routing replay (:mod:`.router_replay`)."""
     tp = parallel.tensor_parallel
+    te = parallel.transformer_impl == "transformer_engine"
     if model.num_experts % parallel.expert_parallel:
         raise ValueError(
             f"num_experts {model.num_experts} is not divisible by expert_parallel {parallel.expert_parallel}"
@@ -51,8 +52,9 @@ def build_transformer_config(
         moe_ffn_hidden_size=model.moe_ffn_hidden_size,
         moe_router_topk=model.moe_router_topk,
         moe_shared_expert_intermediate_size=model.moe_shared_expert_size,
-        moe_grouped_gemm=model.moe_grouped_gemm,
+        moe_grouped_gemm=model.moe_grouped_gemm or te,  # TE: TEGroupedMLP experts
         moe_use_legacy_grouped_gemm=model.moe_grouped_gemm,
+        transformer_impl=parallel.transformer_impl,
         moe_token_dispatcher_type=model.moe_token_dispatcher,
         moe_aux_loss_coeff=model.moe_aux_loss_coeff,
         moe_router_load_balancing_type="aux_loss" if model.moe_aux_loss_coeff > 0 else "none",
@@ -85,9 +87,28 @@ def build_transformer_config(
     )
 
 
-def stock_layer_spec(model: PolicyModelConfig) -> ModuleSpec:
-    """Megatron's local (no Transformer Engine) GPT-MoE layer spec."""
-    return get_gpt_layer_local_spec(
+class TransformerEngineUnavailable(RuntimeError):
+    """``parallel.transformer_impl=transformer_engine`` on a machine where TE does not import."""
+
+
+def stock_layer_spec(model: PolicyModelConfig, transformer_impl: str = "local") -> ModuleSpec:
+    """Megatron's GPT-MoE layer spec: local modules, or Transformer Engine's with TEGroupedMLP experts."""
+    if transformer_impl == "transformer_engine":
+        if not gpt_layer_specs.HAVE_TE:
+            raise TransformerEngineUnavailable(
+                "parallel.transformer_impl=transformer_engine needs Transformer Engine, and it does not import here "
+                "(Megatron-Core's TE extension is unavailable): install transformer-engine[pytorch] on the trainer's "
+                "CUDA machines, or set parallel.transformer_impl=local"
+            )
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=model.num_experts,
+            moe_grouped_gemm=True,
+            qk_layernorm=model.qk_layernorm,
+            moe_use_legacy_grouped_gemm=False,
+        )
+    if transformer_impl != "local":
+        raise ValueError(f"transformer_impl {transformer_impl!r} is not 'local' or 'transformer_engine'")
+    return gpt_layer_specs.get_gpt_layer_local_spec(
         num_experts=model.num_experts,
         moe_grouped_gemm=model.moe_grouped_gemm,
         moe_use_legacy_grouped_gemm=model.moe_grouped_gemm,
@@ -110,13 +131,13 @@ def build_gpt_model(
     parameters are allocated but not initialised (the caller loads every one). ``routing_replay``:
     the routers can replay given experts (:mod:`.router_replay`).
     """
+    spec = layer_spec if layer_spec is not None else stock_layer_spec(model, parallel.transformer_impl)
     config = build_transformer_config(model, parallel, initialize, routing_replay)
     fix_router_without_te()
     if model.moe_grouped_gemm and provide_grouped_gemm_fallback():
         logger.warning("grouped_gemm is not installed: GroupedMLP uses a per-expert torch matmul loop")
-    spec = layer_spec if layer_spec is not None else stock_layer_spec(model)
-    if config.sequence_parallel and isinstance(spec, ModuleSpec):
-        spec = sequence_parallel_block_spec(spec, config)  # torch norms that accept SP
+    if config.sequence_parallel and isinstance(spec, ModuleSpec) and parallel.transformer_impl == "local":
+        spec = sequence_parallel_block_spec(spec, config)  # torch norms that accept SP (TE's norms do)
     if quads is not None:
         config, spec = apply_quads(config, spec, quads)
     return GPTModel(

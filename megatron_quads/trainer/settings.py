@@ -30,6 +30,11 @@ class ParallelConfig(BaseModel):
     expert_tensor_parallel: int | None = Field(None, ge=1, description="default: tensor_parallel")
     pipeline_parallel: Literal[1] = 1
     sequence_parallel: bool = Field(False, description="required (and switched on) when TP > 1 with MoE")
+    transformer_impl: Literal["local", "transformer_engine"] = Field(
+        "local",
+        description="layer modules: local (Megatron-Core's own; QUADS fake-quantizes through its modules) or "
+        "transformer_engine (TE layers, TEGroupedMLP experts, QUADS through TE's custom FP4 recipe; needs TE installed)",
+    )
 
 
 class PolicyModelConfig(BaseModel):
@@ -106,6 +111,36 @@ class PolicyWorkerConfig(BaseModel):
     micro_batch_size: int = Field(8, ge=1)
     seed: int = 1234
     router_replay: bool = Field(False, description="the routers replay given experts (batches carry routed_experts)")
+
+    @model_validator(mode="after")
+    def _check(self) -> PolicyWorkerConfig:
+        problem = transformer_engine_problem(self.model, self.parallel, self.quads)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+
+TE_SCOPES = ("routed_experts", "all_linears")
+"""QUADS scopes the Transformer Engine path can express (TE's quantizer roles do not name shared experts)."""
+
+
+def transformer_engine_problem(
+    model: PolicyModelConfig, parallel: ParallelConfig, quads: QuadsTrainerConfig
+) -> str | None:
+    """Why ``parallel.transformer_impl=transformer_engine`` cannot build this model; None when it can."""
+    if parallel.transformer_impl != "transformer_engine":
+        return None
+    if model.moe_grouped_gemm:
+        return ("model.moe_grouped_gemm=true selects the local spec's legacy GroupedMLP; with "
+                "parallel.transformer_impl=transformer_engine the experts are TEGroupedMLP: set model.moe_grouped_gemm=false")
+    if quads.enabled and quads.scope.value not in TE_SCOPES:
+        return (f"QUADS scope {quads.scope.value!r} is not available with parallel.transformer_impl=transformer_engine "
+                f"(TE's quantizer roles do not tell shared experts from attention): use one of {', '.join(TE_SCOPES)}, "
+                "or parallel.transformer_impl=local")
+    if quads.enabled and quads.block_2d:
+        return ("quads.block_2d is not available with parallel.transformer_impl=transformer_engine (its quantizer "
+                "factories use 1x16 blocks): set quads.block_2d=false, or parallel.transformer_impl=local")
+    return None
 
 
 MODEL_CONFIG_FILE = "model_config.json"
