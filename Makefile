@@ -27,7 +27,8 @@ $(STAMP): setup.py
 install: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	# two workers; the Ray and the vLLM test modules each keep to one of them (tests/conftest.py)
+	$(PY) -m pytest -q -n 2 --dist loadgroup tests
 	# the Triton kernels, bit for bit against the reference, on CPU under Triton's interpreter
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -n auto -m gpu tests/test_kernels_*.py
 

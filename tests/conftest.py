@@ -49,6 +49,33 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; run on the GPU machine (`pytest -m gpu`)")
 
 
+_XDIST_GROUPS = {
+    "ray": ("test_controller.py", "test_controller_multinode.py"),
+    "vllm": ("test_convert_to_quads.py", "test_vllm_engine.py", "test_vllm_fp4_gemm.py", "test_vllm_linear_method.py",
+             "test_vllm_serving.py"),
+}
+"""Test modules that run on one worker under ``pytest -n N --dist loadgroup`` (``make test``): one Ray
+cluster at a time, and the vLLM engines' module-scoped fixtures built once."""
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """``--dist loadgroup`` by :data:`_XDIST_GROUPS`: each group's tests go to one worker, every other
+    test to whichever worker is free (xdist's own loadgroup reads a node-id suffix that pytest 9 no
+    longer lets it set)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    group_of = {module: group for group, modules in _XDIST_GROUPS.items() for module in modules}
+
+    class ModuleGroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of.get(nodeid.split("::", 1)[0].rsplit("/", 1)[-1], nodeid)
+
+    return ModuleGroupScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run `pytest -m gpu` on the GPU machine)")
     for item in items:
