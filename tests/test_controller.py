@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -42,8 +43,11 @@ def _without_times(records: list[dict]) -> list[dict]:
 def _three_steps(run_dir: Path, mode: str, engine: str, *overrides: str) -> list[dict]:
     """3 GRPO steps in ``mode`` on ``engine``, with the checks every such run must pass."""
     records = _run(run_dir, "grpo.steps=3", f"precision.mode={mode}", "checkpoint.every=0", f"rollout.engine={engine}",
-                   *overrides)
+                   "monitor.window=3", *overrides)
     assert [r["step"] for r in records] == [0, 1, 2]
+    # the early warning's trend starts once its 3-step window is full
+    assert ["monitor/gap_trend" in r for r in records] == [False, False, True]
+    assert math.isfinite(records[2]["monitor/gap_trend"]) and all(r["monitor/gap_warning"] == 0.0 for r in records)
     for r in records:
         assert 0.0 <= r["reward"] <= 1.0 and r["train/update_successful"] == 1.0
         assert r["mismatch/num_tokens"] > 0

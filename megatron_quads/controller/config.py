@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from megatron_quads.controller.config_file import ConfigError, read_config  # noqa: F401 (re-exported)
-from megatron_quads.rl.settings import AdvantageConfig, PolicyLossConfig
+from megatron_quads.rl.settings import AdvantageConfig, GapMonitorConfig, PolicyLossConfig
 from megatron_quads.trainer.quads_config import QuadsTrainerConfig
 from megatron_quads.trainer.settings import (
     OptimConfig,
@@ -231,6 +231,8 @@ class RunConfig(_Strict):
     checkpoint: CheckpointSection = CheckpointSection()
     eval: EvalSection = EvalSection()
     logging: LoggingSection = LoggingSection()
+    monitor: GapMonitorConfig = Field(GapMonitorConfig(), description="the collapse early warning: the trend of the "
+                                      "rollout-vs-trainer gap (monitor/gap_trend) and a logged warning when it rises")
 
     @model_validator(mode="before")
     @classmethod

@@ -43,7 +43,8 @@ class MetricsSink:
             self.wandb_run.finish()
 
 
-def _records(path: Path | None) -> list[dict]:
+def read_records(path: Path | None) -> list[dict]:
+    """The records of a JSONL record file, in order (none if it does not exist)."""
     if path is None or not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -56,11 +57,11 @@ def plot_run(metrics_path: Path, out_path: Path, eval_path: Path | None = None) 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = _records(metrics_path)
+    records = read_records(metrics_path)
     steps = [r["step"] for r in records]
     fig, (ax_reward, ax_gap) = plt.subplots(1, 2, figsize=(11, 4))
     ax_reward.plot(steps, [r["reward"] for r in records], marker="o", label="train reward")
-    evals = _records(eval_path)
+    evals = read_records(eval_path)
     if evals:
         ax_reward.plot([r["step"] for r in evals], [r["eval/pass@1"] for r in evals], marker="s", label="held-out pass@1")
         ax_reward.legend()

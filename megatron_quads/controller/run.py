@@ -20,7 +20,7 @@ from megatron_quads.atomic_io import write_atomic, write_text_atomic
 from megatron_quads.controller.config import RunConfig, check_runnable
 from megatron_quads.controller.failures import NO_RESUME_NOTE, TRAINER_RANKS, TrainerFailure, trainer_get
 from megatron_quads.controller.placement import Placement, Slot
-from megatron_quads.controller.report import MetricsSink, plot_run
+from megatron_quads.controller.report import MetricsSink, plot_run, read_records
 from megatron_quads.controller.run_dir import check_saved_config, hold_run_dir, keep_records_before, start_records
 from megatron_quads.controller.workers import (
     RolloutWorker,
@@ -31,6 +31,7 @@ from megatron_quads.controller.workers import (
 )
 from megatron_quads.manifest import MANIFEST, read_manifest, verify_manifest, write_manifest
 from megatron_quads.rl.advantages import group_advantages
+from megatron_quads.rl.gap_monitor import TREND_KEY, GapMonitor
 from megatron_quads.rl.metrics import mismatch_metrics
 from megatron_quads.rollout.engine import SamplingParams
 from megatron_quads.rollout.routing import routing_batch
@@ -621,6 +622,9 @@ def _train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts) -> Path:
     n = cfg.grpo.responses_per_prompt
     release = cfg.placement.mode == "colocated" and cfg.rollout_on_gpu() and cfg.rollout.release_memory_during_training
     sink = MetricsSink(cfg, metrics_path, eval_path)
+    monitor = GapMonitor(cfg.monitor) if cfg.monitor.enabled else None
+    if monitor is not None:  # a resumed run's trend continues from the steps it kept
+        monitor.replay(read_records(metrics_path))
     progress = tqdm(range(start, cfg.grpo.steps), initial=start, total=cfg.grpo.steps, desc="GRPO", unit="step")
     for step in progress:
         t0 = time.perf_counter()
@@ -660,6 +664,14 @@ def _train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts) -> Path:
             "time/logprobs": t_logp - t_reward, "time/train": t_train - t_logp, "rollout_restarts": rollouts.restarts,
             **{f"sync/{k}": v for k, v in sync.items()}, "rollout/gpu_bytes_released": float(freed),
         }
+        if monitor is not None:
+            warned = monitor.warning
+            record.update(monitor.update(record))                                       # collapse early warning
+            if monitor.warning and not warned:
+                logger.warning("collapse early warning at step %d: %s rose by %.0f%% over the last %d steps (threshold "
+                               "%.0f%%, %d steps in a row); the rollouts may be drifting from the trainer", step,
+                               cfg.monitor.metric, 100 * record[TREND_KEY], cfg.monitor.window,
+                               100 * cfg.monitor.threshold, cfg.monitor.patience)
         sink.log(record)
         progress.set_postfix(reward=f"{record['reward']:.3f}", gap=f"{record['mismatch/gap_max_abs']:.3f}")
         if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0:

@@ -79,3 +79,17 @@ class BatchKeys(BaseModel):
     logp_old: str | None = Field("logp_old", description="behaviour log-probs; None: the current log-probs, detached")
     logp_rollout: str = Field("logp_rollout", description="rollout log-probs (needed by a correction; optional otherwise)")
     logp_ref: str = Field("logp_ref", description="reference-policy log-probs (needed when kl_beta > 0)")
+
+
+class GapMonitorConfig(BaseModel):
+    """The collapse early warning: when the rollout-vs-trainer gap's trend rises past a threshold."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(True, description="log monitor/gap_trend each step and warn when it stays past the threshold")
+    metric: str = Field("mismatch/k3_kl", description="the per-step record whose trend is watched")
+    window: int = Field(20, ge=3, description="steps the trend is fitted over")
+    threshold: float = Field(1.0, gt=0, description="warn when the fitted rise over one window exceeds this fraction "
+                             "(1.0: the metric doubled)")
+    patience: int = Field(3, ge=1, description="consecutive steps past the threshold before the warning")
+    floor: float = Field(1e-9, gt=0, description="added to the metric before its logarithm (a metric of 0 stays finite)")

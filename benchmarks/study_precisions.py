@@ -1,0 +1,263 @@
+"""The precision study: long GRPO runs of every precision mode, several seeds, with and without an
+importance-sampling correction, and the report that reads them.
+
+    python benchmarks/study_precisions.py run [--steps 300] [--seeds 0 1 2] [--modes ...] [--corrections ...]
+                                              [--max-minutes M] [key=value ...]
+    python benchmarks/study_precisions.py report
+
+``run`` trains each (mode, seed, correction) of the grid on the embedded default, one
+``megatron-quads train`` process at a time (a process per run: a crash or a kill loses at most the
+steps since its last checkpoint), under ``--out`` (``runs/study/<run>``). A run directory that
+holds a config resumes from its newest checkpoint; a run whose records are complete is skipped, so
+the command can be stopped and started again (``--max-minutes`` stops launching new runs after that
+long). Each finished run's ``metrics.jsonl`` and ``eval.jsonl`` are copied to ``--results``
+(``benchmarks/results/study/<run>.{metrics,eval}.jsonl``), the files the report reads.
+
+``report`` writes ``benchmarks/results/study.md`` (per mode and correction, means over seeds: reward,
+held-out pass@1, max and mean |Δlogp| and k3 KL over the last steps; whether and when the reward
+collapsed; the early warning's lead and false alarms; the RAC ratio sweep of the max gap) and
+``study_curves.png`` beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from bench_device import record_stamp
+
+from megatron_quads.atomic_io import save_figure_atomic, write_atomic, write_text_atomic
+
+CONFIG = Path(__file__).resolve().parents[1] / "examples" / "embedded_default.yaml"
+RESULTS = Path(__file__).parent / "results" / "study"
+MODES: dict[str, list[str]] = {
+    "bf16": ["precision.mode=bf16"],
+    "naive-nvfp4": ["precision.mode=naive-nvfp4"],
+    "w4a16": ["precision.mode=w4a16"],
+    "aqat": ["precision.mode=aqat"],
+    "quads-0.25": ["precision.mode=quads", "precision.rac_ratio=0.25"],
+    "quads-0.5": ["precision.mode=quads", "precision.rac_ratio=0.5"],
+    "quads-1.0": ["precision.mode=quads", "precision.rac_ratio=1.0"],
+}
+"""Mode name -> its overrides (aqat is W4A4 without residual channels: RAC ratio 0)."""
+CORRECTIONS: dict[str, list[str]] = {
+    "none": ["grpo.loss.correction.mode=none"],
+    "tis": ["grpo.loss.correction.mode=token_tis"],
+    "mis": ["grpo.loss.correction.mode=token_mis"],
+}
+RAC_SWEEP = {"aqat": 0.0, "quads-0.25": 0.25, "quads-0.5": 0.5, "quads-1.0": 1.0}
+TAIL_STEPS = 50
+"""The report's table averages the last this many steps of each run."""
+COLLAPSE_WINDOW, COLLAPSE_FRACTION = 10, 0.5
+"""A run collapsed at the first step where its reward's rolling mean over this many steps fell
+below this fraction of the highest rolling mean before it."""
+
+
+def run_name(mode: str, seed: int, correction: str) -> str:
+    """``<mode>.seed<seed>.<correction>``: the run's directory and results-file stem."""
+    return f"{mode}.seed{seed}.{correction}"
+
+
+def parse_run_name(name: str) -> tuple[str, int, str]:
+    """``(mode, seed, correction)`` of a :func:`run_name` (modes may hold dots: quads-0.5)."""
+    mode, _, rest = name.rpartition(".seed")
+    seed, _, correction = rest.partition(".")
+    return mode, int(seed), correction
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _copy_atomic(source: Path, target: Path) -> None:
+    write_atomic(target, lambda tmp: shutil.copyfile(source, tmp))
+
+
+def train_one(name: str, overrides: list[str], steps: int, out: Path, results: Path) -> bool:
+    """Train (or resume, or skip) one run; True when its records are complete and copied to ``results``."""
+    if len(_read_jsonl(results / f"{name}.metrics.jsonl")) >= steps:
+        return True
+    run_dir = out / name
+    saved = run_dir / "config.yaml"
+    config = saved if saved.is_file() else CONFIG
+    settings = [f"grpo.steps={steps}"] + ([] if saved.is_file() else [f"run_dir={run_dir}", *overrides])
+    command = [str(Path(sys.executable).with_name("megatron-quads")), "train", str(config), *settings]
+    print(f"[study] {name}: {' '.join(command)}", flush=True)
+    if subprocess.run(command, check=False).returncode != 0:
+        print(f"[study] {name} failed; run the same command again to resume it", flush=True)
+        return False
+    if len(_read_jsonl(run_dir / "metrics.jsonl")) < steps:
+        return False
+    results.mkdir(parents=True, exist_ok=True)
+    _copy_atomic(run_dir / "metrics.jsonl", results / f"{name}.metrics.jsonl")
+    if (run_dir / "eval.jsonl").is_file():
+        _copy_atomic(run_dir / "eval.jsonl", results / f"{name}.eval.jsonl")
+    return True
+
+
+def run_grid(args: argparse.Namespace) -> None:
+    """Train the grid, seed by seed (every mode's first seed before any second one)."""
+    start = time.monotonic()
+    shared = ["checkpoint.every=10", "logging.wandb=disabled", f"eval.every={args.eval_every}", *args.overrides]
+    for seed in args.seeds:
+        for correction in args.corrections:
+            for mode in args.modes:
+                if args.max_minutes and time.monotonic() - start > 60 * args.max_minutes:
+                    print(f"[study] {args.max_minutes} minutes passed: stopping; run the command again to go on")
+                    return
+                overrides = [*MODES[mode], *CORRECTIONS[correction], f"seed={seed}", *shared]
+                train_one(run_name(mode, seed, correction), overrides, args.steps, args.out, args.results)
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+
+def rolling_mean(values: Sequence[float], window: int) -> list[float]:
+    """Mean of the last ``window`` values (fewer at the start) at every step."""
+    return [statistics.fmean(values[max(0, i + 1 - window) : i + 1]) for i in range(len(values))]
+
+
+def collapse_step(rewards: Sequence[float]) -> int | None:
+    """The first step whose rolling mean reward fell below :data:`COLLAPSE_FRACTION` of the best rolling
+    mean before it (None: no collapse)."""
+    smooth = rolling_mean(rewards, COLLAPSE_WINDOW)
+    best = float("-inf")
+    for step, value in enumerate(smooth):
+        if step >= COLLAPSE_WINDOW and best > 0 and value < COLLAPSE_FRACTION * best:
+            return step
+        best = max(best, value)
+    return None
+
+
+def first_warning(records: Sequence[dict]) -> int | None:
+    """The first step with ``monitor/gap_warning`` on (None: never)."""
+    return next((r["step"] for r in records if r.get("monitor/gap_warning") == 1.0), None)
+
+
+def load_results(results: Path) -> dict[str, dict[str, list[dict]]]:
+    """``{run name: {"metrics": records, "eval": records}}`` of every run in ``results``."""
+    out = {}
+    for path in sorted(results.glob("*.metrics.jsonl")):
+        name = path.name[: -len(".metrics.jsonl")]
+        out[name] = {"metrics": _read_jsonl(path), "eval": _read_jsonl(results / f"{name}.eval.jsonl")}
+    return out
+
+
+def _tail_mean(records: list[dict], key: str) -> float:
+    return statistics.fmean(r[key] for r in records[-TAIL_STEPS:])
+
+
+def _groups(runs: dict[str, dict[str, list[dict]]]) -> dict[tuple[str, str], list[str]]:
+    """``{(mode, correction): [run names over seeds]}``."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for name in runs:
+        mode, _, correction = parse_run_name(name)
+        groups.setdefault((mode, correction), []).append(name)
+    return groups
+
+
+def report_markdown(runs: dict[str, dict[str, list[dict]]], stamp: dict[str, str]) -> str:
+    """The study's tables: per mode and correction, seed means; collapses and early warnings; the RAC sweep."""
+    lines = [f"# Precision study on the embedded default ({stamp['date']}, {stamp['device']})", "",
+             f"Command: `{stamp['command']}`, over the runs in benchmarks/results/study/. Means over seeds of "
+             f"the last {TAIL_STEPS} steps of each run.", "",
+             "| mode | correction | seeds | steps | reward | held-out pass@1 (last) | max \\|Δlogp\\| | mean \\|Δlogp\\| | "
+             "k3 KL | collapsed | early warning |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    for (mode, correction), names in sorted(_groups(runs).items()):
+        metrics = [runs[n]["metrics"] for n in names]
+        mean = lambda key: statistics.fmean(_tail_mean(m, key) for m in metrics)  # noqa: E731
+        evals = [runs[n]["eval"][-1]["eval/pass@1"] for n in names if runs[n]["eval"]]
+        pass1 = f"{statistics.fmean(evals):.3f}" if evals else ""
+        collapses = [collapse_step([r["reward"] for r in m]) for m in metrics]
+        warnings = [first_warning(m) for m in metrics]
+        collapsed = ", ".join(f"step {c}" if c is not None else "no" for c in collapses)
+        warned = ", ".join(
+            "no" if w is None else (f"step {w} ({c - w} steps before)" if c is not None and w <= c else
+                                    f"step {w}" + (" (false alarm)" if c is None else " (after)"))
+            for w, c in zip(warnings, collapses, strict=True))
+        lines.append(f"| {mode} | {correction} | {len(names)} | {min(len(m) for m in metrics)} | {mean('reward'):.3f} | "
+                     f"{pass1} | {mean('mismatch/gap_max_abs'):.3f} | {mean('mismatch/gap_mean_abs'):.4f} | "
+                     f"{mean('mismatch/k3_kl'):.2e} | {collapsed} | {warned} |")
+    sweep = []
+    for mode, ratio in RAC_SWEEP.items():
+        names = [n for (m, c), group in _groups(runs).items() if m == mode and c == "none" for n in group]
+        if names:
+            gap = statistics.fmean(statistics.fmean(r["mismatch/gap_max_abs"] for r in runs[n]["metrics"]) for n in names)
+            sweep.append((ratio, gap, len(names)))
+    if sweep:
+        gaps = [g for _, g, _ in sweep]
+        monotone = all(a >= b for a, b in zip(gaps, gaps[1:]))
+        lines += ["", "## RAC ratio sweep (no correction; max |Δlogp| averaged over every step and seed)", "",
+                  "| RAC ratio | max \\|Δlogp\\| | seeds |", "|---:|---:|---:|"]
+        lines += [f"| {ratio} | {gap:.3f} | {n} |" for ratio, gap, n in sweep]
+        lines += ["", f"The max gap {'falls' if monotone else 'does not fall'} monotonically with the ratio."]
+    return "\n".join(lines) + "\n"
+
+
+def plot_curves(runs: dict[str, dict[str, list[dict]]], path: Path) -> None:
+    """Reward, max |Δlogp| and k3 KL per step: each (mode, correction)'s mean over seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [("reward", "reward (10-step mean)"), ("mismatch/gap_max_abs", "max |Δlogp| (nats)"),
+            ("mismatch/k3_kl", "k3 KL")]
+    fig, axes = plt.subplots(1, len(keys), figsize=(6 * len(keys), 4.5))
+    for (mode, correction), names in sorted(_groups(runs).items()):
+        length = min(len(runs[n]["metrics"]) for n in names)
+        for ax, (key, title) in zip(axes, keys, strict=True):
+            per_step = [statistics.fmean(runs[n]["metrics"][i][key] for n in names) for i in range(length)]
+            ax.plot(range(length), rolling_mean(per_step, COLLAPSE_WINDOW) if key == "reward" else per_step,
+                    label=f"{mode} ({correction})")
+            ax.set(xlabel="step", title=title)
+    axes[2].set_yscale("log")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    save_figure_atomic(fig, path)
+    plt.close(fig)
+
+
+def report(args: argparse.Namespace) -> None:
+    """Write the study's Markdown report and curves from the results files."""
+    runs = load_results(args.results)
+    if not runs:
+        raise SystemExit(f"no results in {args.results}: run `python benchmarks/study_precisions.py run` first")
+    out = args.results.parent
+    write_text_atomic(out / "study.md", report_markdown(runs, record_stamp()))
+    plot_curves(runs, out / "study_curves.png")
+    print(f"wrote {out / 'study.md'} and {out / 'study_curves.png'}")
+
+
+def main() -> None:
+    """``run`` the grid or ``report`` on it."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    grid = sub.add_parser("run", help="train the grid (resumable)")
+    grid.add_argument("--steps", type=int, default=300)
+    grid.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    grid.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    grid.add_argument("--corrections", nargs="+", choices=list(CORRECTIONS), default=["none", "tis"])
+    grid.add_argument("--eval-every", type=int, default=25, help="held-out pass@1 every N steps")
+    grid.add_argument("--max-minutes", type=float, default=0.0, help="stop launching runs after this long (0: never)")
+    grid.add_argument("--out", type=Path, default=Path("runs/study"))
+    grid.add_argument("--results", type=Path, default=RESULTS)
+    grid.add_argument("overrides", nargs="*", help="key=value overrides for every run")
+    rep = sub.add_parser("report", help="tables and curves from the results files")
+    rep.add_argument("--results", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    run_grid(args) if args.command == "run" else report(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""The precision study's report: collapse detection, the early warning's lead, the RAC sweep (benchmarks/study_precisions.py)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from study_precisions import (  # noqa: E402
+    collapse_step,
+    first_warning,
+    load_results,
+    parse_run_name,
+    report_markdown,
+    run_name,
+)
+
+STAMP = {"date": "2026-12-02T00:00:00+00:00", "device": "test CPU", "command": "python benchmarks/study_precisions.py report"}
+
+
+def test_a_reward_that_falls_to_a_third_of_its_peak_collapses_and_a_noisy_plateau_does_not() -> None:
+    rising_then_falling = [0.1 + 0.02 * i for i in range(30)] + [0.1] * 30  # peak ~0.6, then 0.1
+    step = collapse_step(rising_then_falling)
+    assert step is not None and 30 <= step < 40
+    plateau = [0.5 + (0.05 if i % 2 else -0.05) for i in range(60)]
+    assert collapse_step(plateau) is None
+
+
+def _write_run(results: Path, name: str, rewards: list[float], gaps: list[float], warn_from: int | None) -> None:
+    records = [{"step": i, "reward": r, "mismatch/gap_max_abs": g, "mismatch/gap_mean_abs": g / 10, "mismatch/k3_kl": g / 100,
+                "monitor/gap_warning": float(warn_from is not None and i >= warn_from)}
+               for i, (r, g) in enumerate(zip(rewards, gaps, strict=True))]
+    (results / f"{name}.metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (results / f"{name}.eval.jsonl").write_text(json.dumps({"step": len(rewards), "eval/pass@1": rewards[-1]}) + "\n")
+
+
+def test_the_report_names_collapses_the_warnings_lead_and_the_rac_sweep(tmp_path: Path) -> None:
+    steps = 60
+    collapse = [0.2 + 0.02 * i for i in range(30)] + [0.05] * 30
+    stable = [0.6] * steps
+    _write_run(tmp_path, run_name("naive-nvfp4", 0, "none"), collapse, [0.9] * steps, warn_from=22)
+    _write_run(tmp_path, run_name("aqat", 0, "none"), stable, [0.6] * steps, warn_from=None)
+    _write_run(tmp_path, run_name("quads-0.5", 0, "none"), stable, [0.5] * steps, warn_from=40)
+    _write_run(tmp_path, run_name("quads-1.0", 0, "none"), stable, [0.4] * steps, warn_from=None)
+    runs = load_results(tmp_path)
+    assert parse_run_name("quads-0.5.seed2.tis") == ("quads-0.5", 2, "tis")
+    assert set(runs) == {"naive-nvfp4.seed0.none", "aqat.seed0.none", "quads-0.5.seed0.none", "quads-1.0.seed0.none"}
+    assert first_warning(runs["naive-nvfp4.seed0.none"]["metrics"]) == 22
+    text = report_markdown(runs, STAMP)
+    naive = next(line for line in text.splitlines() if line.startswith("| naive-nvfp4 |"))
+    step = collapse_step(collapse)
+    assert f"step {step}" in naive and f"step 22 ({step - 22} steps before)" in naive
+    assert "step 40 (false alarm)" in next(line for line in text.splitlines() if line.startswith("| quads-0.5 |"))
+    assert "| 0.0 | 0.600 | 1 |" in text and "| 1.0 | 0.400 | 1 |" in text
+    assert "falls monotonically with the ratio" in text
