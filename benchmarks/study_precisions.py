@@ -165,10 +165,10 @@ def _groups(runs: dict[str, dict[str, list[dict]]]) -> dict[tuple[str, str], lis
     return groups
 
 
-def report_markdown(runs: dict[str, dict[str, list[dict]]], stamp: dict[str, str]) -> str:
+def report_markdown(runs: dict[str, dict[str, list[dict]]], stamp: dict[str, str], results: Path = RESULTS) -> str:
     """The study's tables: per mode and correction, seed means; collapses and early warnings; the RAC sweep."""
     lines = [f"# Precision study on the embedded default ({stamp['date']}, {stamp['device']})", "",
-             f"Command: `{stamp['command']}`, over the runs in benchmarks/results/study/. Means over seeds of "
+             f"Command: `{stamp['command']}`, over the runs in {results}. Means over seeds of "
              f"the last {TAIL_STEPS} steps of each run.", "",
              "| mode | correction | seeds | steps | reward | held-out pass@1 (last) | max \\|Δlogp\\| | mean \\|Δlogp\\| | "
              "k3 KL | collapsed | early warning |",
@@ -194,7 +194,7 @@ def report_markdown(runs: dict[str, dict[str, list[dict]]], stamp: dict[str, str
         if names:
             gap = statistics.fmean(statistics.fmean(r["mismatch/gap_max_abs"] for r in runs[n]["metrics"]) for n in names)
             sweep.append((ratio, gap, len(names)))
-    if sweep:
+    if len(sweep) > 1:
         gaps = [g for _, g, _ in sweep]
         monotone = all(a >= b for a, b in zip(gaps, gaps[1:]))
         lines += ["", "## RAC ratio sweep (no correction; max |Δlogp| averaged over every step and seed)", "",
@@ -234,7 +234,7 @@ def report(args: argparse.Namespace) -> None:
     if not runs:
         raise SystemExit(f"no results in {args.results}: run `python benchmarks/study_precisions.py run` first")
     out = args.results.parent
-    write_text_atomic(out / "study.md", report_markdown(runs, record_stamp()))
+    write_text_atomic(out / "study.md", report_markdown(runs, record_stamp(), args.results))
     plot_curves(runs, out / "study_curves.png")
     print(f"wrote {out / 'study.md'} and {out / 'study_curves.png'}")
 
