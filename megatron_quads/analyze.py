@@ -135,6 +135,10 @@ def build_tiny_model(checkpoint: str | None, seed: int) -> torch.nn.Module:
     )
 
     init_trainer_distributed(1, 0, ParallelConfig(), seed=seed)
+    if checkpoint:
+        from megatron_quads.trainer.settings import dist_checkpoint_dir
+
+        checkpoint = str(dist_checkpoint_dir(checkpoint))  # a GRPO run's checkpoints/step_N too
     recorded = load_model_config(checkpoint) if checkpoint else None
     cfg = (recorded or PolicyModelConfig(init_method_std=0.05)).model_copy(update={"dtype": "fp32"})
     model = build_gpt_model(cfg, ParallelConfig())

@@ -217,3 +217,19 @@ def test_a_checkpoint_without_its_architecture_asks_for_model_config(converted: 
     wrong = load_model_config(converted["mha_tied_bf16/tp2_ep2"])
     with pytest.raises(ValueError, match="does not describe this checkpoint"):
         megatron_to_hf(ckpt, tmp_path / "out", model=wrong, progress=False)
+
+
+def test_a_grpo_runs_step_directory_converts_as_its_trainer_checkpoint(converted: dict[str, Path], tmp_path: Path) -> None:
+    import shutil
+
+    from megatron_quads.convert.megatron_source import is_dist_checkpoint
+    from megatron_quads.trainer.settings import dist_checkpoint_dir
+
+    step = tmp_path / "run" / "checkpoints" / "step_20"  # what the GRPO controller writes: the trainer's part in trainer/
+    shutil.copytree(converted["gqa_untied/tp1_ep1"], step / "trainer")
+    (step / "controller.json").write_text("{}")
+    assert dist_checkpoint_dir(step) == step / "trainer" and is_dist_checkpoint(step)
+    assert dist_checkpoint_dir(step / "trainer") == step / "trainer" and not is_dist_checkpoint(tmp_path / "run")
+    a = megatron_to_hf(step, tmp_path / "from_step", progress=False)
+    b = megatron_to_hf(converted["gqa_untied/tp1_ep1"], tmp_path / "direct", progress=False)
+    assert sha256(a / "model.safetensors") == sha256(b / "model.safetensors")

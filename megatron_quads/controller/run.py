@@ -35,6 +35,7 @@ from megatron_quads.rl.gap_monitor import TREND_KEY, GapMonitor
 from megatron_quads.rl.metrics import mismatch_metrics
 from megatron_quads.rollout.engine import SamplingParams
 from megatron_quads.rollout.routing import routing_batch
+from megatron_quads.trainer.settings import DIST_METADATA, RUN_CHECKPOINT_TRAINER
 
 logger = logging.getLogger(__name__)
 
@@ -370,7 +371,7 @@ def save_checkpoint(cfg: RunConfig, trainers: Trainers, step: int, stream) -> Pa
     root = Path(cfg.run_dir) / "checkpoints" / f"step_{step}"
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
-    trainers.save(str(root / "trainer"))
+    trainers.save(str(root / RUN_CHECKPOINT_TRAINER))
     write_text_atomic(root / "controller.json", json.dumps({"step": step, "stream": stream.state_dict()}, indent=1))
     write_manifest(root, {"step": step, "complete": True})
     for old in checkpoint_dirs(cfg.run_dir)[: -cfg.checkpoint.keep_last]:
@@ -401,7 +402,7 @@ def _checkpoint_problem(path: Path) -> str | None:
         json.loads((path / "controller.json").read_text())["step"]
     except (OSError, ValueError, KeyError, TypeError) as err:
         return str(err)
-    if not (path / "trainer" / "metadata.json").is_file():
+    if not (path / RUN_CHECKPOINT_TRAINER / DIST_METADATA).is_file():
         return f"{path / 'trainer'} is not a complete Megatron dist checkpoint (no metadata.json)"
     return None
 
@@ -437,7 +438,7 @@ def resume_checkpoint(cfg: RunConfig, trainers: Trainers, start: str | None,
         state = json.loads((path / "controller.json").read_text())
         tried = True
         try:
-            trainers.load(str(path / "trainer"), with_optimizer=True)
+            trainers.load(str(path / RUN_CHECKPOINT_TRAINER), with_optimizer=True)
         except TrainerFailure as err:
             if isinstance(err.__cause__, ray.exceptions.RayActorError):
                 raise

@@ -27,8 +27,8 @@ from megatron_quads.convert.names import (
 )
 from megatron_quads.megatron_lm.checkpoint import megatron_lm_model_config
 from megatron_quads.trainer.model import PolicyModelConfig, load_model_config
+from megatron_quads.trainer.settings import DIST_METADATA, dist_checkpoint_dir
 
-DIST_METADATA = "metadata.json"
 
 
 @contextmanager
@@ -50,8 +50,9 @@ def single_process_group() -> Iterator[None]:
 
 
 def is_dist_checkpoint(directory: str | os.PathLike[str]) -> bool:
-    """Whether ``directory`` holds a Megatron dist checkpoint (its ``metadata.json``)."""
-    return (Path(directory) / DIST_METADATA).is_file()
+    """Whether ``directory`` holds a Megatron dist checkpoint (its ``metadata.json``), itself or as a
+    GRPO run's checkpoint (:func:`dist_checkpoint_dir`)."""
+    return (dist_checkpoint_dir(directory) / DIST_METADATA).is_file()
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ class MegatronCheckpoint:
     def __init__(self, directory: str | os.PathLike[str], model: PolicyModelConfig | None = None) -> None:
         from megatron.core import dist_checkpointing
 
-        self.directory = Path(directory)
+        self.directory = dist_checkpoint_dir(directory)
         if not is_dist_checkpoint(self.directory):
             raise FileNotFoundError(f"{self.directory} is not a complete Megatron dist checkpoint (no {DIST_METADATA})")
         found = load_model_config(self.directory)

@@ -153,6 +153,20 @@ def save_model_config(model: PolicyModelConfig, directory: str | os.PathLike[str
     return write_text_atomic(Path(directory) / MODEL_CONFIG_FILE, text)
 
 
+DIST_METADATA = "metadata.json"
+"""The file Megatron's dist checkpointing writes into every checkpoint directory."""
+RUN_CHECKPOINT_TRAINER = "trainer"
+"""A GRPO run's checkpoint (``RUN_DIR/checkpoints/step_N``) keeps the trainer's dist checkpoint here."""
+
+
+def dist_checkpoint_dir(directory: str | os.PathLike[str]) -> Path:
+    """Where the dist checkpoint ``directory`` names lies: ``directory`` itself, or the ``trainer/``
+    of a GRPO run's checkpoint (``checkpoints/step_N``); ``directory`` when neither holds one."""
+    path = Path(directory)
+    inner = path / RUN_CHECKPOINT_TRAINER
+    return inner if not (path / DIST_METADATA).is_file() and (inner / DIST_METADATA).is_file() else path
+
+
 def load_model_config(directory: str | os.PathLike[str]) -> PolicyModelConfig | None:
     """The architecture recorded beside a dist checkpoint; None when it has no ``model_config.json``."""
     path = Path(directory) / MODEL_CONFIG_FILE
