@@ -3,6 +3,7 @@ importance-sampling correction, and the report that reads them.
 
     python benchmarks/study_precisions.py run [--steps 300] [--seeds 0 1 2] [--modes ...] [--corrections ...]
                                               [--max-minutes M] [key=value ...]
+    python benchmarks/study_precisions.py analyze RUN [RUN ...]
     python benchmarks/study_precisions.py report
 
 ``run`` trains each (mode, seed, correction) of the grid on the embedded default, one
@@ -12,6 +13,10 @@ holds a config resumes from its newest checkpoint; a run whose records are compl
 the command can be stopped and started again (``--max-minutes`` stops launching new runs after that
 long). Each finished run's ``metrics.jsonl`` and ``eval.jsonl`` are copied to ``--results``
 (``benchmarks/results/study/<run>.{metrics,eval}.jsonl``), the files the report reads.
+
+``analyze`` runs ``megatron-quads analyze`` on runs' final checkpoints (the gap split into weight
+and activation error per layer, and AQAT against W4A4 + RAC at each ratio) into
+``benchmarks/results/study/analysis/``.
 
 ``report`` writes ``benchmarks/results/study.md`` (per mode and correction, means over seeds: reward,
 held-out pass@1, max and mean |Δlogp| and k3 KL over the last steps; whether and when the reward
@@ -52,6 +57,8 @@ CORRECTIONS: dict[str, list[str]] = {
     "tis": ["grpo.loss.correction.mode=token_tis"],
     "mis": ["grpo.loss.correction.mode=token_mis"],
 }
+ANALYZE_RATIOS = (0.125, 0.25, 0.5, 0.75, 1.0)
+"""The RAC ratios ``analyze`` measures on a trained checkpoint (the paper's sweep)."""
 RAC_SWEEP = {"aqat": 0.0, "quads-0.25": 0.25, "quads-0.5": 0.5, "quads-1.0": 1.0}
 TAIL_STEPS = 50
 """The report's table averages the last this many steps of each run."""
@@ -228,13 +235,49 @@ def plot_curves(runs: dict[str, dict[str, list[dict]]], path: Path) -> None:
     plt.close(fig)
 
 
+def analyze_runs(args: argparse.Namespace) -> None:
+    """``megatron-quads analyze`` on each named run's final checkpoint, into ``results/analysis/<run>.{json,png}``."""
+    target = args.results / "analysis"
+    for name in args.runs:
+        steps = sorted((args.out / name / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+        if not steps:
+            raise SystemExit(f"{args.out / name} has no checkpoint: train it first (`run`)")
+        work = args.out / name / "analysis"
+        command = [str(Path(sys.executable).with_name("megatron-quads")), "analyze", "--checkpoint", str(steps[-1]),
+                   "--out", str(work), "--ratios", *map(str, ANALYZE_RATIOS)]
+        print(f"[study] {name}: {' '.join(command)}", flush=True)
+        subprocess.run(command, check=True)
+        target.mkdir(parents=True, exist_ok=True)
+        for suffix in ("json", "png"):
+            _copy_atomic(work / f"analysis.{suffix}", target / f"{name}.{suffix}")
+
+
+def analysis_markdown(results: Path) -> list[str]:
+    """Per analysed checkpoint: each layer's weight and activation error (BF16 vs W4A4) and the gap of
+    AQAT vs W4A4 + RAC by ratio (channels by output error), from ``results/analysis/*.json``."""
+    lines = []
+    for path in sorted((results / "analysis").glob("*.json")):
+        doc = json.loads(path.read_text())
+        pairs = doc["pairs"]
+        lines += ["", f"## Gap decomposition of {path.stem}'s final checkpoint (`megatron-quads analyze`, "
+                  f"{doc['tokens']} tokens)", "",
+                  "| layer | weight error (rel.) | activation error (rel.) |", "|---|---:|---:|"]
+        lines += [f"| {layer} | {v['weight_rel']:.4f} | {v['activation_rel']:.4f} |"
+                  for layer, v in pairs["bf16 vs w4a4"]["layers"].items()]
+        lines += ["", "| pair | max \\|Δlogp\\| | mean \\|Δlogp\\| | k3 KL |", "|---|---:|---:|---:|"]
+        lines += [f"| {label} | {v['gap']['max_abs']:.3f} | {v['gap']['mean_abs']:.4f} | {v['gap']['k3_kl']:.2e} |"
+                  for label, v in pairs.items() if "activation_magnitude" not in label]
+    return lines
+
+
 def report(args: argparse.Namespace) -> None:
     """Write the study's Markdown report and curves from the results files."""
     runs = load_results(args.results)
     if not runs:
         raise SystemExit(f"no results in {args.results}: run `python benchmarks/study_precisions.py run` first")
     out = args.results.parent
-    write_text_atomic(out / "study.md", report_markdown(runs, record_stamp(), args.results))
+    text = report_markdown(runs, record_stamp(), args.results) + "".join(line + "\n" for line in analysis_markdown(args.results))
+    write_text_atomic(out / "study.md", text)
     plot_curves(runs, out / "study_curves.png")
     print(f"wrote {out / 'study.md'} and {out / 'study_curves.png'}")
 
@@ -253,10 +296,14 @@ def main() -> None:
     grid.add_argument("--out", type=Path, default=Path("runs/study"))
     grid.add_argument("--results", type=Path, default=RESULTS)
     grid.add_argument("overrides", nargs="*", help="key=value overrides for every run")
+    ana = sub.add_parser("analyze", help="decompose the gap on trained runs' final checkpoints")
+    ana.add_argument("runs", nargs="+", help="run names, e.g. naive-nvfp4.seed0.none")
+    ana.add_argument("--out", type=Path, default=Path("runs/study"))
+    ana.add_argument("--results", type=Path, default=RESULTS)
     rep = sub.add_parser("report", help="tables and curves from the results files")
     rep.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
-    run_grid(args) if args.command == "run" else report(args)
+    {"run": run_grid, "analyze": analyze_runs, "report": report}[args.command](args)
 
 
 if __name__ == "__main__":

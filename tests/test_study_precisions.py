@@ -55,3 +55,20 @@ def test_the_report_names_collapses_the_warnings_lead_and_the_rac_sweep(tmp_path
     assert "step 40 (false alarm)" in next(line for line in text.splitlines() if line.startswith("| quads-0.5 |"))
     assert "| 0.0 | 0.600 | 1 |" in text and "| 1.0 | 0.400 | 1 |" in text
     assert "falls monotonically with the ratio" in text
+
+
+def test_the_analysis_section_lists_each_layers_errors_and_the_rac_pairs(tmp_path: Path) -> None:
+    from study_precisions import analysis_markdown
+
+    layers = {"layer 0": {"weight_rel": 0.05, "activation_rel": 0.03}, "layer 1": {"weight_rel": 0.04, "activation_rel": 0.02}}
+    gap = lambda m: {"max_abs": m, "mean_abs": m / 10, "k3_kl": m / 100}  # noqa: E731
+    doc = {"model": "x", "tokens": 512, "ratios": [0.5],
+           "pairs": {"bf16 vs w4a4": {"label": "bf16 vs w4a4", "gap": gap(3.9), "layers": layers},
+                     "aqat vs quads@0.5 (output_error)": {"gap": gap(1.8), "layers": layers},
+                     "aqat vs quads@0.5 (activation_magnitude)": {"gap": gap(1.9), "layers": layers}}}
+    (tmp_path / "analysis").mkdir()
+    (tmp_path / "analysis" / "naive-nvfp4.seed0.none.json").write_text(json.dumps(doc))
+    text = "\n".join(analysis_markdown(tmp_path))
+    assert "Gap decomposition of naive-nvfp4.seed0.none's final checkpoint" in text
+    assert "| layer 1 | 0.0400 | 0.0200 |" in text
+    assert "| aqat vs quads@0.5 (output_error) | 1.800 | 0.1800 | 1.80e-02 |" in text and "activation_magnitude" not in text
