@@ -39,6 +39,8 @@ from pathlib import Path
 from bench_device import record_stamp
 
 from megatron_quads.atomic_io import save_figure_atomic, write_atomic, write_text_atomic
+from megatron_quads.rl.gap_monitor import GapMonitor
+from megatron_quads.rl.settings import GapMonitorConfig
 
 CONFIG = Path(__file__).resolve().parents[1] / "examples" / "embedded_default.yaml"
 RESULTS = Path(__file__).parent / "results" / "study"
@@ -59,6 +61,8 @@ CORRECTIONS: dict[str, list[str]] = {
 }
 ANALYZE_RATIOS = (0.125, 0.25, 0.5, 0.75, 1.0)
 """The RAC ratios ``analyze`` measures on a trained checkpoint (the paper's sweep)."""
+WARNING_SWEEP = ((20, 0.5), (20, 1.0), (20, 2.0), (50, 0.5), (50, 1.0), (50, 2.0))
+"""(window, threshold) pairs the report replays the early warning at."""
 RAC_SWEEP = {"aqat": 0.0, "quads-0.25": 0.25, "quads-0.5": 0.5, "quads-1.0": 1.0}
 TAIL_STEPS = 50
 """The report's table averages the last this many steps of each run."""
@@ -235,6 +239,37 @@ def plot_curves(runs: dict[str, dict[str, list[dict]]], path: Path) -> None:
     plt.close(fig)
 
 
+def warning_onsets(records: Sequence[dict], config: GapMonitorConfig) -> list[int]:
+    """The steps where a monitor with ``config``, replayed over a run's records, turns its warning on."""
+    monitor, onsets = GapMonitor(config), []
+    for record in records:
+        was_on = monitor.warning
+        monitor.update(record)
+        if monitor.warning and not was_on:
+            onsets.append(record["step"])
+    return onsets
+
+
+def warning_sweep_markdown(runs: dict[str, dict[str, list[dict]]]) -> list[str]:
+    """The early warning replayed over every run at other windows and thresholds: warnings before a
+    collapse, and on runs without one (false alarms)."""
+    lines = ["", "## The early warning at other settings (replayed over the recorded metrics, "
+             f"`{GapMonitorConfig().metric}`, patience {GapMonitorConfig().patience})", "",
+             "| window | threshold | collapsed runs warned before the collapse | runs without a collapse that warned | "
+             "warnings on runs without a collapse |", "|---:|---:|---|---|---:|"]
+    collapses = {name: collapse_step([r["reward"] for r in run["metrics"]]) for name, run in runs.items()}
+    for window, threshold in WARNING_SWEEP:
+        config = GapMonitorConfig(window=window, threshold=threshold)
+        onsets = {name: warning_onsets(run["metrics"], config) for name, run in runs.items()}
+        collapsed = [n for n, c in collapses.items() if c is not None]
+        warned_before = [n for n in collapsed if any(o <= collapses[n] for o in onsets[n])]
+        stable = [n for n, c in collapses.items() if c is None]
+        false_runs = [n for n in stable if onsets[n]]
+        lines.append(f"| {window} | {threshold} | {len(warned_before)} of {len(collapsed)} | {len(false_runs)} of "
+                     f"{len(stable)} | {sum(len(onsets[n]) for n in stable)} |")
+    return lines
+
+
 def analyze_runs(args: argparse.Namespace) -> None:
     """``megatron-quads analyze`` on each named run's final checkpoint, into ``results/analysis/<run>.{json,png}``."""
     target = args.results / "analysis"
@@ -276,7 +311,8 @@ def report(args: argparse.Namespace) -> None:
     if not runs:
         raise SystemExit(f"no results in {args.results}: run `python benchmarks/study_precisions.py run` first")
     out = args.results.parent
-    text = report_markdown(runs, record_stamp(), args.results) + "".join(line + "\n" for line in analysis_markdown(args.results))
+    sections = warning_sweep_markdown(runs) + analysis_markdown(args.results)
+    text = report_markdown(runs, record_stamp(), args.results) + "".join(line + "\n" for line in sections)
     write_text_atomic(out / "study.md", text)
     plot_curves(runs, out / "study_curves.png")
     print(f"wrote {out / 'study.md'} and {out / 'study_curves.png'}")

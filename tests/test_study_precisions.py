@@ -72,3 +72,20 @@ def test_the_analysis_section_lists_each_layers_errors_and_the_rac_pairs(tmp_pat
     assert "Gap decomposition of naive-nvfp4.seed0.none's final checkpoint" in text
     assert "| layer 1 | 0.0400 | 0.0200 |" in text
     assert "| aqat vs quads@0.5 (output_error) | 1.800 | 0.1800 | 1.80e-02 |" in text and "activation_magnitude" not in text
+
+
+def test_the_warning_sweep_counts_warnings_before_collapses_and_false_alarms() -> None:
+    from study_precisions import warning_onsets, warning_sweep_markdown
+
+    from megatron_quads.rl.settings import GapMonitorConfig
+
+    steps = 80
+    rising = [1e-3 * 2 ** (i / 5) for i in range(steps)]  # doubles every 5 steps from the start
+    collapse = [0.5] * 45 + [0.05] * 35
+    runs = {"naive-nvfp4.seed0.none": {"metrics": [{"step": i, "reward": r, "mismatch/k3_kl": k}
+                                                   for i, (r, k) in enumerate(zip(collapse, rising, strict=True))]},
+            "quads-0.5.seed0.none": {"metrics": [{"step": i, "reward": 0.5, "mismatch/k3_kl": 1e-3} for i in range(steps)]}}
+    onsets = warning_onsets(runs["naive-nvfp4.seed0.none"]["metrics"], GapMonitorConfig(window=20, threshold=1.0))
+    assert onsets == [21]  # window full at step 19, over the threshold from there, warned after 3 steps in a row
+    text = "\n".join(warning_sweep_markdown(runs))
+    assert "| 20 | 1.0 | 1 of 1 | 0 of 1 | 0 |" in text
