@@ -149,9 +149,19 @@ def collapse_step(rewards: Sequence[float]) -> int | None:
     return None
 
 
-def first_warning(records: Sequence[dict]) -> int | None:
-    """The first step with ``monitor/gap_warning`` on (None: never)."""
-    return next((r["step"] for r in records if r.get("monitor/gap_warning") == 1.0), None)
+def first_warning(records: Sequence[dict], config: GapMonitorConfig | None = None) -> int | None:
+    """The first step where the early warning (``config``, default: the run config's default) turns
+    on, replayed over a run's records (None: never)."""
+    onsets = warning_onsets(records, config or GapMonitorConfig())
+    return onsets[0] if onsets else None
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the working directory where it lies below it."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def load_results(results: Path) -> dict[str, dict[str, list[dict]]]:
@@ -179,8 +189,10 @@ def _groups(runs: dict[str, dict[str, list[dict]]]) -> dict[tuple[str, str], lis
 def report_markdown(runs: dict[str, dict[str, list[dict]]], stamp: dict[str, str], results: Path = RESULTS) -> str:
     """The study's tables: per mode and correction, seed means; collapses and early warnings; the RAC sweep."""
     lines = [f"# Precision study on the embedded default ({stamp['date']}, {stamp['device']})", "",
-             f"Command: `{stamp['command']}`, over the runs in {results}. Means over seeds of "
-             f"the last {TAIL_STEPS} steps of each run.", "",
+             f"Command: `{stamp['command']}`, over the runs in {_shown(results)}. Means over seeds of "
+             f"the last {TAIL_STEPS} steps of each run. The early warning is replayed over the recorded metrics with "
+             f"the default `monitor` settings (window {GapMonitorConfig().window}, threshold "
+             f"{GapMonitorConfig().threshold}, patience {GapMonitorConfig().patience}, `{GapMonitorConfig().metric}`).", "",
              "| mode | correction | seeds | steps | reward | held-out pass@1 (last) | max \\|Δlogp\\| | mean \\|Δlogp\\| | "
              "k3 KL | collapsed | early warning |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]

@@ -28,31 +28,38 @@ def test_a_reward_that_falls_to_a_third_of_its_peak_collapses_and_a_noisy_platea
     assert collapse_step(plateau) is None
 
 
-def _write_run(results: Path, name: str, rewards: list[float], gaps: list[float], warn_from: int | None) -> None:
-    records = [{"step": i, "reward": r, "mismatch/gap_max_abs": g, "mismatch/gap_mean_abs": g / 10, "mismatch/k3_kl": g / 100,
-                "monitor/gap_warning": float(warn_from is not None and i >= warn_from)}
-               for i, (r, g) in enumerate(zip(rewards, gaps, strict=True))]
+def _write_run(results: Path, name: str, rewards: list[float], gap: float, k3: list[float]) -> None:
+    records = [{"step": i, "reward": r, "mismatch/gap_max_abs": gap, "mismatch/gap_mean_abs": gap / 10, "mismatch/k3_kl": k}
+               for i, (r, k) in enumerate(zip(rewards, k3, strict=True))]
     (results / f"{name}.metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (results / f"{name}.eval.jsonl").write_text(json.dumps({"step": len(rewards), "eval/pass@1": rewards[-1]}) + "\n")
 
 
+def _rising_from(start: int, steps: int) -> list[float]:
+    """k3 KL flat at 1e-3, then doubling every 5 steps from ``start``."""
+    return [1e-3 * 2 ** (max(0, i - start) / 5) for i in range(steps)]
+
+
 def test_the_report_names_collapses_the_warnings_lead_and_the_rac_sweep(tmp_path: Path) -> None:
-    steps = 60
-    collapse = [0.2 + 0.02 * i for i in range(30)] + [0.05] * 30
+    steps = 160
+    collapse = [0.2 + 0.005 * i for i in range(100)] + [0.05] * 60
     stable = [0.6] * steps
-    _write_run(tmp_path, run_name("naive-nvfp4", 0, "none"), collapse, [0.9] * steps, warn_from=22)
-    _write_run(tmp_path, run_name("aqat", 0, "none"), stable, [0.6] * steps, warn_from=None)
-    _write_run(tmp_path, run_name("quads-0.5", 0, "none"), stable, [0.5] * steps, warn_from=40)
-    _write_run(tmp_path, run_name("quads-1.0", 0, "none"), stable, [0.4] * steps, warn_from=None)
+    _write_run(tmp_path, run_name("naive-nvfp4", 0, "none"), collapse, 0.9, _rising_from(20, steps))
+    _write_run(tmp_path, run_name("aqat", 0, "none"), stable, 0.6, _rising_from(steps, steps))
+    _write_run(tmp_path, run_name("quads-0.5", 0, "none"), stable, 0.5, _rising_from(90, steps))
+    _write_run(tmp_path, run_name("quads-1.0", 0, "none"), stable, 0.4, _rising_from(steps, steps))
     runs = load_results(tmp_path)
     assert parse_run_name("quads-0.5.seed2.tis") == ("quads-0.5", 2, "tis")
     assert set(runs) == {"naive-nvfp4.seed0.none", "aqat.seed0.none", "quads-0.5.seed0.none", "quads-1.0.seed0.none"}
-    assert first_warning(runs["naive-nvfp4.seed0.none"]["metrics"]) == 22
+    warned, step = first_warning(runs["naive-nvfp4.seed0.none"]["metrics"]), collapse_step(collapse)
+    assert warned is not None and step is not None and 20 < warned < step
+    assert first_warning(runs["aqat.seed0.none"]["metrics"]) is None
+    false_alarm = first_warning(runs["quads-0.5.seed0.none"]["metrics"])
+    assert false_alarm is not None and false_alarm > 90
     text = report_markdown(runs, STAMP)
     naive = next(line for line in text.splitlines() if line.startswith("| naive-nvfp4 |"))
-    step = collapse_step(collapse)
-    assert f"step {step}" in naive and f"step 22 ({step - 22} steps before)" in naive
-    assert "step 40 (false alarm)" in next(line for line in text.splitlines() if line.startswith("| quads-0.5 |"))
+    assert f"step {step}" in naive and f"step {warned} ({step - warned} steps before)" in naive
+    assert f"step {false_alarm} (false alarm)" in next(line for line in text.splitlines() if line.startswith("| quads-0.5 |"))
     assert "| 0.0 | 0.600 | 1 |" in text and "| 1.0 | 0.400 | 1 |" in text
     assert "falls monotonically with the ratio" in text
 
