@@ -88,7 +88,7 @@ class GapMonitorConfig(BaseModel):
 
     enabled: bool = Field(True, description="log monitor/gap_trend each step and warn when it stays past the threshold")
     metric: str = Field("mismatch/k3_kl", description="the per-step record whose trend is watched")
-    window: int = Field(20, ge=3, description="steps the trend is fitted over")
+    window: int = Field(50, ge=3, description="steps the trend is fitted over")
     threshold: float = Field(1.0, gt=0, description="warn when the fitted rise over one window exceeds this fraction "
                              "(1.0: the metric doubled)")
     patience: int = Field(3, ge=1, description="consecutive steps past the threshold before the warning")
