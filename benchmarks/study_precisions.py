@@ -256,7 +256,7 @@ def warning_onsets(records: Sequence[dict], config: GapMonitorConfig) -> list[in
     monitor, onsets = GapMonitor(config), []
     for record in records:
         was_on = monitor.warning
-        monitor.update(record)
+        monitor.update(record, log=False)
         if monitor.warning and not was_on:
             onsets.append(record["step"])
     return onsets

@@ -45,6 +45,20 @@ def test_a_sustained_rise_warns_after_the_patience_and_rearms_when_it_stops() ->
     assert outputs[-1][WARNING_KEY] == 0.0 and outputs[-1][TREND_KEY] == pytest.approx(0.0)  # flat again: re-armed
 
 
+def test_the_step_that_turns_the_warning_on_logs_it_once_and_a_replay_logs_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    config = GapMonitorConfig(window=4, threshold=0.5, patience=2)
+    records = _records([1e-3] * 4 + [1e-3 * 2 ** i for i in range(1, 12)])
+    monitor = GapMonitor(config)
+    with caplog.at_level("WARNING", logger="megatron_quads.rl.gap_monitor"):
+        outputs = [monitor.update(r) for r in records]
+        onset = next(i for i, o in enumerate(outputs) if o[WARNING_KEY] == 1.0)
+        assert [m for m in caplog.messages if "collapse early warning" in m] == [
+            next(m for m in caplog.messages if f"at step {onset}:" in m)]
+        caplog.clear()
+        GapMonitor(config).replay(records)
+        assert caplog.messages == []
+
+
 def test_a_resumed_monitor_replays_the_kept_records_to_the_same_state() -> None:
     config = GapMonitorConfig(window=4, threshold=0.2, patience=2, metric="mismatch/gap_max_abs")
     values = [0.3, 0.31, 0.35, 0.4, 0.5, 0.62, 0.8, 1.0, 1.3]

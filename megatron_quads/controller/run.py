@@ -31,7 +31,7 @@ from megatron_quads.controller.workers import (
 )
 from megatron_quads.manifest import MANIFEST, read_manifest, verify_manifest, write_manifest
 from megatron_quads.rl.advantages import group_advantages
-from megatron_quads.rl.gap_monitor import TREND_KEY, GapMonitor
+from megatron_quads.rl.gap_monitor import GapMonitor
 from megatron_quads.rl.metrics import mismatch_metrics
 from megatron_quads.rollout.engine import SamplingParams
 from megatron_quads.rollout.routing import routing_batch
@@ -666,13 +666,7 @@ def _train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts) -> Path:
             **{f"sync/{k}": v for k, v in sync.items()}, "rollout/gpu_bytes_released": float(freed),
         }
         if monitor is not None:
-            warned = monitor.warning
             record.update(monitor.update(record))                                       # collapse early warning
-            if monitor.warning and not warned:
-                logger.warning("collapse early warning at step %d: %s rose by %.0f%% over the last %d steps (threshold "
-                               "%.0f%%, %d steps in a row); the rollouts may be drifting from the trainer", step,
-                               cfg.monitor.metric, 100 * record[TREND_KEY], cfg.monitor.window,
-                               100 * cfg.monitor.threshold, cfg.monitor.patience)
         sink.log(record)
         progress.set_postfix(reward=f"{record['reward']:.3f}", gap=f"{record['mismatch/gap_max_abs']:.3f}")
         if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0:

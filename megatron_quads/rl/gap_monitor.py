@@ -5,19 +5,22 @@ default) grows step over step. Each step the monitor fits ``log(metric + floor)`
 ``window`` steps with the Theil-Sen estimator (the median of the pairwise slopes: a spike of one
 step moves it little) and reports the fitted rise over one window,
 ``gap_trend = exp(slope * (window - 1)) - 1`` (1.0: the metric doubled across the window). The
-warning is raised when ``gap_trend`` exceeds ``threshold`` for ``patience`` consecutive steps, and
-re-armed once it falls back below. Pure Python: the state is the metric's history, so a resumed run
+warning is raised (and logged) when ``gap_trend`` exceeds ``threshold`` for ``patience`` consecutive
+steps, and re-armed once it falls back below. Pure Python: the state is the metric's history, so a resumed run
 rebuilds it from the records it kept.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 from collections import deque
 from collections.abc import Iterable, Mapping
 
 from megatron_quads.rl.settings import GapMonitorConfig
+
+logger = logging.getLogger(__name__)
 
 TREND_KEY = "monitor/gap_trend"
 WARNING_KEY = "monitor/gap_warning"
@@ -43,10 +46,11 @@ class GapMonitor:
     def replay(self, records: Iterable[Mapping[str, float]]) -> None:
         """Feed earlier steps' records (a resumed run's kept ones), in step order."""
         for record in records:
-            self.update(record)
+            self.update(record, log=False)
 
-    def update(self, record: Mapping[str, float]) -> dict[str, float]:
-        """Take one step's record; ``{TREND_KEY, WARNING_KEY}`` (only the warning, 0, until a window is full).
+    def update(self, record: Mapping[str, float], log: bool = True) -> dict[str, float]:
+        """Take one step's record; ``{TREND_KEY, WARNING_KEY}`` (only the warning, 0, until a window is
+        full). The step that turns the warning on logs it (``log``).
 
         A record without the metric, or with a non-finite one, raises ValueError naming it.
         """
@@ -62,5 +66,9 @@ class GapMonitor:
             return {WARNING_KEY: 0.0}
         trend = math.expm1(theil_sen_slope(list(self._history)) * (self.config.window - 1))
         self._above = self._above + 1 if trend > self.config.threshold else 0
-        self.warning = self._above >= self.config.patience
+        warned, self.warning = self.warning, self._above >= self.config.patience
+        if log and self.warning and not warned:
+            logger.warning("collapse early warning at step %s: %s rose by %.0f%% over the last %d steps (threshold %.0f%%, "
+                           "%d steps in a row); the rollouts may be drifting from the trainer", record.get("step", "?"),
+                           name, 100 * trend, self.config.window, 100 * self.config.threshold, self.config.patience)
         return {TREND_KEY: trend, WARNING_KEY: float(self.warning)}
