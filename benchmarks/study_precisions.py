@@ -39,6 +39,7 @@ from pathlib import Path
 from bench_device import record_stamp
 
 from megatron_quads.atomic_io import save_figure_atomic, write_atomic, write_text_atomic
+from megatron_quads.controller.report import read_records
 from megatron_quads.rl.gap_monitor import GapMonitor
 from megatron_quads.rl.settings import GapMonitorConfig
 
@@ -83,19 +84,13 @@ def parse_run_name(name: str) -> tuple[str, int, str]:
     return mode, int(seed), correction
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def _copy_atomic(source: Path, target: Path) -> None:
     write_atomic(target, lambda tmp: shutil.copyfile(source, tmp))
 
 
 def train_one(name: str, overrides: list[str], steps: int, out: Path, results: Path) -> bool:
     """Train (or resume, or skip) one run; True when its records are complete and copied to ``results``."""
-    if len(_read_jsonl(results / f"{name}.metrics.jsonl")) >= steps:
+    if len(read_records(results / f"{name}.metrics.jsonl")) >= steps:
         return True
     run_dir = out / name
     saved = run_dir / "config.yaml"
@@ -106,7 +101,7 @@ def train_one(name: str, overrides: list[str], steps: int, out: Path, results: P
     if subprocess.run(command, check=False).returncode != 0:
         print(f"[study] {name} failed; run the same command again to resume it", flush=True)
         return False
-    if len(_read_jsonl(run_dir / "metrics.jsonl")) < steps:
+    if len(read_records(run_dir / "metrics.jsonl")) < steps:
         return False
     results.mkdir(parents=True, exist_ok=True)
     _copy_atomic(run_dir / "metrics.jsonl", results / f"{name}.metrics.jsonl")
@@ -169,7 +164,7 @@ def load_results(results: Path) -> dict[str, dict[str, list[dict]]]:
     out = {}
     for path in sorted(results.glob("*.metrics.jsonl")):
         name = path.name[: -len(".metrics.jsonl")]
-        out[name] = {"metrics": _read_jsonl(path), "eval": _read_jsonl(results / f"{name}.eval.jsonl")}
+        out[name] = {"metrics": read_records(path), "eval": read_records(results / f"{name}.eval.jsonl")}
     return out
 
 

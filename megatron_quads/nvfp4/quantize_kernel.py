@@ -434,7 +434,7 @@ def _quantize_and_amax_kernel(w_ptr, amax_ptr, codes_ptr, scales_ptr, R, amax_di
     k tiles)``), and ``a_programs`` programs fold the per-slice amax of another tensor ``a`` (as
     :func:`_leading_amax_kernel`, ``a_parts`` programs a slice). The quantization is busy computing
     while the amax only streams memory, so together they keep both the SMs and DRAM busy. The two
-    kinds alternate in program order, so every SM holds both."""
+    kinds alternate in program order, so the first waves on the SMs hold both."""
     pid = tl.program_id(0)
     mixed = 2 * tl.minimum(q_programs, a_programs)
     if pid < mixed:
