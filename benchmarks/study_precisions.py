@@ -11,29 +11,34 @@ importance-sampling correction, and the report that reads them.
 steps since its last checkpoint), under ``--out`` (``runs/study/<run>``). A run directory that
 holds a config resumes from its newest checkpoint; a run whose records are complete is skipped, so
 the command can be stopped and started again (``--max-minutes`` stops launching new runs after that
-long). Each finished run's ``metrics.jsonl`` and ``eval.jsonl`` are copied to ``--results``
-(``benchmarks/results/study/<run>.{metrics,eval}.jsonl``), the files the report reads.
+long). Several ``run`` processes can share a grid: each claims a run with a lock file
+(``<out>/<run>.lock``) and skips the runs another one holds. Each finished run's ``metrics.jsonl``
+and ``eval.jsonl`` are copied to ``--results`` (``benchmarks/results/study/<run>.{metrics,eval}.jsonl``),
+the files the report reads. A grid given overrides of its own (``key=value`` after ``run``) needs
+its own ``--out`` and ``--results``; they are recorded in ``<results>/grid.json``.
 
 ``analyze`` runs ``megatron-quads analyze`` on runs' final checkpoints (the gap split into weight
 and activation error per layer, and AQAT against W4A4 + RAC at each ratio) into
 ``benchmarks/results/study/analysis/``.
 
-``report`` writes ``benchmarks/results/study.md`` (per mode and correction, means over seeds: reward,
-held-out pass@1, max and mean |Δlogp| and k3 KL over the last steps; whether and when the reward
-collapsed; the early warning's lead and false alarms; the RAC ratio sweep of the max gap) and
-``study_curves.png`` beside it.
+``report`` writes ``benchmarks/results/<results folder>.md`` (``study.md`` by default: per mode and
+correction, means over seeds: reward, held-out pass@1, max and mean |Δlogp| and k3 KL over the last
+steps; whether and when the reward collapsed; the early warning's lead and false alarms; the RAC
+ratio sweep of the max gap; the grid's overrides) and ``<results folder>_curves.png`` beside it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import shutil
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from bench_device import record_stamp
@@ -88,8 +93,33 @@ def _copy_atomic(source: Path, target: Path) -> None:
     write_atomic(target, lambda tmp: shutil.copyfile(source, tmp))
 
 
+@contextlib.contextmanager
+def claimed(lock_path: Path) -> Iterator[bool]:
+    """Whether this process holds ``lock_path``'s exclusive lock (held until the block ends; released by
+    the kernel if the process dies), so several ``run`` processes can share one grid."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+
+
 def train_one(name: str, overrides: list[str], steps: int, out: Path, results: Path) -> bool:
-    """Train (or resume, or skip) one run; True when its records are complete and copied to ``results``."""
+    """Train (or resume, or skip) one run; True when its records are complete and copied to ``results``.
+    A run another process is training (its ``<out>/<name>.lock`` held) is skipped."""
+    if len(read_records(results / f"{name}.metrics.jsonl")) >= steps:
+        return True
+    with claimed(out / f"{name}.lock") as mine:
+        if not mine:
+            print(f"[study] {name}: another process is training it; skipped", flush=True)
+            return False
+        return _train_claimed(name, overrides, steps, out, results)
+
+
+def _train_claimed(name: str, overrides: list[str], steps: int, out: Path, results: Path) -> bool:
     if len(read_records(results / f"{name}.metrics.jsonl")) >= steps:
         return True
     run_dir = out / name
@@ -110,10 +140,35 @@ def train_one(name: str, overrides: list[str], steps: int, out: Path, results: P
     return True
 
 
+GRID_FILE = "grid.json"
+"""Beside a grid's results: the overrides every run of it was given (the report names them)."""
+
+
+def record_overrides(results: Path, overrides: list[str]) -> None:
+    """Record the grid's own overrides in ``results``; a results folder holds one grid, so other overrides
+    than those recorded there are refused (give such a grid its own ``--results`` and ``--out``)."""
+    path = results / GRID_FILE
+    if path.is_file():
+        recorded = json.loads(path.read_text())["overrides"]
+        if recorded != overrides:
+            raise SystemExit(f"{results} holds a grid run with overrides {recorded}, not {overrides}: give this grid "
+                             "its own --results and --out")
+        return
+    results.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps({"overrides": overrides}) + "\n")
+
+
+def grid_overrides(results: Path) -> list[str]:
+    """The overrides recorded for the grid in ``results`` (none recorded: none)."""
+    path = results / GRID_FILE
+    return json.loads(path.read_text())["overrides"] if path.is_file() else []
+
+
 def run_grid(args: argparse.Namespace) -> None:
     """Train the grid, seed by seed (every mode's first seed before any second one)."""
     start = time.monotonic()
     shared = ["checkpoint.every=10", "logging.wandb=disabled", f"eval.every={args.eval_every}", *args.overrides]
+    record_overrides(args.results, list(args.overrides))
     for seed in args.seeds:
         for correction in args.corrections:
             for mode in args.modes:
@@ -183,7 +238,9 @@ def _groups(runs: dict[str, dict[str, list[dict]]]) -> dict[tuple[str, str], lis
 
 def report_markdown(runs: dict[str, dict[str, list[dict]]], stamp: dict[str, str], results: Path = RESULTS) -> str:
     """The study's tables: per mode and correction, seed means; collapses and early warnings; the RAC sweep."""
-    lines = [f"# Precision study on the embedded default ({stamp['date']}, {stamp['device']})", "",
+    overrides = grid_overrides(results)
+    given = f" with {', '.join(f'`{o}`' for o in overrides)}" if overrides else ""
+    lines = [f"# Precision study on the embedded default{given} ({stamp['date']}, {stamp['device']})", "",
              f"Command: `{stamp['command']}`, over the runs in {_shown(results)}. Means over seeds of "
              f"the last {TAIL_STEPS} steps of each run. The early warning is replayed over the recorded metrics with "
              f"the default `monitor` settings (window {GapMonitorConfig().window}, threshold "
@@ -320,9 +377,10 @@ def report(args: argparse.Namespace) -> None:
     out = args.results.parent
     sections = warning_sweep_markdown(runs) + analysis_markdown(args.results)
     text = report_markdown(runs, record_stamp(), args.results) + "".join(line + "\n" for line in sections)
-    write_text_atomic(out / "study.md", text)
-    plot_curves(runs, out / "study_curves.png")
-    print(f"wrote {out / 'study.md'} and {out / 'study_curves.png'}")
+    report_path, curves_path = out / f"{args.results.name}.md", out / f"{args.results.name}_curves.png"
+    write_text_atomic(report_path, text)
+    plot_curves(runs, curves_path)
+    print(f"wrote {report_path} and {curves_path}")
 
 
 def main() -> None:

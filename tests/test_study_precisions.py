@@ -6,9 +6,14 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+import study_precisions  # noqa: E402
 from study_precisions import (  # noqa: E402
+    claimed,
+    record_overrides,
     collapse_step,
     first_warning,
     load_results,
@@ -96,3 +101,30 @@ def test_the_warning_sweep_counts_warnings_before_collapses_and_false_alarms() -
     assert onsets == [21]  # window full at step 19, over the threshold from there, warned after 3 steps in a row
     text = "\n".join(warning_sweep_markdown(runs))
     assert "| 20 | 1.0 | 1 of 1 | 0 of 1 | 0 |" in text
+
+
+def test_a_run_another_process_holds_is_skipped_and_free_again_once_released(tmp_path: Path, monkeypatch) -> None:
+    def must_not_train(*args, **kwargs):
+        raise AssertionError("a claimed run was trained twice")
+
+    monkeypatch.setattr(study_precisions.subprocess, "run", must_not_train)
+    name = run_name("bf16", 0, "none")
+    with claimed(tmp_path / "out" / f"{name}.lock") as first:
+        assert first
+        with claimed(tmp_path / "out" / f"{name}.lock") as second:
+            assert not second
+        assert study_precisions.train_one(name, [], 3, tmp_path / "out", tmp_path / "results") is False
+    with claimed(tmp_path / "out" / f"{name}.lock") as again:
+        assert again
+
+
+def test_a_grids_overrides_are_named_in_its_report_and_other_overrides_are_refused_there(tmp_path: Path) -> None:
+    results = tmp_path / "study_lr"
+    record_overrides(results, ["grpo.optim.lr=0.001"])
+    record_overrides(results, ["grpo.optim.lr=0.001"])
+    with pytest.raises(SystemExit, match="its own --results"):
+        record_overrides(results, [])
+    records = [{"reward": 0.5, "mismatch/gap_max_abs": 0.1, "mismatch/gap_mean_abs": 0.01, "mismatch/k3_kl": 1e-3}] * 3
+    (results / "bf16.seed0.none.metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    text = report_markdown(load_results(results), STAMP, results)
+    assert "with `grpo.optim.lr=0.001`" in text.splitlines()[0]
