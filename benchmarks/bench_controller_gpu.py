@@ -1,16 +1,18 @@
-"""The controller on one GPU: colocated trainer and rollout engine, a synthetic MoE in quads mode.
+"""The controller on GPUs: trainer ranks and rollout engines of one config, a synthetic MoE in quads mode.
 
-    python benchmarks/bench_controller_gpu.py [--steps 4] [key=value overrides of the config]
+    python benchmarks/bench_controller_gpu.py [--config FILE] [--steps 4] [key=value overrides of the config]
 
-Runs ``examples/gpu_colocated_synthetic.yaml`` (Ray local with one GPU, Megatron trainer rank on
-NCCL, built-in engine on the same GPU, weights handed over by CUDA IPC, engine memory released
-during training) and reports, over the steps after the first (warm-up):
+Runs a config (default ``examples/gpu_colocated_synthetic.yaml``: one GPU, Megatron trainer rank
+on NCCL, built-in engine on the same GPU, weights handed over by CUDA IPC, engine memory released
+during training; ``examples/gpu_multi.yaml``: two GPUs, two trainer ranks at expert parallel 2 and
+two engines) on every GPU of the machine and reports, over the steps after the first (warm-up):
 - the median seconds of each phase (sync, generate, reward, log-probs, train);
 - the weight sync split into the trainer's export (gathers + NVFP4 quantization + packing), the
-  engine's receive (IPC map + copy), load and RAC calibration, and its throughput in GB/s of bf16
-  parameters and of payload bytes.
-Results: benchmarks/results/controller_gpu.json (the newest record) and controller_gpu.md
-(``--render`` rewrites the table alone, no GPU needed).
+  engine's receive (IPC map + copy, object-store fetch or broadcast), load and RAC calibration, and
+  its throughput in GB/s of bf16 parameters and of payload bytes.
+Results: benchmarks/results/controller_gpu.json (the newest record per config and overrides, so a
+one-GPU and a several-GPU record sit side by side) and controller_gpu.md, a table with a column per
+record (``--render`` rewrites the table alone, no GPU needed).
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ from megatron_quads.trainer.hf_export import qwen3_moe_config
 
 CONFIG = Path(__file__).parents[1] / "examples" / "gpu_colocated_synthetic.yaml"
 OUT = Path(__file__).parent / "results" / "controller_gpu.json"
-KEY = "gpu"
 
 
 def parameter_count(cfg) -> int:
@@ -45,25 +46,39 @@ def parameter_count(cfg) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def record_key(config: Path, overrides: list[str]) -> str:
+    """A record's key: its config file and overrides (a rerun of the same replaces its record)."""
+    return " ".join([config.name, *overrides])
+
+
 def markdown(records: dict[str, dict]) -> str:
-    """The Markdown table of the file's record."""
-    record = records[KEY]
-    lines = [f"# Controller on {record['device']} ({record['date']})", "", f"Command: `{record['command']}`", "",
-             (f"{record['parameters'] / 1e6:.0f}M-parameter synthetic GPT-MoE ({record['config']}), {record['precision']} "
-              f"mode, colocated trainer + engine, weights by {record['transport']}; medians over "
-              f"{record['steps_measured']} steps after the first:"), "",
-             "| quantity | value |", "|---|---:|"]
-    lines += [f"| {k} | {v} |" for k, v in record["median"].items()]
-    lines += [f"| sync GB/s (bf16 params) | {record['sync_GBps_of_bf16_params']} |",
-              f"| sync GB/s (payload) | {record['sync_GBps_of_payload']} |",
-              f"| engine GPU memory released in training, GB | {record['rollout_gpu_GB_released']} |",
-              "", f"Max |dlogp| per step: {record['gap_max_abs']}."]
+    """The Markdown table of the file's records, one column per record."""
+    keys = sorted(records, key=lambda k: (records[k].get("gpus", 1), k))
+    cols = [records[k] for k in keys]
+    lines = ["# Controller on GPUs", ""]
+    for i, r in enumerate(cols, 1):
+        lines.append(f"{i}. `{r['command']}` ({r['date']}, {r.get('gpus', 1)} x {r['device']}): "
+                     f"{r['parameters'] / 1e6:.0f}M-parameter synthetic GPT-MoE ({r['config']}), {r['precision']} mode, "
+                     f"{r.get('trainer_ranks', 1)} trainer rank(s), {r.get('engines', 1)} engine(s), "
+                     f"{r.get('placement', 'colocated')}, weights by {r['transport']}; medians over "
+                     f"{r['steps_measured']} steps after the first.")
+    lines += ["", "| quantity | " + " | ".join(f"({i})" for i in range(1, len(cols) + 1)) + " |",
+              "|---|" + "---:|" * len(cols)]
+    quantities = [q for q in dict.fromkeys(q for r in cols for q in r["median"])]
+    for q in quantities:
+        lines.append(f"| {q} | " + " | ".join(str(r["median"].get(q, "")) for r in cols) + " |")
+    for label, field in (("sync GB/s (bf16 params)", "sync_GBps_of_bf16_params"),
+                         ("sync GB/s (payload)", "sync_GBps_of_payload"),
+                         ("engine GPU memory released in training, GB", "rollout_gpu_GB_released")):
+        lines.append(f"| {label} | " + " | ".join(str(r[field]) for r in cols) + " |")
+    lines += [""] + [f"Max |dlogp| per step ({i}): {r['gap_max_abs']}." for i, r in enumerate(cols, 1)]
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     """One run, one record."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, default=CONFIG, help="the run config (default: one GPU, colocated)")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--render", action="store_true", help="only rewrite the Markdown table from the JSON file (no GPU)")
@@ -74,9 +89,10 @@ def main() -> None:
         return
     if not torch.cuda.is_available():
         raise SystemExit("bench_controller_gpu.py needs a CUDA GPU (see benchmarks/bench_controller.py for CPU)")
-    ray.init(num_gpus=1, num_cpus=8, include_dashboard=False, log_to_driver=True)
+    gpus = torch.cuda.device_count()
+    ray.init(num_gpus=gpus, num_cpus=8 * gpus, include_dashboard=False, log_to_driver=True)
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = load_config(CONFIG, [f"run_dir={tmp}", f"grpo.steps={args.steps}", *args.overrides])
+        cfg = load_config(args.config, [f"run_dir={tmp}", f"grpo.steps={args.steps}", *args.overrides])
         records = [json.loads(line) for line in run(cfg).read_text().splitlines()]
     steady = records[1:] or records
     median = {k: statistics.median(r[k] for r in steady) for k in steady[0] if k.startswith(("time/", "sync/"))}
@@ -84,9 +100,10 @@ def main() -> None:
     sync_s = median["sync/export_s"] + median["sync/receive_s"] + median["sync/load_s"]
     record = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(), "command": "python benchmarks/bench_controller_gpu.py " + " ".join(
-            [f"--steps {args.steps}", *args.overrides]).strip(),
-        "config": str(CONFIG.name), "parameters": params, "precision": cfg.precision.mode,
+        "device": torch.cuda.get_device_name(), "gpus": gpus, "command": "python benchmarks/bench_controller_gpu.py " + " ".join(
+            [*([] if args.config == CONFIG else [f"--config {args.config}"]), f"--steps {args.steps}", *args.overrides]).strip(),
+        "config": str(args.config.name), "parameters": params, "precision": cfg.precision.mode,
+        "trainer_ranks": cfg.trainer_world_size, "engines": cfg.rollout.num_workers, "placement": cfg.placement.mode,
         "transport": cfg.weight_transport(), "steps_measured": len(steady),
         "median": {k: round(v, 4) for k, v in median.items()},
         "sync_GBps_of_bf16_params": round(params * 2 / 1e9 / sync_s, 3),
@@ -94,7 +111,7 @@ def main() -> None:
         "rollout_gpu_GB_released": round(statistics.median(r["rollout/gpu_bytes_released"] for r in steady) / 1e9, 3),
         "gap_max_abs": [round(r["mismatch/gap_max_abs"], 4) for r in records],
     }
-    records = save_record(args.out, KEY, record, args.out.with_suffix(".md"), markdown)
+    records = save_record(args.out, record_key(args.config, args.overrides), record, args.out.with_suffix(".md"), markdown)
     print(markdown(records))
 
 

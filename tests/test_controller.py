@@ -673,6 +673,32 @@ def test_example_configs_validate_and_vllm_without_vllm_is_refused_before_worker
     assert load_config(EXAMPLE).weight_transport() == "object_store"
 
 
+def test_the_multi_gpu_example_and_the_variants_its_header_names_validate() -> None:
+    """examples/gpu_multi.yaml: colocated EP 2 (object store: an engine sees one GPU), disaggregated
+    with the NCCL broadcast, and TP 2 + SP on 4 ranks; each command in its header is checked."""
+    from megatron_quads.controller.config import check_runnable
+
+    path = Path(__file__).parents[1] / "examples" / "gpu_multi.yaml"
+    colocated = load_config(path)
+    check_runnable(colocated)
+    assert (colocated.trainer_world_size, colocated.parallel.expert_parallel, colocated.rollout.num_workers) == (2, 2, 2)
+    assert colocated.weight_transport() == "object_store" and colocated.rollout_on_gpu()
+    header = [line.lstrip("# ").rstrip(" \\") for line in path.read_text().splitlines() if line.startswith("#   ")]
+    commands, current = [], []
+    for line in header:
+        if line.startswith(("megatron-quads", "python")):
+            current = [line]
+            commands.append(current)
+        else:
+            current.append(line)
+    variants = [" ".join(c).split()[3:] for c in commands if c[0].startswith("megatron-quads") and len(" ".join(c).split()) > 3]
+    assert len(variants) == 2
+    disaggregated, tensor_parallel = (load_config(path, v) for v in variants)
+    assert disaggregated.weight_transport() == "collective" and disaggregated.rollout_on_gpu()
+    assert (tensor_parallel.trainer_world_size, tensor_parallel.parallel.tensor_parallel) == (4, 2)
+    assert tensor_parallel.parallel.sequence_parallel
+
+
 def test_the_config_reference_is_current() -> None:
     import subprocess
     import sys

@@ -1,4 +1,5 @@
-"""QUADS policy workers under expert and tensor parallelism (2 spawned ranks, gloo, fp32).
+"""QUADS policy workers under expert and tensor parallelism (2 spawned ranks, fp32): on CPU over gloo,
+and on two GPUs over NCCL (``gpu`` marker; needs a machine with at least two CUDA devices).
 
 One 2-rank job runs every layout in turn, reusing its processes:
 
@@ -189,8 +190,11 @@ def _job(rank: int, port: int, out_dir: str) -> None:
     ref_logprobs = ref.compute_logprobs(_local_batch(rank))
     ref_metrics = ref.train_step({"tokens": _local_batch(rank)}, _token_mean_nll)
     ref_after = _export(ref)
+    import torch.distributed as dist
+
     record("reference", logprobs=_gather_logprobs(ref_logprobs), metrics=ref_metrics,
-           update=_max_diff(ref_after, ref_full))
+           update=_max_diff(ref_after, ref_full), backend=dist.get_backend(),
+           device=str(next(ref.model.parameters()).device))
 
     # 2. the parallel layouts, from the reference checkpoint
     for name, parallel in LAYOUTS.items():
@@ -239,9 +243,32 @@ def _job(rank: int, port: int, out_dir: str) -> None:
         record.run(f"replay_{name}", replay)
 
 
-@pytest.fixture(scope="module")
-def job(tmp_path_factory) -> dict:
-    return spawn(_job, WORLD, tmp_path_factory.mktemp("quads_dist"), timeout_s=400)
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason=f"needs {WORLD} CUDA GPUs (one per rank, NCCL)")
+
+
+@pytest.fixture(scope="module", params=["gloo", pytest.param("nccl", marks=[pytest.mark.gpu, TWO_GPUS])])
+def job(request, tmp_path_factory) -> dict:
+    """The job's records on CPU ranks over gloo (CUDA hidden from them), or one GPU per rank over NCCL."""
+    hidden = request.param == "gloo"
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if hidden:  # spawned ranks inherit the environment: they see no GPU and take the gloo path
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        records = spawn(_job, WORLD, tmp_path_factory.mktemp(f"quads_dist_{request.param}"), timeout_s=400)
+        return {**records, "backend": request.param}
+    finally:
+        if hidden:
+            if saved is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
+def test_the_ranks_run_on_the_backend_and_devices_asked_for(job: dict) -> None:
+    records = get(job, "reference")
+    assert [r["backend"] for r in records] == [job["backend"]] * WORLD
+    expected = ["cpu"] * WORLD if job["backend"] == "gloo" else [f"cuda:{rank}" for rank in range(WORLD)]
+    assert [r["device"] for r in records] == expected
 
 
 def test_reference_step_updates_weights(job: dict) -> None:
