@@ -358,8 +358,6 @@ def test_a_vllm_rollout_worker_killed_inside_its_weight_load_is_restarted_and_re
         (["rollout.weight_transfer=cuda_ipc"], "cuda_ipc works between processes on one GPU"),
         (["rollout.weight_transfer=collective", "placement.mode=colocated"], "collective needs placement.mode=disaggregated"),
         (["rollout.weight_transfer=collective", "rollout.num_gpus_per_worker=1"], "same kind of device"),
-        (["rollout.weight_transfer=cuda_ipc", "placement.mode=colocated", "placement.trainer_gpus_per_worker=1",
-          "trainer_world_size=2", "parallel.expert_parallel=2"], "cuda_ipc needs one weight sender"),
         (["placement.trainer_gpus_per_worker=2"], r"placement\.trainer_gpus_per_worker"),
         (["rollout.engine=vllm", "rollout.router_replay=r3", "rollout.vllm.multiprocess=true"], "in the engine's process"),
         (["rollout.router_replay=r2"], r"rollout\.router_replay"),
@@ -674,7 +672,7 @@ def test_example_configs_validate_and_vllm_without_vllm_is_refused_before_worker
 
 
 def test_the_multi_gpu_example_and_the_variants_its_header_names_validate() -> None:
-    """examples/gpu_multi.yaml: colocated EP 2 (object store: an engine sees one GPU), disaggregated
+    """examples/gpu_multi.yaml: colocated EP 2 (CUDA IPC of each rank's shared copies), disaggregated
     with the NCCL broadcast, and TP 2 + SP on 4 ranks; each command in its header is checked."""
     from megatron_quads.controller.config import check_runnable
 
@@ -682,7 +680,7 @@ def test_the_multi_gpu_example_and_the_variants_its_header_names_validate() -> N
     colocated = load_config(path)
     check_runnable(colocated)
     assert (colocated.trainer_world_size, colocated.parallel.expert_parallel, colocated.rollout.num_workers) == (2, 2, 2)
-    assert colocated.weight_transport() == "object_store" and colocated.rollout_on_gpu()
+    assert colocated.weight_transport() == "cuda_ipc" and colocated.rollout_on_gpu()
     header = [line.lstrip("# ").rstrip(" \\") for line in path.read_text().splitlines() if line.startswith("#   ")]
     commands, current = [], []
     for line in header:
@@ -765,10 +763,10 @@ def test_expert_parallel_ranks_each_broadcast_their_part_over_their_own_group(tm
     exported: list = []
     export = trainers.export_rollout_weights
 
-    def recording_export(version: int, transport: str) -> tuple[list, dict]:
-        buckets, stats = export(version, transport)
-        exported.append(buckets)
-        return buckets, stats
+    def recording_export(version: int, transport: str):
+        out = export(version, transport)
+        exported.append(out.buckets_for(0))
+        return out
 
     trainers.export_rollout_weights = recording_export
     prompts = [[1, 4, 13, 5, 17], [1, 6, 14, 3, 17]]

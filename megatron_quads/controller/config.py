@@ -98,9 +98,10 @@ class RolloutSection(_Strict):
     max_retries: int = Field(2, ge=0, description="restarts of a failed engine per generation before the run stops")
     sync_bucket_mb: float = Field(256.0, gt=0, description="weight-sync bucket size bound")
     weight_transfer: Literal["auto", "object_store", "cuda_ipc", "collective"] = Field(
-        "auto", description="auto: CUDA IPC when colocated on GPUs with one weight sender (expert_parallel 1), "
-        "else Ray's object store; collective: every weight sender (one per expert-parallel rank) broadcasts its "
-        "part over its own gloo (CPU) / NCCL (GPU) group with the engines, disaggregated only",
+        "auto", description="auto: CUDA IPC when colocated on GPUs (the weight senders, one per expert-parallel "
+        "rank, first broadcast their parts to every trainer rank, so each engine maps its own GPU's copies), else "
+        "Ray's object store; collective: every weight sender broadcasts its part over its own gloo (CPU) / NCCL "
+        "(GPU) group with the engines, disaggregated only",
     )
     release_memory_during_training: bool = Field(
         True, description="colocated: engines move their weights and caches off the GPU while the trainer trains"
@@ -317,12 +318,6 @@ class RunConfig(_Strict):
                 "rollout.weight_transfer=cuda_ipc works between processes on one GPU: it needs "
                 "placement.mode=colocated and placement.trainer_gpus_per_worker=1 (or use object_store / auto)"
             )
-        if roll.weight_transfer == "cuda_ipc" and self.parallel.expert_parallel > 1:
-            raise ValueError(
-                f"rollout.weight_transfer=cuda_ipc needs one weight sender, but parallel.expert_parallel="
-                f"{self.parallel.expert_parallel} makes every expert-parallel rank send its experts and an engine "
-                "sees only its own GPU: use object_store or auto"
-            )
 
         if roll.weight_transfer == "collective":
             if place.mode != "disaggregated":
@@ -343,7 +338,7 @@ class RunConfig(_Strict):
         if self.rollout.weight_transfer != "auto":
             return self.rollout.weight_transfer
         colocated_gpu = self.placement.mode == "colocated" and self.placement.trainer_gpus_per_worker > 0
-        return "cuda_ipc" if colocated_gpu and self.parallel.expert_parallel == 1 else "object_store"
+        return "cuda_ipc" if colocated_gpu else "object_store"
 
     def trainer_quads(self) -> QuadsTrainerConfig:
         """The trainer's fake-quant settings for this precision mode."""

@@ -57,6 +57,21 @@ def _sender_actors(actors: list, senders: list[tuple[int, int] | None]) -> list:
     return [by_index[i] for i in indices]
 
 
+@dataclasses.dataclass
+class RolloutExport:
+    """One export of the rollout weights: the buckets every engine takes (``common``), or, under CUDA
+    IPC, the buckets of each trainer rank's own GPU (``per_rank``: engine i takes rank i's), and the
+    stats (payload bytes, the slowest rank's export seconds)."""
+
+    common: list | None
+    per_rank: list[list] | None
+    stats: dict[str, float]
+
+    def buckets_for(self, engine: int) -> list:
+        """What engine ``engine`` loads (colocated: it sits beside trainer rank ``engine``)."""
+        return self.common if self.per_rank is None else self.per_rank[engine]
+
+
 class Trainers:
     """The trainer ranks as Ray actors forming one torch.distributed group."""
 
@@ -106,11 +121,19 @@ class Trainers:
         """One optimizer step over the whole batch."""
         return trainer_get([a.train_step.remote(s) for a, s in zip(self.actors, self._shards(batch), strict=True)])[0]
 
-    def export_rollout_weights(self, version: int, transport: str) -> tuple[list, dict[str, float]]:
+    def export_rollout_weights(self, version: int, transport: str) -> RolloutExport:
         """The rollout weights (quantized once, on the trainer side) as bounded buckets for
-        ``transport``: every sender's, in sender order (see TrainerWorker); bytes summed over the
-        senders, export_s the slowest sender's."""
+        ``transport``: every sender's, in sender order (see TrainerWorker); under CUDA IPC every
+        rank's handles of its own copies of them. Bytes are the payload (every sender's part once),
+        export_s the slowest rank's."""
         exported = trainer_get([a.export_rollout_weights.remote(version, transport) for a in self.actors])
+        if transport == "cuda_ipc":
+            missing = [rank for rank, part in enumerate(exported) if part is None]
+            if missing:
+                raise RuntimeError(f"trainer ranks {missing} returned no weights for their colocated engines; under "
+                                   "CUDA IPC every rank hands its engine every sender's buckets")
+            stats = {"bytes": exported[0][1]["bytes"], "export_s": max(s["export_s"] for _, s in exported)}
+            return RolloutExport(None, [part for part, _ in exported], stats)
         by_actor = dict(zip(self.actors, exported, strict=True))
         sending = [i for i, part in enumerate(exported) if part is not None]
         expected = [self.actors.index(a) for a in self.senders]
@@ -119,11 +142,11 @@ class Trainers:
         parts = [by_actor[a] for a in self.senders]
         buckets = [b for part_buckets, _ in parts for b in part_buckets]
         stats = {"bytes": sum(s["bytes"] for _, s in parts), "export_s": max(s["export_s"] for _, s in parts)}
-        return buckets, stats
+        return RolloutExport(buckets, None, stats)
 
     def release_sync_buffers(self) -> None:
-        """Free every sender's CUDA IPC / broadcast buffers once every engine has them."""
-        trainer_get([a.release_sync_buffers.remote() for a in self.senders])
+        """Free every rank's CUDA IPC / broadcast buffers once every engine has them."""
+        trainer_get([a.release_sync_buffers.remote() for a in self.actors])
 
     def kill(self) -> None:
         """End every rank's actor."""
@@ -220,16 +243,17 @@ class Rollouts:
         joins += [w.join_sync_groups.remote(endpoints, i + 1, world, generation) for i, w in enumerate(self.workers)]
         ray.get(joins, timeout=timeout)
 
-    def _load(self, trainers: Trainers, workers: list, version: int) -> tuple[list, dict]:
-        """Export once and load into ``workers``; returns their (version, timing) and the export stats."""
+    def _load(self, trainers: Trainers, engines: list[int], version: int) -> tuple[list, dict]:
+        """Export once and load into the engines of index ``engines``; returns their (version, timing)
+        and the export stats."""
         transport = self.cfg.weight_transport()
         collective = transport == "collective"
         if collective and self.group_generation == 0:
             self._form_sync_groups(trainers)
-        buckets, stats = trainers.export_rollout_weights(version, transport)
+        export = trainers.export_rollout_weights(version, transport)
         held_by_sender = transport != "object_store"
         try:
-            loads = [w.load_weights.remote(buckets, version) for w in workers]
+            loads = [self.workers[i].load_weights.remote(export.buckets_for(i), version) for i in engines]
             if collective:  # each sender broadcasts over its own group while the engines receive, then frees them
                 loads += [a.broadcast_sync_buffers.remote() for a in trainers.senders]
             loaded = ray.get(loads, timeout=self.cfg.rollout.timeout_s)
@@ -239,7 +263,7 @@ class Rollouts:
             raise
         if held_by_sender and not collective:  # CUDA IPC: every engine has copied
             trainers.release_sync_buffers()
-        return loaded[: len(workers)], stats
+        return loaded[: len(engines)], export.stats
 
     def sync(self, trainers: Trainers, version: int) -> dict[str, float]:
         """Export the trainer's weights once (every sending rank its part) and load the union into
@@ -252,7 +276,7 @@ class Rollouts:
             for index in self._failed_engines(hung_too=False):
                 logger.warning("rollout engine %d is dead before the weight sync; restarting it", index)
                 self._restart(index)
-        loaded, stats = self._retrying("the weight sync", lambda: self._load(trainers, self.workers, version))
+        loaded, stats = self._retrying("the weight sync", lambda: self._load(trainers, list(range(len(self.workers))), version))
         held = [v for v, _ in loaded]
         if any(v != version for v in held):
             raise RuntimeError(f"rollout engines hold weight versions {held}, expected {version}")
@@ -277,9 +301,9 @@ class Rollouts:
         if self.cfg.weight_transport() == "collective":
             # a broadcast needs every member: rebuild every sender's group and re-send to all engines
             self._form_sync_groups(self.trainers)
-            self._load(self.trainers, self.workers, self.version)
+            self._load(self.trainers, list(range(len(self.workers))), self.version)
         else:  # re-export: IPC buffers are freed after each sync
-            self._load(self.trainers, [self.workers[index]], self.version)
+            self._load(self.trainers, [index], self.version)
         if self.calibration:
             self.calibrate(self.calibration, [self.workers[index]])
         self.restarts += 1

@@ -16,9 +16,12 @@ tensor name comes twice; it returns the union of the senders' tensors.
 
 Transports (``Bucket.payload``):
 - ``object_store``: the buffer on CPU, carried by Ray's object store (any placement, CPU or GPU).
-- ``cuda_ipc``: a CUDA IPC handle of the sender's GPU buffer; the receiver maps it and copies once.
-  Only between processes on the same GPU (the colocated placement). The sender must keep the
-  buffer alive until every receiver has copied it (:meth:`BufferKeeper.release`).
+- ``cuda_ipc``: a CUDA IPC handle of a GPU buffer; the receiver maps it and copies once. Only
+  between processes on the same GPU (the colocated placement): an engine sees only its own GPU, so
+  with several trainer ranks every sender first broadcasts its buffers to every trainer rank over
+  the trainers' own process group (:func:`share_buckets`, NCCL between GPUs), and each rank hands
+  its engine handles of its own copies. The rank must keep the buffers alive until every receiver
+  has copied them (:meth:`BufferKeeper.release`).
 - ``collective``: no payload; each sender broadcasts its buffers, in bucket order, over its own
   :class:`~megatron_quads.controller.sync_group.WeightSyncGroup` (that sender and every receiver;
   gloo on CPU, NCCL on GPUs) while every receiver allocates ``buffer_bytes`` and receives them,
@@ -28,7 +31,7 @@ Transports (``Bucket.payload``):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -177,6 +180,48 @@ def to_buckets(
         buckets.append(Bucket(version, sender, senders, index, len(groups), quantized, specs, transport, payload,
                               buffer.numel()))
     return buckets
+
+
+def share_buckets(
+    own: list[Bucket] | None, held: BufferKeeper | None, transport: Transport,
+    device: torch.device | str, group: Any = None,
+) -> tuple[list[Bucket], BufferKeeper]:
+    """Every sender's buckets on every rank of ``group`` (default: the whole torch.distributed world).
+
+    A sending rank passes its buckets packed for ``collective`` (``own``, no payload) and the keeper
+    ``held`` that holds their buffers in bucket order; the other ranks pass None twice. The senders
+    broadcast their buffers over ``group``, sender after sender and bucket after bucket, and every
+    rank wraps what it holds for ``transport`` (``cuda_ipc``: handles of its own buffers on
+    ``device``; ``object_store``: the buffers on CPU). Returns every sender's buckets, in sender
+    order, and the keeper of this rank's buffers (release it once its receivers have copied).
+    Collective: every rank of ``group`` calls it.
+    """
+    import torch.distributed as dist
+
+    if transport not in ("cuda_ipc", "object_store"):
+        raise ValueError(f"share_buckets wraps the shared buffers for 'cuda_ipc' or 'object_store', not {transport!r}")
+    if (own is None) != (held is None) or (own is not None and len(own) != len(held.buffers)):
+        raise ValueError("a sending rank passes its collective buckets and the keeper holding their buffers, "
+                         "one buffer per bucket; the other ranks pass neither")
+    tables: list[list[Bucket] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(tables, None if own is None else [replace(b, payload=None) for b in own], group=group)
+    me = dist.get_rank(group)
+    senders = sorted((table[0].sender, rank) for rank, table in enumerate(tables) if table)
+    keeper, shared = BufferKeeper(), []
+    for _, rank in senders:
+        source = rank if group is None else dist.get_global_rank(group, rank)
+        for index, table in enumerate(tables[rank]):
+            if rank == me:
+                buffer = held.buffers[index]
+            else:
+                buffer = torch.empty(table.buffer_bytes, dtype=torch.uint8, device=device)
+            if table.buffer_bytes:
+                dist.broadcast(buffer, src=source, group=group)
+            payload = _ipc_handle(buffer, keeper) if transport == "cuda_ipc" else buffer.cpu()
+            if transport != "cuda_ipc":
+                keeper.hold(buffer)
+            shared.append(replace(table, transport=transport, payload=payload))
+    return shared, keeper
 
 
 def _ipc_handle(buffer: torch.Tensor, keep_alive: BufferKeeper | None) -> tuple:

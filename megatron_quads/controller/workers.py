@@ -139,14 +139,16 @@ class TrainerWorker:
         and packing. Collective: every rank calls it. ``transport``: how the receiving engines take
         them (``RunConfig.weight_transport()`` of their side).
 
-        With the ``object_store`` transport the buckets are Ray object refs; with ``cuda_ipc`` or
-        ``collective`` they are bucket objects (IPC handles, or buffer sizes for the broadcast) whose
-        buffers this rank keeps until :meth:`release_sync_buffers` / :meth:`broadcast_sync_buffers`.
+        With the ``object_store`` transport the buckets are Ray object refs; with ``collective`` they
+        are bucket objects (buffer sizes for the broadcast) whose buffers this rank keeps until
+        :meth:`broadcast_sync_buffers`. With ``cuda_ipc`` every rank returns every sender's buckets
+        as IPC handles of copies on its own GPU (the senders broadcast them over the trainers' group
+        first), for the engine beside it, and keeps them until :meth:`release_sync_buffers`.
         """
         import ray
 
-        from megatron_quads.controller.weight_sync import BufferKeeper, buckets_bytes, to_buckets
         from megatron_quads.controller.rollout_export import export_rollout_tensors
+        from megatron_quads.controller.weight_sync import BufferKeeper, buckets_bytes, share_buckets, to_buckets
         from megatron_quads.trainer.hf_export import weight_sender
 
         start = time.perf_counter()
@@ -158,15 +160,20 @@ class TrainerWorker:
             raise RuntimeError(f"trainer rank {self.rank}: export_rollout_tensors returned "
                                f"{'nothing' if tensors is None else 'tensors'} but weight_sender() is {sender}; "
                                "a rank sends exactly when it is a weight sender")
-        if tensors is None:
+        packed_as = "collective" if transport == "cuda_ipc" else transport  # cuda_ipc: shared before the handles
+        self._sync_buffers = None if packed_as == "object_store" or tensors is None else BufferKeeper()
+        buckets = None
+        if tensors is not None:
+            index, senders = sender
+            buckets = to_buckets(tensors, version, quantized=precision == "nvfp4", sender=index, senders=senders,
+                                 bucket_bytes=int(self.cfg.rollout.sync_bucket_mb * 2**20), transport=packed_as,
+                                 keep_alive=self._sync_buffers)
+            del tensors
+        if transport == "cuda_ipc":
+            device = torch.device("cuda", torch.cuda.current_device())
+            buckets, self._sync_buffers = share_buckets(buckets, self._sync_buffers, "cuda_ipc", device)
+        if buckets is None:
             return None
-        index, senders = sender
-        # CUDA IPC handles / collective sizes travel in the buckets; this rank keeps the buffers meanwhile
-        self._sync_buffers = None if transport == "object_store" else BufferKeeper()
-        buckets = to_buckets(tensors, version, quantized=precision == "nvfp4", sender=index, senders=senders,
-                             bucket_bytes=int(self.cfg.rollout.sync_bucket_mb * 2**20), transport=transport,
-                             keep_alive=self._sync_buffers)
-        del tensors
         sent = [ray.put(bucket) for bucket in buckets] if transport == "object_store" else buckets
         return sent, {"bytes": buckets_bytes(buckets), "export_s": _elapsed(start)}
 
