@@ -236,23 +236,29 @@ def _groups(runs: dict[str, dict[str, list[dict]]]) -> dict[tuple[str, str], lis
     return groups
 
 
+def with_spread(values: Sequence[float], digits: int) -> str:
+    """The mean of ``values``, and ``± sd`` over them (sample standard deviation) when there are several."""
+    mean = f"{statistics.fmean(values):.{digits}f}"
+    return mean if len(values) < 2 else f"{mean} ± {statistics.stdev(values):.{digits}f}"
+
+
 def report_markdown(runs: dict[str, dict[str, list[dict]]], stamp: dict[str, str], results: Path = RESULTS) -> str:
     """The study's tables: per mode and correction, seed means; collapses and early warnings; the RAC sweep."""
     overrides = grid_overrides(results)
     given = f" with {', '.join(f'`{o}`' for o in overrides)}" if overrides else ""
     lines = [f"# Precision study on the embedded default{given} ({stamp['date']}, {stamp['device']})", "",
              f"Command: `{stamp['command']}`, over the runs in {_shown(results)}. Means over seeds of "
-             f"the last {TAIL_STEPS} steps of each run. The early warning is replayed over the recorded metrics with "
-             f"the default `monitor` settings (window {GapMonitorConfig().window}, threshold "
+             f"the last {TAIL_STEPS} steps of each run (± the standard deviation over seeds, with several). The early "
+             f"warning is replayed over the recorded metrics with the default `monitor` settings (window {GapMonitorConfig().window}, threshold "
              f"{GapMonitorConfig().threshold}, patience {GapMonitorConfig().patience}, `{GapMonitorConfig().metric}`).", "",
              "| mode | correction | seeds | steps | reward | held-out pass@1 (last) | max \\|Δlogp\\| | mean \\|Δlogp\\| | "
              "k3 KL | collapsed | early warning |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for (mode, correction), names in sorted(_groups(runs).items()):
         metrics = [runs[n]["metrics"] for n in names]
-        mean = lambda key: statistics.fmean(_tail_mean(m, key) for m in metrics)  # noqa: E731
         evals = [runs[n]["eval"][-1]["eval/pass@1"] for n in names if runs[n]["eval"]]
-        pass1 = f"{statistics.fmean(evals):.3f}" if evals else ""
+        pass1 = with_spread(evals, 3) if evals else ""
+        tails = {key: [_tail_mean(m, key) for m in metrics] for key in ("reward", "mismatch/gap_max_abs")}
         collapses = [collapse_step([r["reward"] for r in m]) for m in metrics]
         warnings = [first_warning(m) for m in metrics]
         collapsed = ", ".join(f"step {c}" if c is not None else "no" for c in collapses)
@@ -260,9 +266,10 @@ def report_markdown(runs: dict[str, dict[str, list[dict]]], stamp: dict[str, str
             "no" if w is None else (f"step {w} ({c - w} steps before)" if c is not None and w <= c else
                                     f"step {w}" + (" (false alarm)" if c is None else " (after)"))
             for w, c in zip(warnings, collapses, strict=True))
-        lines.append(f"| {mode} | {correction} | {len(names)} | {min(len(m) for m in metrics)} | {mean('reward'):.3f} | "
-                     f"{pass1} | {mean('mismatch/gap_max_abs'):.3f} | {mean('mismatch/gap_mean_abs'):.4f} | "
-                     f"{mean('mismatch/k3_kl'):.2e} | {collapsed} | {warned} |")
+        mean = lambda key: statistics.fmean(_tail_mean(m, key) for m in metrics)  # noqa: E731
+        lines.append(f"| {mode} | {correction} | {len(names)} | {min(len(m) for m in metrics)} | "
+                     f"{with_spread(tails['reward'], 3)} | {pass1} | {with_spread(tails['mismatch/gap_max_abs'], 3)} | "
+                     f"{mean('mismatch/gap_mean_abs'):.4f} | {mean('mismatch/k3_kl'):.2e} | {collapsed} | {warned} |")
     sweep = []
     for mode, ratio in RAC_SWEEP.items():
         names = [n for (m, c), group in _groups(runs).items() if m == mode and c == "none" for n in group]

@@ -128,3 +128,11 @@ def test_a_grids_overrides_are_named_in_its_report_and_other_overrides_are_refus
     (results / "bf16.seed0.none.metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     text = report_markdown(load_results(results), STAMP, results)
     assert "with `grpo.optim.lr=0.001`" in text.splitlines()[0]
+
+
+def test_several_seeds_show_their_mean_and_spread(tmp_path: Path) -> None:
+    for seed, reward in enumerate((0.5, 0.7)):
+        _write_run(tmp_path, run_name("bf16", seed, "none"), [reward] * 60, 0.2 + seed * 0.2, [1e-3] * 60)
+    text = report_markdown(load_results(tmp_path), STAMP, tmp_path)
+    row = next(line for line in text.splitlines() if line.startswith("| bf16 |"))
+    assert "| 2 | 60 | 0.600 ± 0.141 | 0.600 ± 0.141 | 0.300 ± 0.141 |" in row
