@@ -287,24 +287,35 @@ def report_markdown(runs: dict[str, dict[str, list[dict]]], stamp: dict[str, str
 
 
 def plot_curves(runs: dict[str, dict[str, list[dict]]], path: Path) -> None:
-    """Reward, max |Δlogp| and k3 KL per step: each (mode, correction)'s mean over seeds."""
+    """Reward, held-out pass@1, max |Δlogp| and k3 KL per step: each (mode, correction)'s mean over
+    seeds (per-step values as rolling means); a colour per mode, a line style per correction."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = [("reward", "reward (10-step mean)"), ("mismatch/gap_max_abs", "max |Δlogp| (nats)"),
-            ("mismatch/k3_kl", "k3 KL")]
-    fig, axes = plt.subplots(1, len(keys), figsize=(6 * len(keys), 4.5))
+    keys = [("reward", f"reward ({COLLAPSE_WINDOW}-step mean)"), ("eval/pass@1", "held-out pass@1"),
+            ("mismatch/gap_max_abs", f"max |Δlogp| (nats, {COLLAPSE_WINDOW}-step mean)"),
+            ("mismatch/k3_kl", f"k3 KL ({COLLAPSE_WINDOW}-step mean)")]
+    colours = {mode: f"C{i}" for i, mode in enumerate(MODES)}
+    styles = {"none": "-", "tis": "--", "mis": ":"}
+    fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4.5))
     for (mode, correction), names in sorted(_groups(runs).items()):
+        style = {"color": colours.get(mode), "linestyle": styles.get(correction, "-."), "label": f"{mode} ({correction})"}
         length = min(len(runs[n]["metrics"]) for n in names)
         for ax, (key, title) in zip(axes, keys, strict=True):
-            per_step = [statistics.fmean(runs[n]["metrics"][i][key] for n in names) for i in range(length)]
-            ax.plot(range(length), rolling_mean(per_step, COLLAPSE_WINDOW) if key == "reward" else per_step,
-                    label=f"{mode} ({correction})")
             ax.set(xlabel="step", title=title)
-    axes[2].set_yscale("log")
-    axes[0].legend(fontsize=7)
+            if key.startswith("eval/"):
+                evals = [runs[n]["eval"] for n in names if runs[n]["eval"]]
+                if evals:
+                    count = min(len(e) for e in evals)
+                    ax.plot([evals[0][i]["step"] for i in range(count)],
+                            [statistics.fmean(e[i][key] for e in evals) for i in range(count)], **style)
+                continue
+            per_step = [statistics.fmean(runs[n]["metrics"][i][key] for n in names) for i in range(length)]
+            ax.plot(range(length), rolling_mean(per_step, COLLAPSE_WINDOW), **style)
+    axes[-1].set_yscale("log")
+    axes[0].legend(fontsize=7, ncol=2)
     fig.tight_layout()
     save_figure_atomic(fig, path)
     plt.close(fig)
