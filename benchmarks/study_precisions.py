@@ -17,8 +17,9 @@ and ``eval.jsonl`` are copied to ``--results`` (``benchmarks/results/study/<run>
 the files the report reads. A grid given overrides of its own (``key=value`` after ``run``) needs
 its own ``--out`` and ``--results``; they are recorded in ``<results>/grid.json``.
 
-``analyze`` runs ``megatron-quads analyze`` on runs' final checkpoints (the gap split into weight
-and activation error per layer, and AQAT against W4A4 + RAC at each ratio) into
+``analyze`` runs ``megatron-quads analyze`` on runs' final checkpoints over the task's held-out
+problems with their answers (the gap split into weight and activation error per layer, and AQAT
+against W4A4 + RAC at each ratio) into
 ``benchmarks/results/study/analysis/``.
 
 ``report`` writes ``benchmarks/results/<results folder>.md`` (``study.md`` by default: per mode and
@@ -67,6 +68,9 @@ CORRECTIONS: dict[str, list[str]] = {
 }
 ANALYZE_RATIOS = (0.125, 0.25, 0.5, 0.75, 1.0)
 """The RAC ratios ``analyze`` measures on a trained checkpoint (the paper's sweep)."""
+ANALYZE_SEQUENCES, ANALYZE_SEQ_LEN = 16, 64
+"""``analyze`` measures on this many rows of this many tokens of the task's held-out problems with
+their answers (and calibrates on as many others)."""
 WARNING_SWEEP = ((20, 0.5), (20, 1.0), (20, 2.0), (50, 0.5), (50, 1.0), (50, 2.0))
 """(window, threshold) pairs the report replays the early warning at."""
 RAC_SWEEP = {"aqat": 0.0, "quads-0.25": 0.25, "quads-0.5": 0.5, "quads-1.0": 1.0}
@@ -361,7 +365,8 @@ def analyze_runs(args: argparse.Namespace) -> None:
             raise SystemExit(f"{args.out / name} has no checkpoint: train it first (`run`)")
         work = args.out / name / "analysis"
         command = [str(Path(sys.executable).with_name("megatron-quads")), "analyze", "--checkpoint", str(steps[-1]),
-                   "--out", str(work), "--ratios", *map(str, ANALYZE_RATIOS)]
+                   "--out", str(work), "--tokens", "embedded-task", "--sequences", str(ANALYZE_SEQUENCES),
+                   "--seq-len", str(ANALYZE_SEQ_LEN), "--ratios", *map(str, ANALYZE_RATIOS)]
         print(f"[study] {name}: {' '.join(command)}", flush=True)
         subprocess.run(command, check=True)
         target.mkdir(parents=True, exist_ok=True)
@@ -369,11 +374,35 @@ def analyze_runs(args: argparse.Namespace) -> None:
             _copy_atomic(work / f"analysis.{suffix}", target / f"{name}.{suffix}")
 
 
+def analysis_summary_markdown(paths: Sequence[Path]) -> list[str]:
+    """One row per analysed checkpoint: the layers' mean weight and activation error, the mean |Δlogp|
+    of weights alone (BF16 vs W4A16) and of activations alone (AQAT vs W4A4), and AQAT vs W4A4 + RAC's
+    at each ratio (the mean, not the max or k3 KL, which a few tokens decide)."""
+    if not paths:
+        return []
+    docs = {path.stem: json.loads(path.read_text()) for path in paths}
+    ratios = list(next(iter(docs.values()))["ratios"])
+    lines = ["", "## Gap decomposition of the analysed checkpoints (`megatron-quads analyze`; mean |Δlogp|)", "",
+             "| checkpoint | weight error (rel., layer mean) | activation error (rel., layer mean) | weights alone | "
+             "activations alone | " + " | ".join(f"RAC {r:g}" for r in ratios) + " |",
+             "|---|---:|---:|---:|---:|" + "---:|" * len(ratios)]
+    for name, doc in docs.items():
+        pairs = doc["pairs"]
+        layers = pairs["bf16 vs w4a4"]["layers"].values()
+        rac = [f"{pairs[f'aqat vs quads@{r:g} (output_error)']['gap']['mean_abs']:.4f}" for r in ratios]
+        lines.append(f"| {name} | {statistics.fmean(v['weight_rel'] for v in layers):.4f} | "
+                     f"{statistics.fmean(v['activation_rel'] for v in layers):.4f} | "
+                     f"{pairs['bf16 vs w4a16']['gap']['mean_abs']:.4f} | {pairs['aqat vs w4a4']['gap']['mean_abs']:.4f} | "
+                     + " | ".join(rac) + " |")
+    return lines
+
+
 def analysis_markdown(results: Path) -> list[str]:
     """Per analysed checkpoint: each layer's weight and activation error (BF16 vs W4A4) and the gap of
     AQAT vs W4A4 + RAC by ratio (channels by output error), from ``results/analysis/*.json``."""
-    lines = []
-    for path in sorted((results / "analysis").glob("*.json")):
+    paths = sorted((results / "analysis").glob("*.json"))
+    lines = analysis_summary_markdown(paths)
+    for path in paths:
         doc = json.loads(path.read_text())
         pairs = doc["pairs"]
         lines += ["", f"## Gap decomposition of {path.stem}'s final checkpoint (`megatron-quads analyze`, "

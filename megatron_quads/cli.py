@@ -40,8 +40,9 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         num_sequences=args.sequences,
         seq_len=args.seq_len,
         seed=args.seed,
+        tokens_from=args.tokens,
     )
-    table = Table(title=f"rollout vs trainer gap: {report['model']}, {report['tokens']} tokens")
+    table = Table(title=f"rollout vs trainer gap: {report['model']}, {report['tokens']} tokens ({args.tokens})")
     for column in ("pair", "max |Δlogp|", "mean |Δlogp|", "k3 KL", "weight err", "activation err"):
         table.add_column(column, justify="left" if column == "pair" else "right")
     for row in table_rows(report):
@@ -247,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--statistics", nargs="+", default=["output_error", "activation_magnitude"],
         choices=["output_error", "residual_energy", "activation_magnitude"], help="RAC channel rankings to compare",
     )
+    analyze.add_argument("--tokens", choices=["random", "embedded-task"], default="random",
+                         help="random ids (any model), or the embedded task's held-out problems and answers (the embedded model)")
     analyze.add_argument("--sequences", type=int, default=8)
     analyze.add_argument("--seq-len", type=int, default=64)
     analyze.add_argument("--seed", type=int, default=0)

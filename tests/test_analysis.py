@@ -162,3 +162,40 @@ def test_missing_hf_model_directory_is_a_clear_error(tmp_path) -> None:
 
     with pytest.raises(FileNotFoundError, match="no config.json"):
         load_hf_model(str(tmp_path))
+
+
+def test_embedded_task_tokens_are_held_out_problems_with_their_answers_and_differ_between_calibration_and_measure() -> None:
+    from megatron_quads import embedded
+    from megatron_quads.analyze import token_rows
+    from megatron_quads.tasks.arithmetic import is_eval_problem
+
+    calib, measured = token_rows("embedded-task", 32, 3, 40, seed=0)
+    assert calib.shape == measured.shape == (3, 40) and not torch.equal(calib, measured)
+    tok, task = embedded.tokenizer(), embedded.task(split="eval")
+    text = tok.decode(measured.view(-1).tolist(), skip_special_tokens=False)
+    problems = [p for p in text.split("<bos>")[1:-1]]  # whole problems between the first and last <bos>
+    assert len(problems) >= 5
+    for problem in problems:
+        prompt, answer = problem.removesuffix("<eos>").split("=")
+        assert eval(prompt) == int(answer.removesuffix(";"))  # noqa: S307 (digits and + / - only)
+        assert is_eval_problem(prompt + "=", task.config.eval_fraction)
+
+
+def test_embedded_task_tokens_on_another_vocabulary_are_refused(tmp_path) -> None:
+    from megatron_quads.cli import main
+
+    with pytest.raises(ValueError, match="use tokens 'random'"):
+        main(["analyze", "--tokens", "embedded-task", "--out", str(tmp_path), "--ratios", "0.25",
+              "--sequences", "2", "--seq-len", "8"])  # the default architecture: vocabulary 64
+
+
+def test_analyze_on_the_embedded_checkpoint_with_its_task_tokens(tmp_path) -> None:
+    from megatron_quads import embedded
+    from megatron_quads.cli import main
+
+    assert main(["analyze", "--checkpoint", str(embedded.ASSET_DIR / "checkpoint"), "--tokens", "embedded-task",
+                 "--out", str(tmp_path), "--ratios", "1.0", "--sequences", "2", "--seq-len", "24"]) == 0
+    report = json.loads((tmp_path / "analysis.json").read_text())
+    assert report["token_source"] == "embedded-task" and report["tokens"] == 48
+    pairs = report["pairs"]
+    assert pairs["aqat vs quads@1 (output_error)"]["gap"]["k3_kl"] < pairs["aqat vs w4a4"]["gap"]["k3_kl"]

@@ -76,6 +76,8 @@ def test_the_analysis_section_lists_each_layers_errors_and_the_rac_pairs(tmp_pat
     gap = lambda m: {"max_abs": m, "mean_abs": m / 10, "k3_kl": m / 100}  # noqa: E731
     doc = {"model": "x", "tokens": 512, "ratios": [0.5],
            "pairs": {"bf16 vs w4a4": {"label": "bf16 vs w4a4", "gap": gap(3.9), "layers": layers},
+                     "bf16 vs w4a16": {"gap": gap(3.0), "layers": layers},
+                     "aqat vs w4a4": {"gap": gap(3.5), "layers": layers},
                      "aqat vs quads@0.5 (output_error)": {"gap": gap(1.8), "layers": layers},
                      "aqat vs quads@0.5 (activation_magnitude)": {"gap": gap(1.9), "layers": layers}}}
     (tmp_path / "analysis").mkdir()
@@ -84,6 +86,8 @@ def test_the_analysis_section_lists_each_layers_errors_and_the_rac_pairs(tmp_pat
     assert "Gap decomposition of naive-nvfp4.seed0.none's final checkpoint" in text
     assert "| layer 1 | 0.0400 | 0.0200 |" in text
     assert "| aqat vs quads@0.5 (output_error) | 1.800 | 0.1800 | 1.80e-02 |" in text and "activation_magnitude" not in text
+    # the summary row: layer means, weights alone (bf16 vs w4a16), activations alone (aqat vs w4a4), RAC by ratio
+    assert "| naive-nvfp4.seed0.none | 0.0450 | 0.0250 | 0.3000 | 0.3500 | 0.1800 |" in text
 
 
 def test_the_warning_sweep_counts_warnings_before_collapses_and_false_alarms() -> None:
