@@ -3,10 +3,10 @@
 Runs on CPU on a Megatron-Core GPT-MoE (the tiny embedded architecture by default, random or from a
 Megatron dist checkpoint) or on a local Hugging Face Qwen3-MoE-format model (a QUADS checkpoint
 too: its NVFP4 weights dequantized); the routed experts' linears are the layers in scope. Token
-sequences are random ids by default (``tokens="random"``: any model), or, for the embedded model,
-the embedded task's held-out problems with their answers packed back to back
-(``tokens="embedded-task"``: the text it was trained on, so the activations are the ones GRPO sees);
-calibration and measurement draw different sequences. For each pair
+sequences are random ids by default (any model), or rows the caller gives (``megatron-quads analyze
+--tokens embedded-task``: the embedded task's held-out problems with their answers, the text the
+embedded model was trained on, so the activations are the ones GRPO sees); calibration and
+measurement use different sequences. For each pair
 of :func:`megatron_quads.rollout.analysis.default_pairs` it reports the per-token log-prob gap of the
 whole model and, per layer, the weight-error and activation-error terms; QUADS is measured at several
 RAC ratios and with each channel-ranking statistic.
@@ -199,38 +199,11 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
-TOKEN_SOURCES = ("random", "embedded-task")
-
-
-def embedded_task_rows(num_sequences: int, seq_len: int, seed: int) -> torch.Tensor:
-    """``[num_sequences, seq_len]`` ids of the embedded task's held-out problems and their answers
-    (``<bos>`` prompt, answer, ``<eos>``), packed back to back and cut into rows."""
-    from megatron_quads import embedded
-    from megatron_quads.tasks import encode_sft_pair
-
-    tok, pairs = embedded.tokenizer(), embedded.task(split="eval").iter_sft_pairs(seed=seed)
-    ids: list[int] = []
-    while len(ids) < num_sequences * seq_len:
-        ids += encode_sft_pair(tok, *next(pairs))[0]
-    return torch.tensor(ids[: num_sequences * seq_len]).view(num_sequences, seq_len)
-
-
-def token_rows(source: str, vocab_size: int, num_sequences: int, seq_len: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(calibration rows, measured rows) from ``source`` (:data:`TOKEN_SOURCES`), different sequences each."""
-    if source == "random":
-        gen = torch.Generator().manual_seed(seed)
-        return (torch.randint(0, vocab_size, (num_sequences, seq_len), generator=gen),
-                torch.randint(0, vocab_size, (num_sequences, seq_len), generator=gen))
-    if source == "embedded-task":
-        from megatron_quads import embedded
-
-        expected = embedded.model_config_fields()["vocab_size"]
-        if vocab_size != expected:
-            raise ValueError(f"tokens 'embedded-task' are the embedded model's characters (its vocabulary: {expected}); "
-                             f"this model's vocabulary is {vocab_size}: use tokens 'random'")
-        return (embedded_task_rows(num_sequences, seq_len, 2 * seed),
-                embedded_task_rows(num_sequences, seq_len, 2 * seed + 1))
-    raise ValueError(f"unknown token source {source!r}: use one of {', '.join(TOKEN_SOURCES)}")
+def random_rows(vocab_size: int, num_sequences: int, seq_len: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(calibration rows, measured rows) of random ids, different sequences each."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, vocab_size, (num_sequences, seq_len), generator=gen),
+            torch.randint(0, vocab_size, (num_sequences, seq_len), generator=gen))
 
 
 def run(
@@ -242,15 +215,26 @@ def run(
     num_sequences: int = 8,
     seq_len: int = 64,
     seed: int = 0,
-    tokens_from: str = "random",
+    rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+    token_source: str = "random",
+    rows_vocab_size: int | None = None,
 ) -> dict:
-    """Run the analysis, write ``analysis.json`` and ``analysis.png`` to ``out_dir``; returns the report."""
+    """Run the analysis, write ``analysis.json`` and ``analysis.png`` to ``out_dir``; returns the report.
+
+    ``rows``: (calibration, measured) token rows of a source named ``token_source``, made for a model
+    of vocabulary ``rows_vocab_size`` (another model is refused); default: random ids."""
     if hf_model and checkpoint:
         raise ValueError("pass either a Megatron checkpoint or a Hugging Face model, not both")
     target = load_hf_model(hf_model) if hf_model else load_megatron_tiny(checkpoint, seed)
-    calib, tokens = token_rows(tokens_from, target.vocab_size, num_sequences, seq_len, seed)
+    if rows is None:
+        calib, tokens = random_rows(target.vocab_size, num_sequences, seq_len, seed)
+    elif rows_vocab_size is not None and rows_vocab_size != target.vocab_size:
+        raise ValueError(f"tokens {token_source!r} are for a model of vocabulary {rows_vocab_size}; this model's "
+                         f"vocabulary is {target.vocab_size}: use tokens 'random'")
+    else:
+        calib, tokens = rows
     analysis = QuantAnalysis(target.model, target.modules, target.forward)
-    report: dict = {"model": target.description, "tokens": tokens.numel(), "token_source": tokens_from,
+    report: dict = {"model": target.description, "tokens": tokens.numel(), "token_source": token_source,
                     "ratios": list(ratios), "pairs": {}}
     for statistic in statistics:
         analysis.calibrate(calib, list(ratios), statistic)

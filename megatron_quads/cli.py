@@ -27,6 +27,17 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _analysis_rows(args: argparse.Namespace) -> dict:
+    """``analyze``'s token rows for ``--tokens`` (random: left to the analysis, which knows the vocabulary)."""
+    if args.tokens == "random":
+        return {}
+    from megatron_quads import embedded
+
+    rows = (embedded.task_token_rows(args.sequences, args.seq_len, 2 * args.seed),
+            embedded.task_token_rows(args.sequences, args.seq_len, 2 * args.seed + 1))
+    return {"rows": rows, "token_source": args.tokens, "rows_vocab_size": embedded.model_config_fields()["vocab_size"]}
+
+
 def _cmd_analyze(args: argparse.Namespace) -> int:
     from megatron_quads.analyze import run, table_rows
     from megatron_quads.rollout.rac import ChannelStatistic
@@ -40,7 +51,7 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         num_sequences=args.sequences,
         seq_len=args.seq_len,
         seed=args.seed,
-        tokens_from=args.tokens,
+        **_analysis_rows(args),
     )
     table = Table(title=f"rollout vs trainer gap: {report['model']}, {report['tokens']} tokens ({args.tokens})")
     for column in ("pair", "max |Δlogp|", "mean |Δlogp|", "k3 KL", "weight err", "activation err"):

@@ -64,3 +64,17 @@ def greedy_accuracy(weights: dict, hf_config, n: int = 200, seed: int = 1, preci
     outs = engine.generate([encode_prompt(tok, p.text) for p in prompts],
                            SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=(tok.eos_id,)))
     return sum(heldout.rewards(prompts, [tok.decode(g.token_ids) for g in outs])) / n
+
+
+def task_token_rows(num_sequences: int, seq_len: int, seed: int) -> "torch.Tensor":
+    """``[num_sequences, seq_len]`` ids of the task's held-out problems and their answers (``<bos>``
+    prompt, answer, ``<eos>``), packed back to back and cut into rows: text the embedded model knows."""
+    import torch
+
+    from megatron_quads.tasks import encode_sft_pair
+
+    tok, pairs = tokenizer(), task(split="eval").iter_sft_pairs(seed=seed)
+    ids: list[int] = []
+    while len(ids) < num_sequences * seq_len:
+        ids += encode_sft_pair(tok, *next(pairs))[0]
+    return torch.tensor(ids[: num_sequences * seq_len]).view(num_sequences, seq_len)

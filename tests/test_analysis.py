@@ -166,10 +166,9 @@ def test_missing_hf_model_directory_is_a_clear_error(tmp_path) -> None:
 
 def test_embedded_task_tokens_are_held_out_problems_with_their_answers_and_differ_between_calibration_and_measure() -> None:
     from megatron_quads import embedded
-    from megatron_quads.analyze import token_rows
     from megatron_quads.tasks.arithmetic import is_eval_problem
 
-    calib, measured = token_rows("embedded-task", 32, 3, 40, seed=0)
+    calib, measured = embedded.task_token_rows(3, 40, seed=0), embedded.task_token_rows(3, 40, seed=1)
     assert calib.shape == measured.shape == (3, 40) and not torch.equal(calib, measured)
     tok, task = embedded.tokenizer(), embedded.task(split="eval")
     text = tok.decode(measured.view(-1).tolist(), skip_special_tokens=False)
