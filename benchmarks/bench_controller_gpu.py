@@ -64,8 +64,7 @@ def markdown(records: dict[str, dict]) -> str:
                      f"{r['steps_measured']} steps after the first.")
     lines += ["", "| quantity | " + " | ".join(f"({i})" for i in range(1, len(cols) + 1)) + " |",
               "|---|" + "---:|" * len(cols)]
-    quantities = [q for q in dict.fromkeys(q for r in cols for q in r["median"])]
-    for q in quantities:
+    for q in dict.fromkeys(q for r in cols for q in r["median"]):
         lines.append(f"| {q} | " + " | ".join(str(r["median"].get(q, "")) for r in cols) + " |")
     for label, field in (("sync GB/s (bf16 params)", "sync_GBps_of_bf16_params"),
                          ("sync GB/s (payload)", "sync_GBps_of_payload"),

@@ -114,8 +114,6 @@ def claimed(lock_path: Path) -> Iterator[bool]:
 def train_one(name: str, overrides: list[str], steps: int, out: Path, results: Path) -> bool:
     """Train (or resume, or skip) one run; True when its records are complete and copied to ``results``.
     A run another process is training (its ``<out>/<name>.lock`` held) is skipped."""
-    if len(read_records(results / f"{name}.metrics.jsonl")) >= steps:
-        return True
     with claimed(out / f"{name}.lock") as mine:
         if not mine:
             print(f"[study] {name}: another process is training it; skipped", flush=True)
@@ -124,7 +122,7 @@ def train_one(name: str, overrides: list[str], steps: int, out: Path, results: P
 
 
 def _train_claimed(name: str, overrides: list[str], steps: int, out: Path, results: Path) -> bool:
-    if len(read_records(results / f"{name}.metrics.jsonl")) >= steps:
+    if len(read_records(results / f"{name}.metrics.jsonl")) >= steps:  # done, maybe by another process
         return True
     run_dir = out / name
     saved = run_dir / "config.yaml"
@@ -262,7 +260,8 @@ def report_markdown(runs: dict[str, dict[str, list[dict]]], stamp: dict[str, str
         metrics = [runs[n]["metrics"] for n in names]
         evals = [runs[n]["eval"][-1]["eval/pass@1"] for n in names if runs[n]["eval"]]
         pass1 = with_spread(evals, 3) if evals else ""
-        tails = {key: [_tail_mean(m, key) for m in metrics] for key in ("reward", "mismatch/gap_max_abs")}
+        tails = {key: [_tail_mean(m, key) for m in metrics]
+                 for key in ("reward", "mismatch/gap_max_abs", "mismatch/gap_mean_abs", "mismatch/k3_kl")}
         collapses = [collapse_step([r["reward"] for r in m]) for m in metrics]
         warnings = [first_warning(m) for m in metrics]
         collapsed = ", ".join(f"step {c}" if c is not None else "no" for c in collapses)
@@ -270,10 +269,10 @@ def report_markdown(runs: dict[str, dict[str, list[dict]]], stamp: dict[str, str
             "no" if w is None else (f"step {w} ({c - w} steps before)" if c is not None and w <= c else
                                     f"step {w}" + (" (false alarm)" if c is None else " (after)"))
             for w, c in zip(warnings, collapses, strict=True))
-        mean = lambda key: statistics.fmean(_tail_mean(m, key) for m in metrics)  # noqa: E731
         lines.append(f"| {mode} | {correction} | {len(names)} | {min(len(m) for m in metrics)} | "
                      f"{with_spread(tails['reward'], 3)} | {pass1} | {with_spread(tails['mismatch/gap_max_abs'], 3)} | "
-                     f"{mean('mismatch/gap_mean_abs'):.4f} | {mean('mismatch/k3_kl'):.2e} | {collapsed} | {warned} |")
+                     f"{statistics.fmean(tails['mismatch/gap_mean_abs']):.4f} | "
+                     f"{statistics.fmean(tails['mismatch/k3_kl']):.2e} | {collapsed} | {warned} |")
     sweep = []
     for mode, ratio in RAC_SWEEP.items():
         names = [n for (m, c), group in _groups(runs).items() if m == mode and c == "none" for n in group]
@@ -374,13 +373,12 @@ def analyze_runs(args: argparse.Namespace) -> None:
             _copy_atomic(work / f"analysis.{suffix}", target / f"{name}.{suffix}")
 
 
-def analysis_summary_markdown(paths: Sequence[Path]) -> list[str]:
+def analysis_summary_markdown(docs: dict[str, dict]) -> list[str]:
     """One row per analysed checkpoint: the layers' mean weight and activation error, the mean |Δlogp|
     of weights alone (BF16 vs W4A16) and of activations alone (AQAT vs W4A4), and AQAT vs W4A4 + RAC's
     at each ratio (the mean, not the max or k3 KL, which a few tokens decide)."""
-    if not paths:
+    if not docs:
         return []
-    docs = {path.stem: json.loads(path.read_text()) for path in paths}
     ratios = list(next(iter(docs.values()))["ratios"])
     lines = ["", "## Gap decomposition of the analysed checkpoints (`megatron-quads analyze`; mean |Δlogp|)", "",
              "| checkpoint | weight error (rel., layer mean) | activation error (rel., layer mean) | weights alone | "
@@ -400,12 +398,11 @@ def analysis_summary_markdown(paths: Sequence[Path]) -> list[str]:
 def analysis_markdown(results: Path) -> list[str]:
     """Per analysed checkpoint: each layer's weight and activation error (BF16 vs W4A4) and the gap of
     AQAT vs W4A4 + RAC by ratio (channels by output error), from ``results/analysis/*.json``."""
-    paths = sorted((results / "analysis").glob("*.json"))
-    lines = analysis_summary_markdown(paths)
-    for path in paths:
-        doc = json.loads(path.read_text())
+    docs = {path.stem: json.loads(path.read_text()) for path in sorted((results / "analysis").glob("*.json"))}
+    lines = analysis_summary_markdown(docs)
+    for name, doc in docs.items():
         pairs = doc["pairs"]
-        lines += ["", f"## Gap decomposition of {path.stem}'s final checkpoint (`megatron-quads analyze`, "
+        lines += ["", f"## Gap decomposition of {name}'s final checkpoint (`megatron-quads analyze`, "
                   f"{doc['tokens']} tokens)", "",
                   "| layer | weight error (rel.) | activation error (rel.) |", "|---|---:|---:|"]
         lines += [f"| {layer} | {v['weight_rel']:.4f} | {v['activation_rel']:.4f} |"
