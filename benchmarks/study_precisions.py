@@ -13,7 +13,8 @@ holds a config resumes from its newest checkpoint; a run whose records are compl
 the command can be stopped and started again (``--max-minutes`` stops launching new runs after that
 long). Several ``run`` processes can share a grid: each claims a run with a lock file
 (``<out>/<run>.lock``) and skips the runs another one holds. Each finished run's ``metrics.jsonl``
-and ``eval.jsonl`` are copied to ``--results`` (``benchmarks/results/study/<run>.{metrics,eval}.jsonl``),
+and ``eval.jsonl`` are copied, gzip-compressed, to ``--results``
+(``benchmarks/results/study/<run>.{metrics,eval}.jsonl.gz``),
 the files the report reads. A grid given overrides of its own (``key=value`` after ``run``) needs
 its own ``--out`` and ``--results``; they are recorded in ``<results>/grid.json``.
 
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import gzip
 import json
 import shutil
 import statistics
@@ -97,6 +99,15 @@ def _copy_atomic(source: Path, target: Path) -> None:
     write_atomic(target, lambda tmp: shutil.copyfile(source, tmp))
 
 
+def _copy_compressed(source: Path, target: Path) -> None:
+    """``source`` gzip-compressed into ``target``, atomically (``mtime=0``: the same bytes every time)."""
+    write_atomic(target, lambda tmp: Path(tmp).write_bytes(gzip.compress(source.read_bytes(), mtime=0)))
+
+
+METRICS_SUFFIX, EVAL_SUFFIX = ".metrics.jsonl.gz", ".eval.jsonl.gz"
+"""The results files of a run, beside its name."""
+
+
 @contextlib.contextmanager
 def claimed(lock_path: Path) -> Iterator[bool]:
     """Whether this process holds ``lock_path``'s exclusive lock (held until the block ends; released by
@@ -122,7 +133,7 @@ def train_one(name: str, overrides: list[str], steps: int, out: Path, results: P
 
 
 def _train_claimed(name: str, overrides: list[str], steps: int, out: Path, results: Path) -> bool:
-    if len(read_records(results / f"{name}.metrics.jsonl")) >= steps:  # done, maybe by another process
+    if len(read_records(results / f"{name}{METRICS_SUFFIX}")) >= steps:  # done, maybe by another process
         return True
     run_dir = out / name
     saved = run_dir / "config.yaml"
@@ -136,9 +147,9 @@ def _train_claimed(name: str, overrides: list[str], steps: int, out: Path, resul
     if len(read_records(run_dir / "metrics.jsonl")) < steps:
         return False
     results.mkdir(parents=True, exist_ok=True)
-    _copy_atomic(run_dir / "metrics.jsonl", results / f"{name}.metrics.jsonl")
+    _copy_compressed(run_dir / "metrics.jsonl", results / f"{name}{METRICS_SUFFIX}")
     if (run_dir / "eval.jsonl").is_file():
-        _copy_atomic(run_dir / "eval.jsonl", results / f"{name}.eval.jsonl")
+        _copy_compressed(run_dir / "eval.jsonl", results / f"{name}{EVAL_SUFFIX}")
     return True
 
 
@@ -219,9 +230,9 @@ def _shown(path: Path) -> str:
 def load_results(results: Path) -> dict[str, dict[str, list[dict]]]:
     """``{run name: {"metrics": records, "eval": records}}`` of every run in ``results``."""
     out = {}
-    for path in sorted(results.glob("*.metrics.jsonl")):
-        name = path.name[: -len(".metrics.jsonl")]
-        out[name] = {"metrics": read_records(path), "eval": read_records(results / f"{name}.eval.jsonl")}
+    for path in sorted(results.glob(f"*{METRICS_SUFFIX}")):
+        name = path.name[: -len(METRICS_SUFFIX)]
+        out[name] = {"metrics": read_records(path), "eval": read_records(results / f"{name}{EVAL_SUFFIX}")}
     return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import sys
 from pathlib import Path
@@ -12,6 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import study_precisions  # noqa: E402
 from study_precisions import (  # noqa: E402
+    EVAL_SUFFIX,
+    METRICS_SUFFIX,
     claimed,
     record_overrides,
     collapse_step,
@@ -36,8 +39,12 @@ def test_a_reward_that_falls_to_a_third_of_its_peak_collapses_and_a_noisy_platea
 def _write_run(results: Path, name: str, rewards: list[float], gap: float, k3: list[float]) -> None:
     records = [{"step": i, "reward": r, "mismatch/gap_max_abs": gap, "mismatch/gap_mean_abs": gap / 10, "mismatch/k3_kl": k}
                for i, (r, k) in enumerate(zip(rewards, k3, strict=True))]
-    (results / f"{name}.metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    (results / f"{name}.eval.jsonl").write_text(json.dumps({"step": len(rewards), "eval/pass@1": rewards[-1]}) + "\n")
+    _write_records(results / f"{name}{METRICS_SUFFIX}", records)
+    _write_records(results / f"{name}{EVAL_SUFFIX}", [{"step": len(rewards), "eval/pass@1": rewards[-1]}])
+
+
+def _write_records(path: Path, records: list[dict]) -> None:
+    path.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in records).encode()))
 
 
 def _rising_from(start: int, steps: int) -> list[float]:
@@ -129,7 +136,7 @@ def test_a_grids_overrides_are_named_in_its_report_and_other_overrides_are_refus
     with pytest.raises(SystemExit, match="its own --results"):
         record_overrides(results, [])
     records = [{"reward": 0.5, "mismatch/gap_max_abs": 0.1, "mismatch/gap_mean_abs": 0.01, "mismatch/k3_kl": 1e-3}] * 3
-    (results / "bf16.seed0.none.metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    _write_records(results / f"bf16.seed0.none{METRICS_SUFFIX}", records)
     text = report_markdown(load_results(results), STAMP, results)
     assert "with `grpo.optim.lr=0.001`" in text.splitlines()[0]
 

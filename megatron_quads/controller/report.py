@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -44,10 +45,12 @@ class MetricsSink:
 
 
 def read_records(path: Path | None) -> list[dict]:
-    """The records of a JSONL record file, in order (none if it does not exist)."""
+    """The records of a JSONL record file (gzip-compressed when its name ends in ``.gz``), in order
+    (none if it does not exist)."""
     if path is None or not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def plot_run(metrics_path: Path, out_path: Path, eval_path: Path | None = None) -> Path:
