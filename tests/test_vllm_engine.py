@@ -22,6 +22,7 @@ from megatron_quads.rollout.engine import SamplingParams  # noqa: E402
 from megatron_quads.rollout.torch_engine import TorchRolloutEngine  # noqa: E402
 from megatron_quads.rollout.weights import save_quantized_weights  # noqa: E402
 from megatron_quads.vllm_plugin.engine import VllmRolloutEngine  # noqa: E402
+from megatron_quads.vllm_plugin.versions import vllm_capture_sizes  # noqa: E402
 from vllm_support import (  # noqa: E402
     RATIO,
     calibrated_weights,
@@ -137,8 +138,10 @@ def test_sampling_follows_the_seed_and_stop_tokens_end_a_response(model: dict) -
         stopped = engine.generate(model["prompts"][:1], SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=(stop,)))
         with pytest.raises(ValueError, match="top_p=1"):
             engine.generate(model["prompts"], SamplingParams(top_p=0.9))
+        graphs = (engine.cudagraph_mode(), vllm_capture_sizes(engine.llm))
     finally:
         engine.close()
+    assert graphs == ("NONE", [])  # eager: what the version shim reads off vLLM's config
     assert [g.token_ids for g in first] == [g.token_ids for g in again]
     assert [g.token_ids for g in first] != [g.token_ids for g in other]
     assert stopped[0].finish_reason == "stop" and stopped[0].token_ids[-1] == stop

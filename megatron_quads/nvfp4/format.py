@@ -7,6 +7,8 @@ round-to-nearest-even mapping from fp32 to codes, and the two-codes-per-byte pac
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 BLOCK_SIZE = 16
@@ -63,7 +65,14 @@ def magnitude_index(scaled: torch.Tensor, use_bucketize: bool | None = None) -> 
 
 
 def e2m1_lut(device: torch.device | str = "cpu") -> torch.Tensor:
-    """The 16 E2M1 values as fp32, indexed by code (codes 8..15 are the negatives of 0..7)."""
+    """The 16 E2M1 values as fp32, indexed by code (codes 8..15 are the negatives of 0..7). One
+    tensor per device, made on the first call: later calls copy nothing from the host, so a CUDA
+    graph can capture code that decodes. Read it, never write it."""
+    return _e2m1_lut(torch.device(device))
+
+
+@functools.cache
+def _e2m1_lut(device: torch.device) -> torch.Tensor:
     magnitudes = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=device)
     return torch.cat([magnitudes, -magnitudes])
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from megatron_quads.nvfp4 import NVFP4Tensor
 from megatron_quads.rollout.rac import rac_linear
-from megatron_quads.rollout.w4a4 import w4a4_linear
+from megatron_quads.rollout.w4a4 import w4a16_linear, w4a4_linear
 
 PRECISIONS = ("bf16", "aqat", "w4a4", "quads")
 
@@ -64,7 +64,7 @@ def linear_output(x: torch.Tensor, state: LinearState, precision: Precision) -> 
     if precision.kind == "bf16":
         raise ValueError("bf16 computes with the unquantized weight, which a LinearState does not hold")
     if precision.kind == "aqat":
-        return (x.float() @ state.quantized.dequantize(torch.float32).t()).to(x.dtype)
+        return w4a16_linear(x, state.quantized)
     if precision.kind == "w4a4":
         return w4a4_linear(x, state.quantized)
     channels = state.channels[precision.ratio]

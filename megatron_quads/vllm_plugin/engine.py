@@ -40,6 +40,7 @@ from megatron_quads.rollout.weights import (
     save_quantized_weights,
 )
 from megatron_quads.vllm_plugin.serving import PRECISION_ENV
+from megatron_quads.vllm_plugin.versions import vllm_cudagraph_mode
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 WORKER_EXTENSION = "megatron_quads.vllm_plugin.worker_extension.QuadsWorkerExtension"
@@ -54,6 +55,8 @@ class VllmOptions:
     cpu_kv_cache_gb: int = 1  # CPU: VLLM_CPU_KVCACHE_SPACE
     gpu_memory_utilization: float = 0.5  # GPU: the fraction of the GPU vLLM may take
     enforce_eager: bool = True  # False: CUDA graphs on GPU
+    cudagraph_mode: str = "FULL_DECODE_ONLY"  # vLLM's CUDAGraphMode name, when not enforce_eager
+    compilation_mode: int = 0  # vLLM's torch.compile mode when not enforce_eager (0: none)
     multiprocess: bool = False  # True: the engine core in its own process (vLLM's default)
     tensor_parallel_size: int = 1  # GPUs per engine (attention tensor-parallel)
     enable_expert_parallel: bool = False  # routed experts expert-parallel over those GPUs (the QUADS MoE method's sharding)
@@ -125,6 +128,8 @@ class VllmRolloutEngine:
                              "engine (rollout.vllm.multiprocess=false, tensor_parallel_size=1) and enforce_eager=true")
         max_len = self.options.max_model_len or int(self.hf_config.get("max_position_embeddings", 2048))
         served = None if self.precision == "bf16" else f"quads@{self.ratio}" if self.precision == "quads" else self.precision
+        graphs = {} if self.options.enforce_eager else {"compilation_config": {
+            "mode": self.options.compilation_mode, "cudagraph_mode": self.options.cudagraph_mode}}
         with _environment(PRECISION_ENV, served):
             self.llm = LLM(
                 model=str(directory), skip_tokenizer_init=True, dtype=_DTYPE_NAMES[self.dtype], max_model_len=max_len,
@@ -134,9 +139,14 @@ class VllmRolloutEngine:
                 worker_extension_cls=WORKER_EXTENSION, tensor_parallel_size=self.options.tensor_parallel_size,
                 enable_expert_parallel=self.options.enable_expert_parallel,
                 # a cached prefix is not computed, so its tokens' routing could not be captured
-                enable_prefix_caching=not self.options.routed_experts,
+                enable_prefix_caching=not self.options.routed_experts, **graphs,
             )
         self.weight_version = self._version_of(directory)
+
+    def cudagraph_mode(self) -> str:
+        """The CUDA-graph mode vLLM runs with after start-up (``NONE`` when eager): vLLM may lower the
+        mode it was asked for where the attention backend or the platform cannot capture it."""
+        return vllm_cudagraph_mode(self.llm)
 
     def _version_of(self, directory: Path) -> int:
         quads = json.loads((directory / "config.json").read_text()).get("quantization_config", {}).get("quads", {})

@@ -154,8 +154,10 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
         """The kernels' forms of the parameters, built once on CUDA: each projection a prepared
         :class:`GroupedProjection` (contiguous decode scales, the RAC tail as the grouped GEMM takes
         it); elsewhere none (:meth:`apply` views the parameters). Run again after vLLM's layer-wise
-        reload, which processes a temporary copy of the layer."""
-        layer.quads_kernel_forms = layer.quads_fp4_experts = None
+        reload, which processes a temporary copy of the layer, and after calibration: forms already
+        held keep their storage (new values are copied into them), so CUDA graphs captured over them
+        replay the new weights."""
+        held, layer.quads_kernel_forms, layer.quads_fp4_experts = getattr(layer, "quads_kernel_forms", None), None, None
         if self.precision.kind in ("w4a4", "quads") and fp4_gemm_supported(layer.w13_weight.device):
             layer.quads_fp4_experts = {projection: self._fp4_weights(layer, projection) for projection in ("w13", "w2")}
             return
@@ -171,7 +173,7 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
                 residual = replace(self._stack(layer, projection, residual=True), weight_scale_2=weight.weight_scale_2)
             forms[projection] = GroupedProjection(self.precision, weight, channels, residual)
             forms[projection].prepare()
-        layer.quads_kernel_forms = forms
+        layer.quads_kernel_forms = _into_held_storage(held, forms)
 
     def _fp4_weights(self, layer: torch.nn.Module, projection: str) -> list[AugmentedWeight]:
         """Each expert's ``[q(W), W_S]`` as vLLM's FP4 GEMM takes it (sm_100)."""
@@ -185,6 +187,11 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module):
         """None: the method computes itself (vLLM's modular kernels are not used)."""
+        return None
+
+    def maybe_make_prepare_finalize(self, routing_tables=None):
+        """None: no all-to-all prepare / finalize kernels (vLLM 0.26 asks for them under data and expert
+        parallelism and fails on a method that has none; 0.32 no longer asks)."""
         return None
 
     # ------------------------------------------------------------------ compute
@@ -228,6 +235,22 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
             raise ValueError(f"{layer.layer_name}: RAC calibration is for the quads precision, this layer serves {self.serving.precision!r}")
         experts = layer.w13_weight.shape[0]
         layer.quads_calibration = {p: [ChannelStats(layer.quads_sizes[p][1]) for _ in range(experts)] for p in ("w13", "w2")}
+
+    def residual_channel_sets(self, layer: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Every local expert's RAC channel set (CPU int32) by checkpoint module name (gate_proj and
+        up_proj: w13's set; down_proj: w2's)."""
+        sets = {}
+        for projection, shards in (("w13", ("w1", "w3")), ("w2", ("w2",))):
+            for e, channels in enumerate(_channels(layer, projection).cpu()):
+                for shard in shards:
+                    sets[_checkpoint_name(layer, e, shard, "")[:-1]] = channels.clone()
+        return sets
+
+    def routed_token_counts(self, layer: torch.nn.Module) -> list[int]:
+        """Tokens each local expert has recorded since :meth:`begin_calibration`."""
+        if layer.quads_calibration is None:
+            raise RuntimeError(f"{layer.layer_name}: no calibration in progress (begin_calibration)")
+        return [stats.tokens for stats in layer.quads_calibration["w13"]]
 
     def finish_calibration(self, layer: torch.nn.Module, statistic: ChannelStatistic = ChannelStatistic.OUTPUT_ERROR) -> int:
         """Choose each expert's channels from the recorded inputs (an expert no token reached takes
@@ -382,6 +405,30 @@ def _fp4_experts_forward(experts: dict[str, list[AugmentedWeight]], x: torch.Ten
             gate, up = fp4_linear(rows[start:stop], experts["w13"][e]).chunk(2, dim=-1)
             out[start:stop] = fp4_linear(F.silu(gate) * up, experts["w2"][e])
     return combine_routed_rows(out, order, weights.reshape(-1, top_k), x.dtype)
+
+
+def _form_tensors(projection: GroupedProjection) -> list[torch.Tensor]:
+    """The tensors a prepared projection computes with (weight, decode scales, RAC tail)."""
+    parts = [projection.weight.codes, projection.weight.scales, projection.weight.weight_scale_2]
+    if projection.residual is not None:
+        parts += [projection.channels, projection.residual.codes, projection.residual.scales, projection.residual.weight_scale_2]
+    return parts
+
+
+def _into_held_storage(held: dict[str, GroupedProjection] | None,
+                       new: dict[str, GroupedProjection]) -> dict[str, GroupedProjection]:
+    """``new``'s values in ``held``'s tensors where both have the same layout (copied where they are
+    not already the same storage), else ``new``: a CUDA graph keeps the addresses it captured."""
+    if held is None:
+        return new
+    pairs = [(old, fresh) for p in new for old, fresh in zip(_form_tensors(held[p]), _form_tensors(new[p]))]
+    if (any(len(_form_tensors(held[p])) != len(_form_tensors(new[p])) for p in new)
+            or any((old.shape, old.dtype, old.stride()) != (fresh.shape, fresh.dtype, fresh.stride()) for old, fresh in pairs)):
+        return new
+    for old, fresh in pairs:
+        if old.data_ptr() != fresh.data_ptr():
+            old.copy_(fresh)
+    return held
 
 
 def _local_routing(layer: torch.nn.Module, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

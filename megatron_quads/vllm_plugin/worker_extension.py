@@ -27,8 +27,12 @@ class QuadsWorkerExtension:
     def quads_update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load checkpoint-named tensors into the model in place through vLLM's layer-wise reload
         (every layer processed again, results copied into the parameters' storage); returns the count."""
+        from vllm.config import set_current_vllm_config
+
         tensors = list(named_tensors)
-        self.model_runner.reload_weights(weights_iterator=iter(tensors))
+        # vLLM 0.32's Worker.reload_weights sets the config context, 0.26's does not: set it here for both
+        with set_current_vllm_config(self.vllm_config):
+            self.model_runner.reload_weights(weights_iterator=iter(tensors))
         model = self.model_runner.get_model()
         for module in model.modules():  # the reload processed temporary copies: derive from the parameters again
             if hasattr(getattr(module, "quant_method", None), "prepare"):
@@ -80,6 +84,32 @@ class QuadsWorkerExtension:
         if capture is None:
             raise RuntimeError("routing capture was not started (quads_start_routing_capture)")
         return capture.take()
+
+    def quads_layer_methods(self) -> dict[str, int]:
+        """``{quant method class name: layers}`` over the model's modules that hold one (which of
+        vLLM's or the plugin's methods serves each kind of layer)."""
+        counts: dict[str, int] = {}
+        for module in self.model_runner.get_model().modules():
+            method = getattr(module, "quant_method", None)
+            if method is not None:
+                name = type(method).__name__
+                counts[name] = counts.get(name, 0) + 1
+        return counts
+
+    def quads_residual_channels(self) -> dict[str, torch.Tensor]:
+        """Every routed expert's RAC channel set (CPU int32) by checkpoint module name (in-process
+        engines: tensors)."""
+        sets: dict[str, torch.Tensor] = {}
+        for _, module in self._quads_layers():
+            if hasattr(module.quant_method, "residual_channel_sets"):
+                sets.update(module.quant_method.residual_channel_sets(module))
+        return sets
+
+    def quads_routed_token_counts(self) -> list[list[int]]:
+        """Per MoE layer of a calibration in progress, the routed tokens each local expert has seen
+        so far (how a batch spreads over the experts)."""
+        return [module.quant_method.routed_token_counts(module) for _, module in self._quads_layers()
+                if hasattr(module.quant_method, "routed_token_counts")]
 
     def quads_parameter_storage(self) -> dict[str, tuple[int, int]]:
         """``{parameter name: (data_ptr, nbytes)}`` of every model parameter."""

@@ -1,0 +1,66 @@
+"""The GPU vLLM benchmark's arithmetic and report (benchmarks/vllm_gpu_bench.py): the byte floor of a
+decode step, the kernel classes of the profile split, and the targets table."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from random_moe import QWEN3_30B_A3B  # noqa: E402
+from vllm_gpu_bench import _kernel_class, decode_step_bytes, markdown  # noqa: E402
+
+
+def test_one_sequence_reads_its_top_k_experts_and_the_dense_weights_once() -> None:
+    s = QWEN3_30B_A3B
+    attention = s.hidden * (s.heads + 2 * s.kv_heads) * s.head_dim + s.heads * s.head_dim * s.hidden
+    expert = 3 * s.hidden * s.expert_ffn
+    kv = 100 * 2 * s.kv_heads * s.head_dim * 2
+    want = s.layers * (2 * attention + 2 * s.top_k * expert + 2 * s.experts * s.hidden + kv) + 2 * s.vocab * s.hidden + 2 * s.hidden
+    assert decode_step_bytes(s, "bf16", 1, 100) == pytest.approx(want)
+
+
+def test_fewer_bytes_a_weight_fewer_bytes_a_step_and_the_rac_tail_adds_its_ratio() -> None:
+    s = QWEN3_30B_A3B
+    steps = {m: decode_step_bytes(s, m, 64, 512) for m in ("bf16", "fp8", "w4a16", "quads-0.25", "quads-0.5", "quads-0.25-attn")}
+    assert steps["bf16"] > steps["fp8"] > steps["quads-0.5"] > steps["quads-0.25"] > steps["w4a16"]
+    assert steps["quads-0.25-attn"] < steps["quads-0.25"]  # attention in NVFP4 too
+    tail = (steps["quads-0.5"] - steps["w4a16"]) / (steps["quads-0.25"] - steps["w4a16"])
+    assert tail == pytest.approx(2.0)
+    assert decode_step_bytes(s, "w4a16", 512, 512) > decode_step_bytes(s, "w4a16", 64, 512)
+
+
+@pytest.mark.parametrize(("name", "kind"), [
+    ("fused_moe_kernel", "moe"), ("_grouped_ws_kernel", "moe"), ("_quantize_rows_kernel", "moe"),
+    ("void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<", "attention"),
+    ("void vllm::reshape_and_cache_flash_kernel<", "attention"), ("nvjet_sm90_tst_384x64_64x3_2x1_v_bz_coopB_TNN", "other"),
+    ("void vllm::rms_norm_kernel<c10::BFloat16, 8, 3, true>", "other"),
+])
+def test_kernels_are_classed_by_name(name: str, kind: str) -> None:
+    assert _kernel_class(name) == kind
+
+
+def _record(w4a16: dict[int, float], fp8: dict[int, float]) -> dict:
+    def mode(rates: dict[int, float]) -> dict:
+        return {"cudagraph_mode": "FULL_DECODE_ONLY", "capture_sizes": [1, 512], "engine_start_s": 1.0, "methods": {},
+                "throughput": [{"batch": b, "decode_tokens_per_s": r} for b, r in rates.items()]}
+
+    return {"date": "d", "device": "GPU", "command": "c", "layers": 8, "of_layers": 48, "prompt_len": 256, "gen_len": 1024,
+            "engine_settings": {}, "copy_bandwidth_tb_per_s": 4.2, "floor": [], "floor_48_layers": [],
+            "modes": {"fp8": mode(fp8), "w4a16": mode(w4a16), "w4a4": {"mode": "w4a4", "error": "RuntimeError: boom"}}}
+
+
+def _target_row(text: str, against: str) -> str:
+    return next(line for line in text.splitlines() if line.startswith(f"| w4a16 | {against} |"))
+
+
+def test_a_target_is_met_only_when_every_batch_in_its_range_reaches_it() -> None:
+    fp8 = {1: 100.0, 8: 100.0, 256: 100.0, 512: 100.0}
+    met = markdown(_record({1: 50.0, 8: 131.0, 256: 140.0, 512: 10.0}, fp8))
+    assert _target_row(met, "fp8").endswith("| yes |")  # batches 1 and 512 lie outside 8-256
+    missed = markdown(_record({1: 500.0, 8: 131.0, 256: 129.0, 512: 500.0}, fp8))
+    assert _target_row(missed, "fp8").endswith("| no |") and "| 1.29x |" in _target_row(missed, "fp8")
+    assert "| w4a4 | failed: RuntimeError: boom |" in met
