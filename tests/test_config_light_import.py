@@ -71,3 +71,22 @@ def test_cli_schema_error_comes_before_heavy_imports() -> None:
     result = _run(["-c", code])
     assert result.returncode == 2, result.stdout + result.stderr
     assert "grpo.steps" in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_cli_refuses_what_the_engines_would_refuse_in_one_line_before_heavy_imports() -> None:
+    cases = {
+        "run_dir=": ["run_dir=''"],
+        "rollout.temperature=20.0": ["rollout.engine=vllm", "rollout.temperature=20"],
+        "rollout.max_new_tokens=60": ["rollout.max_new_tokens=60"],
+        "parallel.expert_parallel=2": ["trainer_world_size=4", "parallel.tensor_parallel=2", "parallel.expert_parallel=2"],
+    }
+    code = ("import json, sys\nfrom megatron_quads.cli import main\n"
+            f"rcs = [main(['train', {str(EXAMPLE)!r}, *case]) for case in {list(cases.values())!r}]\n"
+            f"print(json.dumps([rcs, [m for m in {HEAVY!r} if m in sys.modules]]))\n")
+    result = _run(["-c", code])
+    rcs, heavy = json.loads(result.stdout.strip().splitlines()[-1])
+    assert rcs == [2] * len(cases) and heavy == [], result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("invalid configuration: ")]
+    assert len(errors) == len(cases) and "Traceback" not in result.stderr, result.stderr
+    for error, key in zip(errors, cases, strict=True):  # one line each: the key, then the fix ("set ..." / "give ...")
+        assert key in error and (" set " in error or " give " in error), error

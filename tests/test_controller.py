@@ -132,6 +132,29 @@ def test_evaluation_before_every_other_step_and_after_the_last(tmp_path: Path) -
     assert all(0.0 <= e["eval/pass@1"] <= 1.0 and e["eval/response_length"] > 0 for e in evals)
 
 
+def test_prompts_too_long_for_the_model_are_skipped_and_counted(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A data file with prompts past the embedded model's 64 positions, on vLLM in quads mode (which
+    refuses such a prompt in the RAC calibration): each one that leaves fewer than max_new_tokens (5)
+    positions is skipped, in training and in evaluation, and counted; the one that leaves exactly 5 runs."""
+    pytest.importorskip("vllm")
+    questions = ["1+2=", "3+4=", "5-1=", "1+" * 28 + "1=",  # 58 characters + <bos>: 59 tokens, 5 left
+                 "1+" * 29 + "=",                          # 60 tokens: 4 left, skipped
+                 "1+" * 40 + "1="]                          # 83 tokens, past the model's positions, skipped
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "answer": "3"}) + "\n" for q in questions))
+    task = {"path": str(data), "prompt_template": "{question}", "answer_format": "raw"}
+    options = [f"task.{o}.{k}='{v}'" for o in ("options", "eval_options") for k, v in task.items()]
+    with caplog.at_level("WARNING", logger="megatron_quads.controller.run"):
+        records = _run(tmp_path / "run", "task.kind=qa", *options, "rollout.engine=vllm", "precision.mode=quads",
+                       "grpo.steps=2", "checkpoint.every=0", "eval.every=2", "eval.prompts=6")
+    assert [r["step"] for r in records] == [0, 1]
+    # two steps take 8 of the 4 fitting prompts: the whole first pass, both long prompts of it included
+    assert 2 <= sum(r["prompts/skipped_too_long"] for r in records) <= 4
+    evals = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    assert [e["eval/skipped_too_long"] for e in evals] == [2.0, 2.0]  # the 6 held-out problems: one pass
+    assert "skipped" in caplog.text and "longer than 59 tokens" in caplog.text
+
+
 def test_kl_penalty_to_the_starting_policy_under_router_replay(tmp_path: Path) -> None:
     from megatron_quads import embedded
 

@@ -155,3 +155,16 @@ def test_exported_names_cover_every_parameter() -> None:
     names = [name for name, _ in worker.export_hf_weights()]
     assert len(names) == len(set(names))
     assert "lm_head.weight" in names and "model.layers.1.mlp.experts.3.down_proj.weight" in names
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the rule is gloo's; on a GPU the ranks use NCCL")
+def test_a_layout_gloo_cannot_gather_is_refused_before_the_model_is_built() -> None:
+    """EP x expert-TP with the all-to-all dispatcher all-gathers parts of unequal sizes, which gloo
+    refuses mid-forward; the worker refuses the layout up front (a rule on its config, so one rank shows
+    it: the model is built on this one-rank world's groups)."""
+    layout = ParallelConfig(tensor_parallel=2, expert_parallel=2, sequence_parallel=True)
+    alltoall = PolicyWorkerConfig(model=PolicyModelConfig(**MODEL, moe_token_dispatcher="alltoall"), parallel=layout)
+    with pytest.raises(ValueError, match="cannot run on gloo .* set parallel.expert_tensor_parallel=1"):
+        PolicyWorker(alltoall)
+    allgather = alltoall.model_copy(update={"model": PolicyModelConfig(**MODEL, moe_token_dispatcher="allgather")})
+    assert PolicyWorker(allgather).model is not None

@@ -115,6 +115,13 @@ def test_calibration_in_vllm_chooses_the_builtin_engines_channels(model: dict) -
         engine.load_weights(uncalibrated, version=1)  # no channels yet: plain W4A4, as the built-in engine
         w4a4 = engine.generate(model["prompts"], GREEDY)
         assert max_logprob_gap(w4a4, reference.generate(model["prompts"], GREEDY)) < LOGPROB_TOL
+        # a prompt past the model's positions: vLLM's own error, not the empty calibration's after it, and
+        # the layers stop recording (they serve W4A4 as before)
+        positions = model["config_json"]["max_position_embeddings"]
+        too_long = [model["calibration"][0], [1] * (positions + 1)]
+        with pytest.raises(vllm.exceptions.VLLMValidationError, match=f"maximum context length is {positions} tokens"):
+            engine.calibrate(too_long)
+        assert max_logprob_gap(engine.generate(model["prompts"], GREEDY), w4a4) == 0.0
         # 4 layers x top-2 routed copies of every prompt token
         assert engine.calibrate(model["calibration"]) == 4 * 2 * sum(len(p) for p in model["calibration"])
         reference.calibrate(model["calibration"])

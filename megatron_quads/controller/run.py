@@ -20,6 +20,7 @@ from megatron_quads.atomic_io import write_atomic, write_text_atomic
 from megatron_quads.controller.config import RunConfig, check_runnable
 from megatron_quads.controller.failures import NO_RESUME_NOTE, TRAINER_RANKS, TrainerFailure, trainer_get
 from megatron_quads.controller.placement import Placement, Slot
+from megatron_quads.controller.prompts import draw_prompts, prompt_limit, select_prompts
 from megatron_quads.controller.report import MetricsSink, plot_run, read_records
 from megatron_quads.controller.run_dir import check_saved_config, hold_run_dir, keep_records_before, start_records
 from megatron_quads.controller.workers import (
@@ -596,16 +597,20 @@ def evaluate(cfg: RunConfig, rollouts: Rollouts, task, tok, step: int) -> dict[s
     """pass@1 of the engines' current weights on ``eval.prompts`` fixed held-out problems
     (``eval.samples`` responses each, at ``eval.temperature``): the mean correctness of the responses."""
     start = time.perf_counter()
-    problems = task.sample_prompts(cfg.eval.prompts, seed=cfg.seed)
-    k = cfg.eval.samples
-    ids = [tok.encode(p.text, add_bos=True) for p in problems for _ in range(k)]
+    limit = prompt_limit(cfg, evaluation=True)
+    held_out = select_prompts(task.sample_prompts(cfg.eval.prompts, seed=cfg.seed), tok, limit)  # too-long ones skipped
+    if held_out.skipped:
+        logger.warning("evaluation: skipped %d of %d held-out problems longer than %s", held_out.skipped,
+                       cfg.eval.prompts, limit)
+    problems, k = held_out.prompts, cfg.eval.samples
+    ids = [p for p in held_out.ids for _ in range(k)]
     params = SamplingParams(max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
                             temperature=cfg.eval.temperature, top_p=1.0 if cfg.eval.temperature == 0 else cfg.rollout.top_p,
                             seed=cfg.seed * 100003 + step + 7, stop_token_ids=(tok.eos_id,))
     generations = rollouts.generate(ids, params)
     results = task.score_batch([p for p in problems for _ in range(k)], [decode_response(tok, g.token_ids) for g in generations])
     return {"step": step, "eval/pass@1": sum(r.correct for r in results) / len(results),
-            "eval/reward": sum(r.reward for r in results) / len(results),
+            "eval/reward": sum(r.reward for r in results) / len(results), "eval/skipped_too_long": float(held_out.skipped),
             "eval/response_length": sum(len(g.token_ids) for g in generations) / len(generations),
             "time/eval": time.perf_counter() - start}
 
@@ -645,6 +650,7 @@ def _train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts) -> Path:
                             top_p=cfg.rollout.top_p, stop_token_ids=(tok.eos_id,),
                             return_routed_experts=cfg.rollout.router_replay == "r3")
     n = cfg.grpo.responses_per_prompt
+    limit = prompt_limit(cfg)
     release = cfg.placement.mode == "colocated" and cfg.rollout_on_gpu() and cfg.rollout.release_memory_during_training
     sink = MetricsSink(cfg, metrics_path, eval_path)
     monitor = GapMonitor(cfg.monitor) if cfg.monitor.enabled else None
@@ -653,8 +659,10 @@ def _train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts) -> Path:
     progress = tqdm(range(start, cfg.grpo.steps), initial=start, total=cfg.grpo.steps, desc="GRPO", unit="step")
     for step in progress:
         t0 = time.perf_counter()
-        prompts = stream.next_batch(cfg.grpo.prompts_per_step)
-        unique_ids = [tok.encode(p.text, add_bos=True) for p in prompts]
+        drawn = draw_prompts(stream, tok, cfg.grpo.prompts_per_step, limit)              # too-long prompts skipped
+        if drawn.skipped:
+            logger.warning("step %d: skipped %d prompt(s) longer than %s", step, drawn.skipped, limit)
+        prompts, unique_ids = drawn.prompts, drawn.ids
         prompt_ids = [ids for ids in unique_ids for _ in range(n)]
         sync = rollouts.sync(trainers, step)                                              # weight sync (quantize once)
         t_sync = time.perf_counter()
@@ -681,7 +689,7 @@ def _train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts) -> Path:
         t_train = time.perf_counter()
         record = {
             "step": step, "reward": float(rewards.mean()),
-            "response_length": float(batch["mask"].sum(1).mean()),
+            "response_length": float(batch["mask"].sum(1).mean()), "prompts/skipped_too_long": float(drawn.skipped),
             **{f"mismatch/{k}": float(v) for k, v in mismatch.items()}, **replay,
             **{f"train/{k}": v for k, v in train.items()},
             "time/sync": t_sync - t0, "time/calibrate": t_calibrate - t_sync, "time/generate": t_gen - t_eval,

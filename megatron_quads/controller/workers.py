@@ -22,13 +22,8 @@ def _elapsed(start: float) -> float:
 
 
 def policy_model_config(cfg: RunConfig):
-    """The policy architecture of a run."""
-    from megatron_quads import embedded
-    from megatron_quads.trainer.model import PolicyModelConfig, load_model_config
-
-    if cfg.model.embedded_default:
-        return PolicyModelConfig(**embedded.model_config_fields())
-    return cfg.model.architecture or load_model_config(cfg.model.checkpoint)
+    """The policy architecture of a run (:meth:`RunConfig.policy_architecture`)."""
+    return cfg.policy_architecture()
 
 
 def start_checkpoint(cfg: RunConfig) -> str | None:

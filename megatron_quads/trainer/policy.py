@@ -45,6 +45,7 @@ from megatron_quads.trainer.fake_quant import invalidate_fake_quant_caches
 from megatron_quads.trainer.hf_export import export_hf_weights
 from megatron_quads.trainer.megatron_fixes import mark_expert_params_for_expert_dp, use_forked_checkpoint_result_queue
 from megatron_quads.trainer.model import build_gpt_model, save_model_config
+from megatron_quads.trainer.settings import gloo_layout_problem
 from megatron_quads.trainer.router_replay import (
     RoutingAgreement,
     check_routing,
@@ -86,6 +87,10 @@ class PolicyWorker:
                 "PolicyWorker needs torch.distributed and Megatron parallel_state initialised first "
                 "(megatron_quads.trainer.distributed.init_trainer_distributed)"
             )
+        if dist.get_backend() == "gloo":
+            problem = gloo_layout_problem(cfg.model, cfg.parallel)
+            if problem:
+                raise ValueError(problem)
         self.cfg = cfg
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
         if cfg.router_replay:

@@ -143,6 +143,25 @@ def transformer_engine_problem(
     return None
 
 
+def gloo_layout_problem(model: PolicyModelConfig, parallel: ParallelConfig) -> str | None:
+    """Why trainer ranks on gloo (CPU) cannot run this layout; None when they can.
+
+    The rule: with expert parallelism and expert tensor parallelism both above 1, Megatron-Core's
+    all-to-all token dispatcher all-gathers, within each expert-TP group, the tokens each rank
+    received from the other expert-parallel ranks: parts whose sizes follow the routing, so they
+    differ. gloo's all-gather takes equal parts only (NCCL gathers unequal ones), so that layout
+    needs the allgather dispatcher on gloo, whose all-gathers take equal parts."""
+    etp = parallel.expert_tensor_parallel or parallel.tensor_parallel
+    if parallel.expert_parallel == 1 or etp == 1 or model.moe_token_dispatcher != "alltoall":
+        return None
+    return (f"parallel.expert_parallel={parallel.expert_parallel} with expert tensor parallel {etp} "
+            "(parallel.expert_tensor_parallel, default parallel.tensor_parallel) and the alltoall token dispatcher "
+            "cannot run on gloo (CPU trainer ranks): the dispatcher all-gathers each expert-TP group's tokens in "
+            "parts of routing-dependent sizes, and gloo gathers equal parts only; set "
+            "parallel.expert_tensor_parallel=1, or model.architecture.moe_token_dispatcher=allgather, or run the "
+            "trainer on GPUs (placement.trainer_gpus_per_worker=1, NCCL)")
+
+
 MODEL_CONFIG_FILE = "model_config.json"
 """The architecture a Megatron dist checkpoint holds, written beside its files (PolicyModelConfig fields)."""
 

@@ -19,6 +19,7 @@ process layout) or several GPUs per engine, updates reach the workers as one saf
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -240,10 +241,21 @@ class VllmRolloutEngine:
         self.llm.collective_rpc("quads_begin_calibration")
         try:
             self.llm.generate(self._prompts(prompts), VllmSamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
-        finally:
-            tokens = self.llm.collective_rpc("quads_finish_calibration", args=(statistic.value,))[0]
+        except BaseException:  # vLLM's own error is the one raised: the layers stop recording, choosing nothing
+            self._abandon_calibration()
+            raise
+        tokens = self.llm.collective_rpc("quads_finish_calibration", args=(statistic.value,))[0]
         self.llm.reset_prefix_cache()
         return tokens
+
+    def _abandon_calibration(self) -> None:
+        """After a failed calibration prefill: every layer stops recording and keeps its channels. A
+        failure here is only logged, so the prefill's own error is the one the caller sees."""
+        try:
+            self.llm.collective_rpc(_stop_recording_calibration)
+        except Exception:
+            logging.getLogger(__name__).warning("the QUADS layers could not stop recording after a failed "
+                                                "calibration prefill", exc_info=True)
 
     # ------------------------------------------------------------------ generation
     @staticmethod
@@ -291,6 +303,15 @@ class VllmRolloutEngine:
                 result.routed_experts = _fed_rows(routing, output.request_id, len(prompt) + len(tokens) - 1)
             results.append(result)
         return results
+
+
+def _stop_recording_calibration(worker: Any) -> int:
+    """Worker side: every QUADS layer stops recording calibration inputs and keeps the channels it has
+    (a calibration whose prefill failed chooses none); returns the number of layers."""
+    layers = worker._quads_layers()
+    for _, module in layers:
+        module.quads_calibration = None
+    return len(layers)
 
 
 def _by_external_id(routing: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
