@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_quads.controller.config import ConfigError, learning_signal_warnings, load_config
+from megatron_quads.controller.config import ConfigError, load_config
+from megatron_quads.controller.config_checks import learning_signal_warnings
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "embedded_default.yaml"
 """The embedded default: a 64-position model, arithmetic prompts of at most 7 tokens (``<bos>99-99=``)."""

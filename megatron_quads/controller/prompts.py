@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from megatron_quads.controller.config import RunConfig, prompt_token_limit, sequence_positions
+from megatron_quads.controller.config import RunConfig
+from megatron_quads.controller.config_checks import prompt_token_limit, sequence_positions
 from megatron_quads.tasks import Prompt, PromptStream, Tokenizer
 
 GENERATOR_PATIENCE = 10_000

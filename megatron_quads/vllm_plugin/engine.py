@@ -252,7 +252,7 @@ class VllmRolloutEngine:
         """After a failed calibration prefill: every layer stops recording and keeps its channels. A
         failure here is only logged, so the prefill's own error is the one the caller sees."""
         try:
-            self.llm.collective_rpc(_stop_recording_calibration)
+            self.llm.collective_rpc("quads_abandon_calibration")
         except Exception:
             logging.getLogger(__name__).warning("the QUADS layers could not stop recording after a failed "
                                                 "calibration prefill", exc_info=True)
@@ -303,15 +303,6 @@ class VllmRolloutEngine:
                 result.routed_experts = _fed_rows(routing, output.request_id, len(prompt) + len(tokens) - 1)
             results.append(result)
         return results
-
-
-def _stop_recording_calibration(worker: Any) -> int:
-    """Worker side: every QUADS layer stops recording calibration inputs and keeps the channels it has
-    (a calibration whose prefill failed chooses none); returns the number of layers."""
-    layers = worker._quads_layers()
-    for _, module in layers:
-        module.quads_calibration = None
-    return len(layers)
 
 
 def _by_external_id(routing: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -58,6 +58,14 @@ class QuadsWorkerExtension:
         return sum(module.quant_method.finish_calibration(module, ChannelStatistic(statistic))
                    for _, module in self._quads_layers())
 
+    def quads_abandon_calibration(self) -> int:
+        """Every QUADS layer stops recording calibration inputs and keeps the channels it has (after a
+        calibration prefill that failed: nothing is chosen); returns the number of layers."""
+        layers = self._quads_layers()
+        for _, module in layers:
+            module.quads_calibration = None
+        return len(layers)
+
     def quads_plugin_status(self) -> dict[str, object]:
         """This worker's process id and whether the plugin's method is registered in it."""
         from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
