@@ -691,6 +691,10 @@ def test_example_configs_validate_and_vllm_without_vllm_is_refused_before_worker
     gpu = load_config(examples / "gpu_colocated_synthetic.yaml")
     check_runnable(gpu)
     assert gpu.weight_transport() == "cuda_ipc" and gpu.rollout_on_gpu()
+    gpu_vllm = load_config(examples / "gpu_colocated_vllm.yaml")  # vLLM colocated: CUDA graphs, IPC, sleep mode
+    assert gpu_vllm.rollout.engine == "vllm" and not gpu_vllm.rollout.vllm.enforce_eager
+    assert gpu_vllm.weight_transport() == "cuda_ipc" and gpu_vllm.rollout_on_gpu()
+    assert gpu_vllm.rollout.vllm.max_num_seqs >= gpu_vllm.grpo.prompts_per_step * gpu_vllm.grpo.responses_per_prompt
     assert load_config(EXAMPLE).weight_transport() == "object_store"
 
 
