@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from megatron_quads.controller.config import RunConfig
+from megatron_quads.controller.faults import checkpoint_write_error, is_storage_fault, storage_error
 from megatron_quads.rollout.engine import logprob_temperature
 
 
@@ -101,8 +102,19 @@ class TrainerWorker:
         return self.worker.steps_done
 
     def save(self, path: str) -> None:
-        """Save model, optimizer and RNG (collective)."""
-        self.worker.save_checkpoint(path)
+        """Save model, optimizer and RNG (collective). A failed write raises the rank's own error instead
+        of torch's ``CheckpointException``, whose text hides it; one the storage caused (a full disk, no
+        permission) as a :class:`~megatron_quads.controller.faults.StorageError` naming the file."""
+        try:
+            self.worker.save_checkpoint(path)
+        except BaseException as err:  # CheckpointException is a BaseException
+            cause = checkpoint_write_error(err)
+            if is_storage_fault(cause):
+                raise storage_error(cause) from None
+            if cause is err:
+                raise
+            raise cause from None
+
 
     def compute_logprobs(self, tokens: torch.Tensor, routed_experts: torch.Tensor | None = None) -> torch.Tensor:
         """Per-token log-probs of this rank's shard under the current weights (replaying
