@@ -19,9 +19,11 @@ from megatron_quads.controller.run_dir import (
     hold_run_dir,
     keep_records_before,
     move_aside,
+    newest_checkpoint_config,
     refused_differences,
     start_records,
 )
+from megatron_quads.manifest import write_manifest
 
 HOLDER = """
 import sys, time
@@ -99,7 +101,9 @@ def test_a_changed_config_is_refused_with_each_key_and_the_ways_on(tmp_path: Pat
     with pytest.raises(ConfigMismatch) as refusal:
         check_saved_config(tmp_path, new, has_checkpoint=False)
     message = str(refusal.value)
-    assert "  seed: 0 (saved) -> 7 (now)\n  precision.mode: 'quads' (saved) -> 'bf16' (now)\n" in message
+    assert "\n" not in message
+    assert f"whose config ({tmp_path / 'config.yaml'}) differs" in message
+    assert ": seed: 0 (saved) -> 7 (now), precision.mode: 'quads' (saved) -> 'bf16' (now). " in message
     assert "grpo.steps:" not in message  # a resume may change it
     assert f"megatron-quads train {tmp_path / 'config.yaml'}" in message
     assert "new run_dir (run_dir=...)" in message and "--force-config" in message
@@ -158,3 +162,54 @@ def test_a_resume_keeps_earlier_steps_and_the_whole_original_aside(tmp_path: Pat
     keep_records_before(path, 2, "20260101T000001Z")  # drops nothing: nothing moved aside
     assert path.read_text() == '{"step": 0}\n{"step": 1}\n'
     assert len(list(tmp_path.glob("metrics.*.jsonl"))) == 1
+
+
+def _checkpoint(run_dir: Path, step: int, config: dict | None = SAVED, complete: bool = True) -> Path:
+    """``checkpoints/step_N`` with a stand-in shard and, unless ``config`` is None, the config that made it."""
+    import yaml
+
+    path = run_dir / "checkpoints" / f"step_{step}"
+    (path / "trainer").mkdir(parents=True)
+    (path / "trainer" / "__0_0.distcp").write_bytes(bytes(range(256)))
+    if config is not None:
+        (path / "config.yaml").write_text(yaml.safe_dump(config))
+    write_manifest(path, {"step": step, "complete": complete})
+    return path
+
+
+def test_a_resume_is_checked_against_the_config_its_checkpoint_records(tmp_path: Path) -> None:
+    """The checkpoint says which config made it: without config.yaml, or with another one written in its
+    place, a run of another seed and precision is refused, naming the checkpoint's config."""
+    older = _checkpoint(tmp_path, 2, _changed(SAVED, seed=5))
+    newest = _checkpoint(tmp_path, 4)
+    assert newest_checkpoint_config(tmp_path) == (newest / "config.yaml", SAVED)
+    other = _changed(SAVED, seed=1, precision__mode="bf16")
+    for config_yaml in (None, other):  # deleted, or overwritten with the new run's config
+        if config_yaml is not None:
+            import yaml
+
+            (tmp_path / "config.yaml").write_text(yaml.safe_dump(config_yaml))
+        with pytest.raises(ConfigMismatch) as refusal:
+            check_saved_config(tmp_path, other, has_checkpoint=True, recorded=newest_checkpoint_config(tmp_path))
+        message = str(refusal.value)
+        assert "\n" not in message
+        assert f"whose config ({newest / 'config.yaml'}) differs" in message
+        assert "seed: 0 (saved) -> 1 (now), precision.mode: 'quads' (saved) -> 'bf16' (now)" in message
+        assert f"resume with its config: megatron-quads train {newest / 'config.yaml'} (" in message
+    check_saved_config(tmp_path, _changed(SAVED, grpo__steps=9), has_checkpoint=True,
+                       recorded=newest_checkpoint_config(tmp_path))  # a resumable key: passes
+    (newest / "config.yaml").write_text("seed: 3\n")  # its bytes changed: the resume would skip it too
+    assert newest_checkpoint_config(tmp_path) == (older / "config.yaml", _changed(SAVED, seed=5))
+
+
+def test_checkpoints_without_a_recorded_config_fall_back_to_config_yaml(tmp_path: Path,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    _checkpoint(tmp_path, 2, config=None)
+    _checkpoint(tmp_path, 4, complete=False)  # not complete: the resume skips it, so does the check
+    assert newest_checkpoint_config(tmp_path) is None
+    with caplog.at_level(logging.WARNING):
+        check_saved_config(tmp_path, _changed(SAVED, seed=1), has_checkpoint=True, recorded=None)
+    assert "cannot be checked against the run that made them" in caplog.text
+    _earlier_run(tmp_path)
+    with pytest.raises(ConfigMismatch, match=r"seed: 0 \(saved\) -> 1 \(now\)"):
+        check_saved_config(tmp_path, _changed(SAVED, seed=1), has_checkpoint=True, recorded=None)

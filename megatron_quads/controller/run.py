@@ -21,14 +21,20 @@ from megatron_quads.controller.config import RunConfig, check_runnable
 from megatron_quads.controller.failures import NO_RESUME_NOTE, TRAINER_RANKS, TrainerFailure, trainer_get
 from megatron_quads.controller.placement import Placement, Slot
 from megatron_quads.controller.report import MetricsSink, plot_run, read_records
-from megatron_quads.controller.run_dir import check_saved_config, hold_run_dir, keep_records_before, start_records
-from megatron_quads.controller.workers import (
-    RolloutWorker,
-    TrainerWorker,
+from megatron_quads.controller.run_dir import (
+    CONFIG_NAME,
+    ConfigMismatch,
+    check_saved_config,
+    checkpoint_config,
     checkpoint_dirs,
-    policy_model_config,
-    start_checkpoint,
+    hold_run_dir,
+    keep_records_before,
+    mismatch_message,
+    newest_checkpoint_config,
+    refused_differences,
+    start_records,
 )
+from megatron_quads.controller.workers import RolloutWorker, TrainerWorker, policy_model_config, start_checkpoint
 from megatron_quads.manifest import MANIFEST, read_manifest, verify_manifest, write_manifest
 from megatron_quads.rl.advantages import group_advantages
 from megatron_quads.rl.gap_monitor import GapMonitor
@@ -390,13 +396,15 @@ def decode_response(tok, ids: list[int]) -> str:
 
 
 def save_checkpoint(cfg: RunConfig, trainers: Trainers, step: int, stream) -> Path:
-    """Trainer state + controller state, made visible by the manifest (every file's size and sha256,
-    the step, ``complete``) written last; keeps the last K."""
+    """Trainer state, controller state and the run config that made them (``config.yaml``), made
+    visible by the manifest (every file's size and sha256, the step, ``complete``) written last;
+    keeps the last K."""
     root = Path(cfg.run_dir) / "checkpoints" / f"step_{step}"
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     trainers.save(str(root / RUN_CHECKPOINT_TRAINER))
     write_text_atomic(root / "controller.json", json.dumps({"step": step, "stream": stream.state_dict()}, indent=1))
+    save_config(cfg, root / CONFIG_NAME)
     write_manifest(root, {"step": step, "complete": True})
     for old in checkpoint_dirs(cfg.run_dir)[: -cfg.checkpoint.keep_last]:
         shutil.rmtree(old, ignore_errors=True)
@@ -448,18 +456,25 @@ def latest_checkpoint(cfg: RunConfig) -> Path | None:
 
 
 def resume_checkpoint(cfg: RunConfig, trainers: Trainers, start: str | None,
-                      start_loaded: bool) -> tuple[Path, dict] | None:
+                      start_loaded: bool, force_config: bool = False) -> tuple[Path, dict] | None:
     """Load the newest checkpoint that verifies and loads into every trainer rank (model, optimizer,
     RNG); returns it and its controller state, or None when the run starts over.
 
     A checkpoint whose load raises on a rank (a damaged shard Megatron cannot read, a NaN or Inf
     parameter) is skipped with a warning and the next older one tried. When none loads, the trainers
     get ``start`` (the model-only starting checkpoint) again unless ``start_loaded`` and nothing was
-    tried since. A rank that died while loading stops the run: no checkpoint can load into it.
+    tried since. A rank that died while loading stops the run: no checkpoint can load into it. A
+    checkpoint whose recorded config differs from ``cfg`` in keys a resume may not change is refused
+    (:class:`~megatron_quads.controller.run_dir.ConfigMismatch`) unless ``force_config``.
     """
     tried = False
     for path in verified_checkpoints(cfg):
         state = json.loads((path / "controller.json").read_text())
+        recorded = checkpoint_config(path)
+        if recorded is not None and not force_config:
+            refused = refused_differences(_with_defaults(recorded), cfg.model_dump(mode="json"))
+            if refused:
+                raise ConfigMismatch(mismatch_message(Path(cfg.run_dir), refused, path / CONFIG_NAME))
         tried = True
         try:
             trainers.load(str(path / RUN_CHECKPOINT_TRAINER), with_optimizer=True)
@@ -483,13 +498,30 @@ def resume_checkpoint(cfg: RunConfig, trainers: Trainers, start: str | None,
 def _resume_hint(cfg: RunConfig) -> str:
     """Where a stopped run resumes from: the newest checkpoint that verifies, and the command."""
     last = latest_checkpoint(cfg)
-    if last is not None:
-        where = f"the last complete checkpoint is {last}"
-    elif checkpoint_dirs(cfg.run_dir):
-        where = "no checkpoint verifies (see the warnings)"
-    else:
-        where = "no checkpoint was written yet"
-    return f"{where}; resume with: megatron-quads train {Path(cfg.run_dir) / 'config.yaml'}"
+    if last is None and checkpoint_dirs(cfg.run_dir):
+        return f"no checkpoint verifies (see the warnings); {_resume_command(cfg, None)}"
+    return _resume_command(cfg, last)
+
+
+def _resume_command(cfg: RunConfig, last: Path | None) -> str:
+    """The last complete checkpoint ``last`` and the command that resumes from it: the run's
+    ``config.yaml``, or the checkpoint's own when that is gone (neither: the command that started
+    the run); with ``--force-config`` when the checkpoint was made under a config that differs from
+    this run's in keys a resume may not change (this run continued under another config and has not
+    checkpointed since)."""
+    where = "no checkpoint was written yet" if last is None else f"the last complete checkpoint is {last}"
+    try:
+        recorded = checkpoint_config(last) if last is not None else None
+    except (OSError, ValueError):  # damaged: the resume finds out and says so
+        recorded = None
+    config = Path(cfg.run_dir) / CONFIG_NAME
+    if not config.is_file():
+        if recorded is None:
+            return f"{where}; start the run again with the command that started it"
+        config = last / CONFIG_NAME
+    elif recorded is not None and refused_differences(_with_defaults(recorded), cfg.model_dump(mode="json")):
+        return f"{where}; resume with: megatron-quads train {config} --force-config"
+    return f"{where}; resume with: megatron-quads train {config}"
 
 
 def _init_ray(cfg: RunConfig) -> None:
@@ -505,20 +537,21 @@ def run(cfg: RunConfig, force_config: bool = False) -> Path:
     """Run GRPO as configured; returns the metrics file. The run holds ``run_dir``'s lock until it
     ends (a second run there is refused: :class:`~megatron_quads.controller.run_dir.RunDirBusy`); a
     run_dir holding an earlier run takes only a config that differs from the saved one in
-    ``RESUMABLE_KEYS`` (else :class:`~megatron_quads.controller.run_dir.ConfigMismatch`, unless
-    ``force_config``). A trainer failure raises :class:`TrainerFailure` naming the last complete
-    checkpoint and the command that resumes."""
+    ``RESUMABLE_KEYS`` (the newest checkpoint's recorded config, else ``config.yaml``; else
+    :class:`~megatron_quads.controller.run_dir.ConfigMismatch`, unless ``force_config``). A trainer
+    failure raises :class:`TrainerFailure` naming the last complete checkpoint and the command that
+    resumes."""
     check_runnable(cfg)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     with hold_run_dir(run_dir):  # one run at a time, until this one ends
-        check_saved_config(run_dir, cfg.model_dump(mode="json"), has_checkpoint=bool(checkpoint_dirs(cfg.run_dir)),
-                           force=force_config, normalize=_with_defaults)
-        save_config(cfg, run_dir / "config.yaml")  # only once the check passed
-        return _run_held(cfg, run_dir)
+        check_saved_config(run_dir, cfg.model_dump(mode="json"), has_checkpoint=bool(checkpoint_dirs(run_dir)),
+                           force=force_config, normalize=_with_defaults, recorded=newest_checkpoint_config(run_dir))
+        save_config(cfg, run_dir / CONFIG_NAME)  # only once the check passed
+        return _run_held(cfg, run_dir, force_config)
 
 
-def _run_held(cfg: RunConfig, run_dir: Path) -> Path:
+def _run_held(cfg: RunConfig, run_dir: Path, force_config: bool) -> Path:
     """:func:`run` once it holds ``run_dir``: the Ray actors, the loop, and their end (also on errors)."""
     _init_ray(cfg)
     placement = Placement(cfg)
@@ -527,7 +560,7 @@ def _run_held(cfg: RunConfig, run_dir: Path) -> Path:
         rollouts = Rollouts(cfg, placement.rollout_slots)  # engine actors start in the background ...
         trainers = Trainers(cfg, placement.trainer_slots)  # ... while the trainer ranks set up
         record_placement(run_dir / "placement.json", trainers, rollouts)
-        return _train(cfg, trainers, rollouts)
+        return _train(cfg, trainers, rollouts, force_config)
     except TrainerFailure as err:
         raise err.with_note(_resume_hint(cfg) if err.resumable else NO_RESUME_NOTE) from err.__cause__
     finally:
@@ -610,7 +643,7 @@ def evaluate(cfg: RunConfig, rollouts: Rollouts, task, tok, step: int) -> dict[s
             "time/eval": time.perf_counter() - start}
 
 
-def _train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts) -> Path:
+def _train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts, force_config: bool = False) -> Path:
     run_dir = Path(cfg.run_dir)
     task, tok = task_and_tokenizer(cfg)
     vocab = policy_model_config(cfg).vocab_size
@@ -629,7 +662,8 @@ def _train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts) -> Path:
     if kl:
         logger.info("kept the reference policy for the KL penalty: %.1f MB per trainer rank (host memory)",
                     trainers.keep_reference() / 1e6)
-    resume, state = resume_checkpoint(cfg, trainers, checkpoint, start_loaded=kl) or (None, None)
+    resumed = resume_checkpoint(cfg, trainers, checkpoint, start_loaded=kl, force_config=force_config)
+    resume, state = resumed or (None, None)
     if resume is not None:
         stream.load_state_dict(state["stream"])
         start = state["step"]

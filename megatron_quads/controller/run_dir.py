@@ -10,6 +10,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -18,11 +19,15 @@ from pathlib import Path
 from typing import Any
 
 from megatron_quads.atomic_io import write_text_atomic
+from megatron_quads.manifest import MANIFEST, read_manifest, sha256
 
 logger = logging.getLogger(__name__)
 
 LOCK_NAME = ".lock"
 RECORD_FILES = ("metrics.jsonl", "eval.jsonl")
+CONFIG_NAME = "config.yaml"
+"""The resolved run config, in the run directory and in each checkpoint (the config that made it)."""
+_STEP = re.compile(r"step_(\d+)")
 
 RESUMABLE_KEYS: tuple[str, ...] = (
     "run_dir",                                 # where the run is, not what it computes (a moved or respelled path)
@@ -54,6 +59,55 @@ class RunDirBusy(RunDirError):
 
 class ConfigMismatch(RunDirError):
     """The config differs from the saved one of the run the directory holds in keys a resume may not change."""
+
+
+def checkpoint_dirs(run_dir: str | Path) -> list[Path]:
+    """The run's step checkpoints with a manifest (``checkpoints/step_N/manifest.json``), oldest first;
+    a directory still being written (no manifest yet) and any other name are left out."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [(int(m[1]), p) for p in root.iterdir() if (m := _STEP.fullmatch(p.name)) and (p / MANIFEST).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def checkpoint_config(checkpoint: Path) -> dict | None:
+    """The run config a checkpoint records (its ``config.yaml``, the resolved config of the run that
+    saved it), or None for a checkpoint that records none. A ``config.yaml`` that does not match the
+    sha256 its manifest lists, or does not parse as a mapping, raises ``ValueError`` naming it."""
+    import yaml
+
+    path = checkpoint / CONFIG_NAME
+    files = read_manifest(checkpoint).get("files")
+    listed = files.get(CONFIG_NAME) if isinstance(files, dict) else None
+    if listed is None and not path.is_file():
+        return None
+    if listed is not None and (not path.is_file() or sha256(path) != listed.get("sha256")):
+        raise ValueError(f"{path} is missing or does not match its sha256 in {MANIFEST}")
+    try:
+        tree = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise ValueError(f"{path} cannot be read: {err}") from None
+    if not isinstance(tree, dict):
+        raise ValueError(f"{path} is not a mapping")
+    return tree
+
+
+def newest_checkpoint_config(run_dir: str | Path) -> tuple[Path, dict] | None:
+    """The config of the newest checkpoint that records one (``(its config.yaml, the tree)``), the one
+    a resume starts from unless the checkpoint turns out damaged; a checkpoint whose config is damaged
+    or whose manifest does not mark it complete is skipped, as the resume skips it."""
+    for checkpoint in reversed(checkpoint_dirs(run_dir)):
+        try:
+            if read_manifest(checkpoint).get("complete") is not True:
+                continue
+            tree = checkpoint_config(checkpoint)
+        except (OSError, ValueError) as err:
+            logger.warning("checkpoint %s: its config cannot be checked (%s); the resume skips it", checkpoint, err)
+            continue
+        if tree is not None:
+            return checkpoint / CONFIG_NAME, tree
+    return None
 
 
 def _utc() -> str:
@@ -124,15 +178,16 @@ def refused_differences(saved: dict, new: dict) -> list[tuple[str, Any, Any]]:
     return [d for d in config_differences(saved, new) if not may_change_on_resume(d[0])]
 
 
-def mismatch_message(run_dir: Path, refused: list[tuple[str, Any, Any]]) -> str:
-    """What differs (each key with its saved and new value) and the three ways on."""
-    lines = "\n".join(f"  {key}: {old!r} (saved) -> {new!r} (now)" for key, old, new in refused)
-    return (f"run_dir {run_dir} holds an earlier run (a checkpoint or records) whose config.yaml differs from this "
-            f"config in keys a resume may not change:\n{lines}\n"
-            f"To continue that run, resume with its config: megatron-quads train {run_dir / 'config.yaml'} "
-            f"(overrides of {', '.join(RESUMABLE_KEYS)} may be added). To run this config, give it a new run_dir "
-            "(run_dir=...). To continue the run under this config anyway, pass --force-config "
-            "(run(cfg, force_config=True)); the saved config is then kept beside it as config.<time>.yaml.")
+def mismatch_message(run_dir: Path, refused: list[tuple[str, Any, Any]], source: Path | None = None) -> str:
+    """One line: the saved config ``source`` (default: ``run_dir/config.yaml``), each key that differs
+    with its saved and new value, and the three ways on."""
+    source = source or run_dir / CONFIG_NAME
+    changes = ", ".join(f"{key}: {old!r} (saved) -> {new!r} (now)" for key, old, new in refused)
+    return (f"run_dir {run_dir} holds an earlier run whose config ({source}) differs from this config in keys a "
+            f"resume may not change: {changes}. To continue that run, resume with its config: megatron-quads train "
+            f"{source} (overrides of {', '.join(RESUMABLE_KEYS)} may be added); to run this config, give it a new "
+            "run_dir (run_dir=...); to continue the run under this config anyway, pass --force-config "
+            "(run(cfg, force_config=True)), which keeps the saved config.yaml as config.<time>.yaml.")
 
 
 def has_records(run_dir: Path) -> bool:
@@ -140,17 +195,10 @@ def has_records(run_dir: Path) -> bool:
     return any((run_dir / name).is_file() and (run_dir / name).stat().st_size > 0 for name in RECORD_FILES)
 
 
-def check_saved_config(run_dir: Path, new: dict, *, has_checkpoint: bool, force: bool = False,
-                       normalize: Callable[[dict], dict] = lambda tree: tree) -> None:
-    """When ``run_dir`` holds an earlier run (its ``config.yaml`` and a checkpoint or records), refuse
-    ``new`` (a resolved config tree) if it differs from the saved one outside :data:`RESUMABLE_KEYS`,
-    with :class:`ConfigMismatch` listing each difference. With ``force`` the run goes on and the saved
-    config is moved aside (``config.<time>.yaml``). ``normalize`` fills the saved tree's defaults."""
+def _read_saved_config(path: Path, run_dir: Path, force: bool) -> dict | None:
+    """``run_dir/config.yaml`` as a tree; an unreadable one is a :class:`ConfigMismatch` (None with ``force``)."""
     import yaml
 
-    path = run_dir / "config.yaml"
-    if not path.is_file() or not (has_checkpoint or has_records(run_dir)):
-        return
     try:
         saved = yaml.safe_load(path.read_text())
         if not isinstance(saved, dict):
@@ -160,16 +208,40 @@ def check_saved_config(run_dir: Path, new: dict, *, has_checkpoint: bool, force:
             raise ConfigMismatch(f"run_dir {run_dir} holds an earlier run but its {path} is unreadable ({err}): "
                                  "repair it, give this run a new run_dir (run_dir=...), or pass --force-config "
                                  "to continue the run under this config") from None
-        refused = [("config.yaml", "unreadable", "this config")]
+        return None
+    return saved
+
+
+def check_saved_config(run_dir: Path, new: dict, *, has_checkpoint: bool, force: bool = False,
+                       normalize: Callable[[dict], dict] = lambda tree: tree,
+                       recorded: tuple[Path, dict] | None = None) -> None:
+    """When ``run_dir`` holds an earlier run (a checkpoint or records), refuse ``new`` (a resolved config
+    tree) if it differs outside :data:`RESUMABLE_KEYS` from the saved config, with
+    :class:`ConfigMismatch` listing each difference on one line. The saved config is the one the
+    newest checkpoint records (``recorded``: its ``config.yaml`` and tree, see
+    :func:`newest_checkpoint_config`), whether or not ``run_dir/config.yaml`` is still there; without
+    one, ``run_dir/config.yaml``. With ``force`` the run goes on and ``run_dir/config.yaml`` is moved
+    aside (``config.<time>.yaml``). ``normalize`` fills a saved tree's defaults."""
+    path = run_dir / CONFIG_NAME
+    if not (has_checkpoint or has_records(run_dir)):
+        return
+    if recorded is not None:
+        source, saved = recorded
+    elif path.is_file():
+        source, saved = path, _read_saved_config(path, run_dir, force)
     else:
-        refused = refused_differences(normalize(saved), new)
+        if has_checkpoint:
+            logger.warning("run_dir %s holds checkpoints that record no config and has no config.yaml: this config "
+                           "cannot be checked against the run that made them", run_dir)
+        return
+    refused = refused_differences(normalize(saved), new) if saved is not None else [(CONFIG_NAME, "unreadable", "-")]
     if not refused:
         return
     if not force:
-        raise ConfigMismatch(mismatch_message(run_dir, refused))
+        raise ConfigMismatch(mismatch_message(run_dir, refused, source))
     aside = move_aside(path)
-    logger.warning("--force-config: %s continues under a config that differs in %s; the saved config is now %s",
-                   run_dir, ", ".join(key for key, _, _ in refused), aside)
+    logger.warning("--force-config: %s continues under a config that differs from %s in %s%s", run_dir, source,
+                   ", ".join(key for key, _, _ in refused), f"; the saved config is now {aside}" if aside else "")
 
 
 def move_aside(path: Path, stamp: str | None = None) -> Path | None:

@@ -6,7 +6,6 @@ Plain classes (Ray wraps them with ``ray.remote``), so they are usable and testa
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import torch
 
@@ -114,7 +113,6 @@ class TrainerWorker:
             if cause is err:
                 raise
             raise cause from None
-
 
     def compute_logprobs(self, tokens: torch.Tensor, routed_experts: torch.Tensor | None = None) -> torch.Tensor:
         """Per-token log-probs of this rank's shard under the current weights (replaying
@@ -335,12 +333,3 @@ class RolloutWorker:
     def ping(self) -> int:
         """Liveness check: the weight version held."""
         return self.engine.weight_version
-
-
-def checkpoint_dirs(run_dir: str) -> list[Path]:
-    """Complete step checkpoints of a run, oldest first."""
-    root = Path(run_dir) / "checkpoints"
-    if not root.exists():
-        return []
-    return sorted((p for p in root.iterdir() if p.name.startswith("step_") and (p / "manifest.json").exists()),
-                  key=lambda p: int(p.name.split("_")[1]))
