@@ -174,14 +174,17 @@ def test_engines_generate_concurrently() -> None:
 def test_resumed_run_reproduces_the_uninterrupted_metrics(tmp_path: Path) -> None:
     """Also: a fresh run and a resume move the records they replace aside; a resume under another
     precision is refused before anything is written, also without the run's config.yaml (the checkpoint
-    records its config)."""
+    records its config); a stray file where a checkpoint goes is moved aside, not a failed save."""
     from megatron_quads.controller.run_dir import ConfigMismatch
 
-    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "checkpoints").mkdir(parents=True)
     (tmp_path / "full" / "metrics.jsonl").write_text('{"step": 0, "reward": -1.0}\n')  # an earlier run's, no checkpoint
+    (tmp_path / "full" / "checkpoints" / "step_2").write_text("notes\n")  # a stray file named like a checkpoint
     full = _run(tmp_path / "full", "grpo.steps=3", "checkpoint.every=1", "precision.mode=quads")
     (earlier,) = (tmp_path / "full").glob("metrics.*.jsonl")
     assert earlier.read_text() == '{"step": 0, "reward": -1.0}\n'
+    (stray,) = (tmp_path / "full" / "checkpoints").glob("step_2.stray-*")
+    assert stray.read_text() == "notes\n"
     assert yaml.safe_load((tmp_path / "full" / "checkpoints" / "step_3" / "config.yaml").read_text()) == \
         load_config(EXAMPLE, [*FAST, f"run_dir={tmp_path / 'full'}", "grpo.steps=3", "checkpoint.every=1",
                               "precision.mode=quads"]).model_dump(mode="json")
@@ -205,7 +208,7 @@ def test_resumed_run_reproduces_the_uninterrupted_metrics(tmp_path: Path) -> Non
     assert _without_times(resumed) == _without_times(full)
     (aside,) = split.glob("metrics.*.jsonl")
     assert aside.read_text() == original
-    kept = sorted(p.name for p in (tmp_path / "full" / "checkpoints").iterdir())
+    kept = sorted(p.name for p in (tmp_path / "full" / "checkpoints").iterdir() if p != stray)
     assert kept == ["step_2", "step_3"]  # checkpoint.keep_last: 2
     assert (split / ".lock").read_text() == ""  # released
 

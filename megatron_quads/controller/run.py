@@ -19,6 +19,7 @@ from tqdm import tqdm
 from megatron_quads.atomic_io import write_atomic, write_text_atomic
 from megatron_quads.controller.config import RunConfig, check_runnable
 from megatron_quads.controller.failures import NO_RESUME_NOTE, TRAINER_RANKS, TrainerFailure, trainer_get
+from megatron_quads.controller.faults import StorageError, is_storage_fault, storage_error
 from megatron_quads.controller.placement import Placement, Slot
 from megatron_quads.controller.report import MetricsSink, plot_run, read_records
 from megatron_quads.controller.run_dir import (
@@ -29,8 +30,10 @@ from megatron_quads.controller.run_dir import (
     checkpoint_dirs,
     hold_run_dir,
     keep_records_before,
+    make_way_for_checkpoint,
     mismatch_message,
     newest_checkpoint_config,
+    prepare_run_dir,
     refused_differences,
     start_records,
 )
@@ -398,14 +401,19 @@ def decode_response(tok, ids: list[int]) -> str:
 def save_checkpoint(cfg: RunConfig, trainers: Trainers, step: int, stream) -> Path:
     """Trainer state, controller state and the run config that made them (``config.yaml``), made
     visible by the manifest (every file's size and sha256, the step, ``complete``) written last;
-    keeps the last K."""
+    keeps the last K. A save that fails (a full disk, a trainer rank's error) removes what it wrote
+    and leaves the older checkpoints as they were."""
     root = Path(cfg.run_dir) / "checkpoints" / f"step_{step}"
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True)
-    trainers.save(str(root / RUN_CHECKPOINT_TRAINER))
-    write_text_atomic(root / "controller.json", json.dumps({"step": step, "stream": stream.state_dict()}, indent=1))
-    save_config(cfg, root / CONFIG_NAME)
-    write_manifest(root, {"step": step, "complete": True})
+    make_way_for_checkpoint(root)
+    try:
+        root.mkdir(parents=True)
+        trainers.save(str(root / RUN_CHECKPOINT_TRAINER))
+        write_text_atomic(root / "controller.json", json.dumps({"step": step, "stream": stream.state_dict()}, indent=1))
+        save_config(cfg, root / CONFIG_NAME)
+        write_manifest(root, {"step": step, "complete": True})
+    except (OSError, TrainerFailure):
+        shutil.rmtree(root, ignore_errors=True)  # frees its space; without a manifest no resume would use it
+        raise
     for old in checkpoint_dirs(cfg.run_dir)[: -cfg.checkpoint.keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return root
@@ -536,19 +544,27 @@ def _init_ray(cfg: RunConfig) -> None:
 def run(cfg: RunConfig, force_config: bool = False) -> Path:
     """Run GRPO as configured; returns the metrics file. The run holds ``run_dir``'s lock until it
     ends (a second run there is refused: :class:`~megatron_quads.controller.run_dir.RunDirBusy`); a
-    run_dir holding an earlier run takes only a config that differs from the saved one in
-    ``RESUMABLE_KEYS`` (the newest checkpoint's recorded config, else ``config.yaml``; else
-    :class:`~megatron_quads.controller.run_dir.ConfigMismatch`, unless ``force_config``). A trainer
-    failure raises :class:`TrainerFailure` naming the last complete checkpoint and the command that
-    resumes."""
+    run_dir holding an earlier run takes only a config that differs from the saved one (the newest
+    checkpoint's, else ``config.yaml``) in ``RESUMABLE_KEYS`` (else
+    :class:`~megatron_quads.controller.run_dir.ConfigMismatch`, unless ``force_config``). A run_dir
+    that cannot be written raises :class:`~megatron_quads.controller.run_dir.RunDirUnusable` before
+    Ray starts. A trainer failure raises :class:`TrainerFailure` and a storage fault (a full disk, a
+    missing permission) :class:`~megatron_quads.controller.faults.StorageError`, each naming the last
+    complete checkpoint and the command that resumes."""
     check_runnable(cfg)
     run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with hold_run_dir(run_dir):  # one run at a time, until this one ends
-        check_saved_config(run_dir, cfg.model_dump(mode="json"), has_checkpoint=bool(checkpoint_dirs(run_dir)),
-                           force=force_config, normalize=_with_defaults, recorded=newest_checkpoint_config(run_dir))
-        save_config(cfg, run_dir / CONFIG_NAME)  # only once the check passed
-        return _run_held(cfg, run_dir, force_config)
+    prepare_run_dir(run_dir)
+    try:
+        with hold_run_dir(run_dir):  # one run at a time, until this one ends
+            check_saved_config(run_dir, cfg.model_dump(mode="json"), has_checkpoint=bool(checkpoint_dirs(run_dir)),
+                               force=force_config, normalize=_with_defaults, recorded=newest_checkpoint_config(run_dir))
+            save_config(cfg, run_dir / CONFIG_NAME)  # only once the check passed
+            return _run_held(cfg, run_dir, force_config)
+    except OSError as err:
+        if not isinstance(err, StorageError) and not is_storage_fault(err, within=run_dir):
+            raise
+        fault = err if isinstance(err, StorageError) else storage_error(err)
+        raise fault.with_note(_resume_hint(cfg)) from err
 
 
 def _run_held(cfg: RunConfig, run_dir: Path, force_config: bool) -> Path:

@@ -6,12 +6,15 @@ Standard library only at import time (the lock is taken before anything heavy st
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
 import os
 import re
+import shutil
 import socket
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -19,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_quads.atomic_io import write_text_atomic
+from megatron_quads.controller.faults import STORAGE_FIXES
 from megatron_quads.manifest import MANIFEST, read_manifest, sha256
 
 logger = logging.getLogger(__name__)
@@ -61,6 +65,52 @@ class ConfigMismatch(RunDirError):
     """The config differs from the saved one of the run the directory holds in keys a resume may not change."""
 
 
+class RunDirUnusable(RunDirError):
+    """The run directory cannot be created or written (a file where a directory belongs, a read-only
+    filesystem, no permission)."""
+
+
+def _unusable(path: Path, err: OSError, doing: str) -> RunDirUnusable:
+    name = errno.errorcode.get(err.errno, str(err.errno))
+    fix = STORAGE_FIXES.get(err.errno, "fix the storage, or choose another run_dir (run_dir=...)")
+    return RunDirUnusable(f"run_dir: cannot {doing} {path}: {err.strerror or err} ({name}); {fix}")
+
+
+def prepare_run_dir(run_dir: str | Path) -> None:
+    """Create ``run_dir`` and check this process can write in it (and in its ``checkpoints/``) before
+    anything heavy starts. A file where one of those directories (or a parent) belongs, a read-only
+    filesystem, a missing permission or a record file that is not a writable regular file raises
+    :class:`RunDirUnusable`, one line naming the path, the cause and the fix."""
+    run_dir = Path(run_dir)
+    for path in (run_dir / "checkpoints", run_dir, *run_dir.parents):
+        if path.exists() or path.is_symlink():
+            if not path.is_dir():
+                raise RunDirUnusable(f"run_dir: {path} is a file where the run needs a directory; move the file "
+                                     "away, or choose another run_dir (run_dir=...)")
+            break
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise _unusable(Path(err.filename or run_dir), err, "create") from None
+    for directory in (run_dir, run_dir / "checkpoints"):
+        if not directory.is_dir():
+            continue
+        try:  # a probe file: write permission and a writable filesystem (os.access misses both for root)
+            fd, name = tempfile.mkstemp(prefix=".write-test-", dir=directory)
+            os.close(fd)
+            os.unlink(name)
+        except OSError as err:
+            raise _unusable(directory, err, "write in") from None
+    for name in (*RECORD_FILES, LOCK_NAME):
+        path = run_dir / name
+        if path.exists() and not path.is_file():
+            raise RunDirUnusable(f"run_dir: {path} is not a regular file (the run appends to it); move it away, "
+                                 "or choose another run_dir (run_dir=...)")
+        if path.is_file() and not os.access(path, os.W_OK):
+            raise RunDirUnusable(f"run_dir: cannot write {path}: Permission denied (EACCES); "
+                                 f"{STORAGE_FIXES[errno.EACCES]}")
+
+
 def checkpoint_dirs(run_dir: str | Path) -> list[Path]:
     """The run's step checkpoints with a manifest (``checkpoints/step_N/manifest.json``), oldest first;
     a directory still being written (no manifest yet) and any other name are left out."""
@@ -69,6 +119,23 @@ def checkpoint_dirs(run_dir: str | Path) -> list[Path]:
         return []
     found = [(int(m[1]), p) for p in root.iterdir() if (m := _STEP.fullmatch(p.name)) and (p / MANIFEST).is_file()]
     return [p for _, p in sorted(found)]
+
+
+def make_way_for_checkpoint(path: Path) -> None:
+    """Clear ``checkpoints/step_N`` for a new save: a directory there (an unfinished or damaged save
+    of this run) is removed; anything else (a stray file, a link) is moved aside to
+    ``step_N.stray-<UTC time>`` with a warning, so no save fails on it and nothing is deleted."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        target, n = path.with_name(f"{path.name}.stray-{stamp}"), 0
+        while target.exists() or target.is_symlink():
+            n += 1
+            target = path.with_name(f"{path.name}.stray-{stamp}-{n}")
+        path.rename(target)
+        logger.warning("%s was not a checkpoint directory (a stray file where this run saves step %s): moved it to %s",
+                       path, path.name.removeprefix("step_"), target)
 
 
 def checkpoint_config(checkpoint: Path) -> dict | None:
@@ -145,8 +212,12 @@ def hold_run_dir(run_dir: str | Path) -> Iterator[None]:
                            "of %s; run one at a time there", path, err, run_dir)
             locked = False
         if locked:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": _utc()}).encode(), 0)
+            holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": _utc()}
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, json.dumps(holder).encode(), 0)
+            except OSError as err:  # a full disk: name the file
+                raise OSError(err.errno, err.strerror, str(path)) from err
         try:
             yield
         finally:
