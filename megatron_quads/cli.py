@@ -74,8 +74,8 @@ def load_run_config(path: str | None, overrides: list[str]):
 
 def _cmd_train(args: argparse.Namespace) -> int:
     """``train``: exit 0 when the run ends, 1 when it stops on a failure (a trainer rank, the storage), 2
-    for a config or run directory it cannot take; every stop on a failure names the command that
-    resumes."""
+    for a config or run directory it cannot take, 128 + the signal's number when SIGTERM / SIGINT
+    stopped it (143 / 130); every stop but a config error names the command that resumes."""
     from megatron_quads.controller.config_file import ConfigError
 
     try:
@@ -91,13 +91,18 @@ def _cmd_train(args: argparse.Namespace) -> int:
         prepare_run_dir(cfg.run_dir)  # a file where it belongs, a read-only filesystem: before anything heavy
     except RunDirError as err:
         return _fail(str(err), 2)
-    return _train(cfg, args.force_config)
+    try:
+        return _train(cfg, args.force_config)
+    except KeyboardInterrupt:  # outside the run's own handlers (start-up, or a second Ctrl-C while it stops)
+        return _fail("interrupted by SIGINT; the same command resumes from the last complete checkpoint (or starts "
+                     "the run when there is none)", 130)
 
 
 def _train(cfg, force_config: bool) -> int:
     """Run ``cfg`` (a validated RunConfig) and turn how it ended into the exit code and its message."""
     from megatron_quads.controller.faults import StorageError
     from megatron_quads.controller.placement import PlacementError
+    from megatron_quads.controller.preemption import RunStopped
     from megatron_quads.controller.run import TrainerFailure, run
     from megatron_quads.controller.run_dir import RunDirError
 
@@ -107,6 +112,8 @@ def _train(cfg, force_config: bool) -> int:
         return _fail(str(err), 2)
     except (TrainerFailure, StorageError) as err:
         return _fail(f"training stopped: {err}", 1)
+    except RunStopped as err:
+        return _fail(str(err), err.exit_code, style="yellow")
     Console().print(f"metrics: {metrics}\nplots:   {metrics.with_name('metrics.png')}")
     return 0
 

@@ -21,6 +21,7 @@ from megatron_quads.controller.config import RunConfig, check_runnable
 from megatron_quads.controller.failures import NO_RESUME_NOTE, TRAINER_RANKS, TrainerFailure, trainer_get
 from megatron_quads.controller.faults import StorageError, is_storage_fault, storage_error
 from megatron_quads.controller.placement import Placement, Slot
+from megatron_quads.controller.preemption import RunStopped, StopSignals, checkpoint_on_stop
 from megatron_quads.controller.report import MetricsSink, plot_run, read_records
 from megatron_quads.controller.run_dir import (
     CONFIG_NAME,
@@ -398,17 +399,17 @@ def decode_response(tok, ids: list[int]) -> str:
     return "".join(pieces)
 
 
-def save_checkpoint(cfg: RunConfig, trainers: Trainers, step: int, stream) -> Path:
-    """Trainer state, controller state and the run config that made them (``config.yaml``), made
-    visible by the manifest (every file's size and sha256, the step, ``complete``) written last;
-    keeps the last K. A save that fails (a full disk, a trainer rank's error) removes what it wrote
-    and leaves the older checkpoints as they were."""
+def save_checkpoint(cfg: RunConfig, trainers: Trainers, step: int, stream_state: dict) -> Path:
+    """Trainer state, controller state (``step`` steps done, the prompt stream's ``stream_state``) and
+    the run config that made them (``config.yaml``), made visible by the manifest (every file's size
+    and sha256, the step, ``complete``) written last; keeps the last K. A save that fails (a full
+    disk, a trainer rank's error) removes what it wrote and leaves the older checkpoints as they were."""
     root = Path(cfg.run_dir) / "checkpoints" / f"step_{step}"
     make_way_for_checkpoint(root)
     try:
         root.mkdir(parents=True)
         trainers.save(str(root / RUN_CHECKPOINT_TRAINER))
-        write_text_atomic(root / "controller.json", json.dumps({"step": step, "stream": stream.state_dict()}, indent=1))
+        write_text_atomic(root / "controller.json", json.dumps({"step": step, "stream": stream_state}, indent=1))
         save_config(cfg, root / CONFIG_NAME)
         write_manifest(root, {"step": step, "complete": True})
     except (OSError, TrainerFailure):
@@ -417,6 +418,37 @@ def save_checkpoint(cfg: RunConfig, trainers: Trainers, step: int, stream) -> Pa
     for old in checkpoint_dirs(cfg.run_dir)[: -cfg.checkpoint.keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return root
+
+
+class Checkpoints:
+    """Where the run stands for a checkpoint: the steps finished (:attr:`done`) and the prompt stream's
+    state after them, the last checkpointed step (:attr:`saved`) and the longest save so far (which
+    tells a stopping run whether a save fits in its grace period)."""
+
+    def __init__(self, cfg: RunConfig, trainers: Trainers) -> None:
+        self.cfg, self.trainers = cfg, trainers
+        self.done = self.saved = 0
+        self.stream_state: dict | None = None
+        self.longest_save_s: float | None = None
+        self.started = False
+
+    def resumed_at(self, step: int, stream) -> None:
+        """The loop starts at ``step`` (0, or a checkpoint's step) with ``stream`` there."""
+        self.done = self.saved = step
+        self.stream_state = stream.state_dict()
+        self.started = True
+
+    def finished(self, steps: int, stream) -> None:
+        """``steps`` steps are done (trained and recorded) and ``stream`` stands after them."""
+        self.done, self.stream_state = steps, stream.state_dict()
+
+    def save(self) -> Path:
+        """Save the finished steps (:func:`save_checkpoint`)."""
+        start = time.perf_counter()
+        path = save_checkpoint(self.cfg, self.trainers, self.done, self.stream_state)
+        self.saved = self.done
+        self.longest_save_s = max(self.longest_save_s or 0.0, time.perf_counter() - start)
+        return path
 
 
 _DAMAGED = "the checkpoint is damaged; the run resumes from the next older one (delete this one to silence the warning)"
@@ -548,9 +580,10 @@ def run(cfg: RunConfig, force_config: bool = False) -> Path:
     checkpoint's, else ``config.yaml``) in ``RESUMABLE_KEYS`` (else
     :class:`~megatron_quads.controller.run_dir.ConfigMismatch`, unless ``force_config``). A run_dir
     that cannot be written raises :class:`~megatron_quads.controller.run_dir.RunDirUnusable` before
-    Ray starts. A trainer failure raises :class:`TrainerFailure` and a storage fault (a full disk, a
-    missing permission) :class:`~megatron_quads.controller.faults.StorageError`, each naming the last
-    complete checkpoint and the command that resumes."""
+    Ray starts. A trainer failure raises :class:`TrainerFailure`, a storage fault (a full disk, a
+    missing permission) :class:`~megatron_quads.controller.faults.StorageError`, and SIGTERM / SIGINT
+    :class:`~megatron_quads.controller.preemption.RunStopped`, each naming the last complete
+    checkpoint and the command that resumes."""
     check_runnable(cfg)
     run_dir = Path(cfg.run_dir)
     prepare_run_dir(run_dir)
@@ -568,22 +601,56 @@ def run(cfg: RunConfig, force_config: bool = False) -> Path:
 
 
 def _run_held(cfg: RunConfig, run_dir: Path, force_config: bool) -> Path:
-    """:func:`run` once it holds ``run_dir``: the Ray actors, the loop, and their end (also on errors)."""
+    """:func:`run` once it holds ``run_dir``: the Ray actors, the loop, and their end (also on errors
+    and on SIGTERM / SIGINT, whose handlers replace Ray's once Ray has started)."""
     _init_ray(cfg)
-    placement = Placement(cfg)
-    trainers = rollouts = None
-    try:
-        rollouts = Rollouts(cfg, placement.rollout_slots)  # engine actors start in the background ...
-        trainers = Trainers(cfg, placement.trainer_slots)  # ... while the trainer ranks set up
-        record_placement(run_dir / "placement.json", trainers, rollouts)
-        return _train(cfg, trainers, rollouts, force_config)
-    except TrainerFailure as err:
-        raise err.with_note(_resume_hint(cfg) if err.resumable else NO_RESUME_NOTE) from err.__cause__
-    finally:
-        for group in (trainers, rollouts):
-            if group is not None:
-                group.kill()
-        placement.remove()
+    placement = trainers = rollouts = checkpoints = None
+    with StopSignals(cfg.checkpoint.preemption_grace_s) as stop:
+        try:
+            placement = Placement(cfg)
+            rollouts = Rollouts(cfg, placement.rollout_slots)  # engine actors start in the background ...
+            trainers = Trainers(cfg, placement.trainer_slots)  # ... while the trainer ranks set up
+            record_placement(run_dir / "placement.json", trainers, rollouts)
+            checkpoints = Checkpoints(cfg, trainers)
+            return _train(cfg, trainers, rollouts, stop, checkpoints, force_config)
+        except TrainerFailure as err:
+            raise err.with_note(_resume_hint(cfg) if err.resumable else NO_RESUME_NOTE) from err.__cause__
+        except KeyboardInterrupt:
+            if stop.received is None:  # not a stop signal (raised by other code)
+                raise
+            raise _stopped(cfg, stop, checkpoints) from None
+        finally:
+            for group in (trainers, rollouts):
+                if group is not None:
+                    group.kill()
+            if placement is not None:
+                placement.remove()
+
+
+def _stopped(cfg: RunConfig, stop: StopSignals, checkpoints: Checkpoints | None) -> RunStopped:
+    """The end of a run a signal stopped: where it stopped, the checkpoint of its finished steps when
+    the grace period allows (:func:`checkpoint_on_stop`), and the command that resumes."""
+    logger.warning("%s received: stopping (%.1f s of the %g s grace period left)", stop.name, stop.time_left(),
+                   stop.grace_s)
+    if checkpoints is None or not checkpoints.started:
+        where, saved = "during start-up, before any step", "nothing to save"
+        last = next(reversed(checkpoint_dirs(cfg.run_dir)), None)  # not re-verified: the grace period is short
+    else:
+        done, total = checkpoints.done, cfg.grpo.steps
+        if stop.deferred:
+            where = f"after step {done - 1} finished ({done} of {total} steps done)"
+        elif done < total:
+            where = (f"during step {done}, which was abandoned: its rollouts are discarded and the resumed run does "
+                     f"it again ({done} of {total} steps done)")
+        else:
+            where = f"after the last step ({done} of {total} steps done)"
+        if done == 0:
+            saved = "no step had finished: nothing to save"
+        else:
+            saved = checkpoint_on_stop(stop, checkpoints.save, needed=done > checkpoints.saved,
+                                       longest_save_s=checkpoints.longest_save_s)
+        last = Path(cfg.run_dir) / "checkpoints" / f"step_{checkpoints.saved}" if checkpoints.saved else None
+    return RunStopped(f"stopped by {stop.name} {where}; {saved}\n{_resume_command(cfg, last)}", stop.received)
 
 
 def _with_defaults(saved: dict) -> dict:
@@ -659,7 +726,8 @@ def evaluate(cfg: RunConfig, rollouts: Rollouts, task, tok, step: int) -> dict[s
             "time/eval": time.perf_counter() - start}
 
 
-def _train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts, force_config: bool = False) -> Path:
+def _train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts, stop: StopSignals, checkpoints: Checkpoints,
+           force_config: bool = False) -> Path:
     run_dir = Path(cfg.run_dir)
     task, tok = task_and_tokenizer(cfg)
     vocab = policy_model_config(cfg).vocab_size
@@ -700,51 +768,55 @@ def _train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts, force_config:
     monitor = GapMonitor(cfg.monitor) if cfg.monitor.enabled else None
     if monitor is not None:  # a resumed run's trend continues from the steps it kept
         monitor.replay(read_records(metrics_path))
-    progress = tqdm(range(start, cfg.grpo.steps), initial=start, total=cfg.grpo.steps, desc="GRPO", unit="step")
-    for step in progress:
-        t0 = time.perf_counter()
-        prompts = stream.next_batch(cfg.grpo.prompts_per_step)
-        unique_ids = [tok.encode(p.text, add_bos=True) for p in prompts]
-        prompt_ids = [ids for ids in unique_ids for _ in range(n)]
-        sync = rollouts.sync(trainers, step)                                              # weight sync (quantize once)
-        t_sync = time.perf_counter()
-        calibration = rollouts.calibrate(unique_ids)                                      # RAC calibration (quads)
-        t_calibrate = time.perf_counter()
-        if held_out is not None and step % cfg.eval.every == 0:
-            sink.log_eval(evaluate(cfg, rollouts, held_out, tok, step))                   # evaluation
-        t_eval = time.perf_counter()
-        generations = rollouts.generate(prompt_ids, dataclasses.replace(params, seed=cfg.seed * 100003 + step))
-        freed = rollouts.sleep() if release else 0                                        # colocated: free the GPU
-        t_gen = time.perf_counter()
-        rewards = torch.tensor(task.rewards([p for p in prompts for _ in range(n)], [decode_response(tok, g.token_ids) for g in generations]))
-        batch = build_batch(prompt_ids, generations, tok.pad_id)
-        batch["advantages"] = group_advantages(rewards, n, cfg.grpo.advantages)
-        t_reward = time.perf_counter()
-        routed = batch.get("routed_experts")
-        batch["logp_old"] = trainers.compute_logprobs(batch["tokens"], routed_experts=routed)  # trainer log-probs
-        replay = {} if routed is None else {"mismatch/routing_disagreement": trainers.routing_disagreement()}
-        if kl:
-            batch["logp_ref"] = trainers.compute_logprobs(batch["tokens"], reference=True, routed_experts=routed)
-        mismatch = mismatch_metrics(batch["logp_rollout"], batch["logp_old"], batch["mask"][:, 1:])
-        t_logp = time.perf_counter()
-        train = policy_updates(cfg, trainers, batch, step)                                # policy update(s)
-        t_train = time.perf_counter()
-        record = {
-            "step": step, "reward": float(rewards.mean()),
-            "response_length": float(batch["mask"].sum(1).mean()),
-            **{f"mismatch/{k}": float(v) for k, v in mismatch.items()}, **replay,
-            **{f"train/{k}": v for k, v in train.items()},
-            "time/sync": t_sync - t0, "time/calibrate": t_calibrate - t_sync, "time/generate": t_gen - t_eval,
-            "time/reward": t_reward - t_gen, "calibration/tokens": calibration["calibration_tokens"],
-            "time/logprobs": t_logp - t_reward, "time/train": t_train - t_logp, "rollout_restarts": rollouts.restarts,
-            **{f"sync/{k}": v for k, v in sync.items()}, "rollout/gpu_bytes_released": float(freed),
-        }
-        if monitor is not None:
-            record.update(monitor.update(record))                                       # collapse early warning
-        sink.log(record)
-        progress.set_postfix(reward=f"{record['reward']:.3f}", gap=f"{record['mismatch/gap_max_abs']:.3f}")
-        if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0:
-            save_checkpoint(cfg, trainers, step + 1, stream)                               # checkpoint
+    checkpoints.resumed_at(start, stream)
+    with tqdm(range(start, cfg.grpo.steps), initial=start, total=cfg.grpo.steps, desc="GRPO", unit="step") as progress:
+        for step in progress:
+            t0 = time.perf_counter()
+            prompts = stream.next_batch(cfg.grpo.prompts_per_step)
+            unique_ids = [tok.encode(p.text, add_bos=True) for p in prompts]
+            prompt_ids = [ids for ids in unique_ids for _ in range(n)]
+            sync = rollouts.sync(trainers, step)                                          # weight sync (quantize once)
+            t_sync = time.perf_counter()
+            calibration = rollouts.calibrate(unique_ids)                                  # RAC calibration (quads)
+            t_calibrate = time.perf_counter()
+            if held_out is not None and step % cfg.eval.every == 0:
+                sink.log_eval(evaluate(cfg, rollouts, held_out, tok, step))               # evaluation
+            t_eval = time.perf_counter()
+            generations = rollouts.generate(prompt_ids, dataclasses.replace(params, seed=cfg.seed * 100003 + step))
+            freed = rollouts.sleep() if release else 0                                    # colocated: free the GPU
+            t_gen = time.perf_counter()
+            rewards = torch.tensor(task.rewards([p for p in prompts for _ in range(n)], [decode_response(tok, g.token_ids) for g in generations]))
+            batch = build_batch(prompt_ids, generations, tok.pad_id)
+            batch["advantages"] = group_advantages(rewards, n, cfg.grpo.advantages)
+            t_reward = time.perf_counter()
+            routed = batch.get("routed_experts")
+            batch["logp_old"] = trainers.compute_logprobs(batch["tokens"], routed_experts=routed)  # trainer log-probs
+            replay = {} if routed is None else {"mismatch/routing_disagreement": trainers.routing_disagreement()}
+            if kl:
+                batch["logp_ref"] = trainers.compute_logprobs(batch["tokens"], reference=True, routed_experts=routed)
+            mismatch = mismatch_metrics(batch["logp_rollout"], batch["logp_old"], batch["mask"][:, 1:])
+            t_logp = time.perf_counter()
+            with stop.deferring():  # from the update on, a stop signal waits for the step's end
+                train = policy_updates(cfg, trainers, batch, step)                        # policy update(s)
+                t_train = time.perf_counter()
+                record = {
+                    "step": step, "reward": float(rewards.mean()),
+                    "response_length": float(batch["mask"].sum(1).mean()),
+                    **{f"mismatch/{k}": float(v) for k, v in mismatch.items()}, **replay,
+                    **{f"train/{k}": v for k, v in train.items()},
+                    "time/sync": t_sync - t0, "time/calibrate": t_calibrate - t_sync, "time/generate": t_gen - t_eval,
+                    "time/reward": t_reward - t_gen, "calibration/tokens": calibration["calibration_tokens"],
+                    "time/logprobs": t_logp - t_reward, "time/train": t_train - t_logp,
+                    "rollout_restarts": rollouts.restarts,
+                    **{f"sync/{k}": v for k, v in sync.items()}, "rollout/gpu_bytes_released": float(freed),
+                }
+                if monitor is not None:
+                    record.update(monitor.update(record))                                 # collapse early warning
+                sink.log(record)
+                checkpoints.finished(step + 1, stream)
+                if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0:
+                    checkpoints.save()                                                    # checkpoint
+            progress.set_postfix(reward=f"{record['reward']:.3f}", gap=f"{record['mismatch/gap_max_abs']:.3f}")
     if held_out is not None and start < cfg.grpo.steps:  # the final weights
         rollouts.sync(trainers, cfg.grpo.steps)
         rollouts.calibrate(rollouts.calibration)

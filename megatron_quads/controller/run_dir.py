@@ -40,6 +40,7 @@ RESUMABLE_KEYS: tuple[str, ...] = (
     "eval",                                    # evaluation reads the weights, never changes them or the prompt stream
     "checkpoint.every",                        # saving reads the state, never changes it
     "checkpoint.keep_last",
+    "checkpoint.preemption_grace_s",           # how a stop on SIGTERM / SIGINT is handled
     "rollout.timeout_s",                       # failure handling: when an engine counts as hung, how often to retry
     "rollout.max_retries",
     "rollout.sync_bucket_mb",                  # the weight sync's buffer size: the same values arrive
