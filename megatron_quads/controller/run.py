@@ -428,15 +428,13 @@ class Checkpoints:
     def __init__(self, cfg: RunConfig, trainers: Trainers) -> None:
         self.cfg, self.trainers = cfg, trainers
         self.done = self.saved = 0
-        self.stream_state: dict | None = None
+        self.stream_state: dict | None = None  # None until the loop starts
         self.longest_save_s: float | None = None
-        self.started = False
 
     def resumed_at(self, step: int, stream) -> None:
         """The loop starts at ``step`` (0, or a checkpoint's step) with ``stream`` there."""
         self.done = self.saved = step
         self.stream_state = stream.state_dict()
-        self.started = True
 
     def finished(self, steps: int, stream) -> None:
         """``steps`` steps are done (trained and recorded) and ``stream`` stands after them."""
@@ -632,7 +630,7 @@ def _stopped(cfg: RunConfig, stop: StopSignals, checkpoints: Checkpoints | None)
     the grace period allows (:func:`checkpoint_on_stop`), and the command that resumes."""
     logger.warning("%s received: stopping (%.1f s of the %g s grace period left)", stop.name, stop.time_left(),
                    stop.grace_s)
-    if checkpoints is None or not checkpoints.started:
+    if checkpoints is None or checkpoints.stream_state is None:
         where, saved = "during start-up, before any step", "nothing to save"
         last = next(reversed(checkpoint_dirs(cfg.run_dir)), None)  # not re-verified: the grace period is short
     else:
