@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -100,6 +101,34 @@ def write_atomic(path: str | Path, write: Callable[[Path], object]) -> Path:
 def write_text_atomic(path: str | Path, text: str) -> Path:
     """``path.write_text(text)``, atomically."""
     return write_atomic(path, lambda tmp: tmp.write_text(text))
+
+
+def append_whole(path: str | Path, data: bytes) -> None:
+    """Append ``data`` (e.g. one JSONL line) to ``path`` whole or not at all: one ``os.write`` on an
+    ``O_APPEND`` descriptor; a short or failed write (a full disk) is cut back to the file's previous
+    length and raised as ``OSError`` naming the file, so a record is never left cut in the middle."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        before = os.fstat(fd).st_size
+        try:
+            written = os.write(fd, data)
+        except OSError as err:
+            _cut_back(fd, before)
+            raise OSError(err.errno, err.strerror, os.fspath(path)) from err
+        if written != len(data):
+            _cut_back(fd, before)
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (wrote {written} of {len(data)} bytes)",
+                          os.fspath(path))
+    finally:
+        os.close(fd)
+
+
+def _cut_back(fd: int, length: int) -> None:
+    """Truncate a file to ``length`` after a partial append (best effort: truncating frees space)."""
+    try:
+        os.ftruncate(fd, length)
+    except OSError:
+        pass
 
 
 def save_figure_atomic(fig, path: str | Path, dpi: int = 100) -> Path:

@@ -73,6 +73,9 @@ def load_run_config(path: str | None, overrides: list[str]):
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    """``train``: exit 0 when the run ends, 1 when it stops on a failure (a trainer rank, the storage), 2
+    for a config or run directory it cannot take, 128 + the signal's number when SIGTERM / SIGINT
+    stopped it (143 / 130); every stop but a config error names the command that resumes."""
     from megatron_quads.controller.config_file import ConfigError
 
     try:
@@ -81,22 +84,43 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
         check_runnable(cfg)
     except ConfigError as err:
-        Console(stderr=True).print(f"[red]{escape(str(err))}[/red]", soft_wrap=True)
-        return 2
+        return _fail(str(err), 2)
+    from megatron_quads.controller.run_dir import RunDirError, prepare_run_dir
+
+    try:
+        prepare_run_dir(cfg.run_dir)  # a file where it belongs, a read-only filesystem: before anything heavy
+    except RunDirError as err:
+        return _fail(str(err), 2)
+    try:
+        return _train(cfg, args.force_config)
+    except KeyboardInterrupt:  # outside the run's own handlers (start-up, or a second Ctrl-C while it stops)
+        return _fail("interrupted by SIGINT; the same command resumes from the last complete checkpoint (or starts "
+                     "the run when there is none)", 130)
+
+
+def _train(cfg, force_config: bool) -> int:
+    """Run ``cfg`` (a validated RunConfig) and turn how it ended into the exit code and its message."""
+    from megatron_quads.controller.faults import StorageError
     from megatron_quads.controller.placement import PlacementError
+    from megatron_quads.controller.preemption import RunStopped
     from megatron_quads.controller.run import TrainerFailure, run
     from megatron_quads.controller.run_dir import RunDirError
 
     try:
-        metrics = run(cfg, force_config=args.force_config)
-    except (RunDirError, PlacementError) as err:  # run_dir in use or of another config; the cluster too small
-        Console(stderr=True).print(f"[red]{escape(str(err))}[/red]", soft_wrap=True)
-        return 2
-    except TrainerFailure as err:
-        Console(stderr=True).print(f"[red]training stopped: {escape(str(err))}[/red]", soft_wrap=True)
-        return 1
+        metrics = run(cfg, force_config=force_config)
+    except (RunDirError, PlacementError) as err:  # run_dir in use, unusable or of another config; a small cluster
+        return _fail(str(err), 2)
+    except (TrainerFailure, StorageError) as err:
+        return _fail(f"training stopped: {err}", 1)
+    except RunStopped as err:
+        return _fail(str(err), err.exit_code, style="yellow")
     Console().print(f"metrics: {metrics}\nplots:   {metrics.with_name('metrics.png')}")
     return 0
+
+
+def _fail(message: str, code: int, style: str = "red") -> int:
+    Console(stderr=True).print(f"[{style}]{escape(message)}[/{style}]", soft_wrap=True)
+    return code
 
 
 def _parse_bytes(text: str) -> int:

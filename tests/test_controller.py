@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import time
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from megatron_quads.controller.config import ConfigError, load_config
 
@@ -194,14 +196,21 @@ def test_engines_generate_concurrently() -> None:
 
 def test_resumed_run_reproduces_the_uninterrupted_metrics(tmp_path: Path) -> None:
     """Also: a fresh run and a resume move the records they replace aside; a resume under another
-    precision is refused before anything is written."""
+    precision is refused before anything is written, also without the run's config.yaml (the checkpoint
+    records its config); a stray file where a checkpoint goes is moved aside, not a failed save."""
     from megatron_quads.controller.run_dir import ConfigMismatch
 
-    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "checkpoints").mkdir(parents=True)
     (tmp_path / "full" / "metrics.jsonl").write_text('{"step": 0, "reward": -1.0}\n')  # an earlier run's, no checkpoint
+    (tmp_path / "full" / "checkpoints" / "step_2").write_text("notes\n")  # a stray file named like a checkpoint
     full = _run(tmp_path / "full", "grpo.steps=3", "checkpoint.every=1", "precision.mode=quads")
     (earlier,) = (tmp_path / "full").glob("metrics.*.jsonl")
     assert earlier.read_text() == '{"step": 0, "reward": -1.0}\n'
+    (stray,) = (tmp_path / "full" / "checkpoints").glob("step_2.stray-*")
+    assert stray.read_text() == "notes\n"
+    assert yaml.safe_load((tmp_path / "full" / "checkpoints" / "step_3" / "config.yaml").read_text()) == \
+        load_config(EXAMPLE, [*FAST, f"run_dir={tmp_path / 'full'}", "grpo.steps=3", "checkpoint.every=1",
+                              "precision.mode=quads"]).model_dump(mode="json")
     split = tmp_path / "split"
     _run(split, "grpo.steps=1", "checkpoint.every=1", "precision.mode=quads")
     with open(split / "metrics.jsonl", "a") as f:  # a step after the last checkpoint, then the run stopped mid-write
@@ -211,12 +220,18 @@ def test_resumed_run_reproduces_the_uninterrupted_metrics(tmp_path: Path) -> Non
     with pytest.raises(ConfigMismatch, match=r"precision\.mode: 'quads' \(saved\) -> 'bf16' \(now\)"):
         _run(split, "grpo.steps=3", "checkpoint.every=1", "precision.mode=bf16")
     assert (split / "config.yaml").read_text() == saved and (split / "metrics.jsonl").read_text() == original
+    (split / "config.yaml").unlink()  # the checkpoint still says which config made it
+    recorded = re.escape(str(split / "checkpoints" / "step_1" / "config.yaml"))
+    with pytest.raises(ConfigMismatch, match=rf"config \({recorded}\) differs .*seed: 0 \(saved\) -> 1 \(now\), "
+                                             r"precision\.mode: 'quads'"):
+        _run(split, "grpo.steps=3", "checkpoint.every=1", "precision.mode=bf16", "seed=1")
+    assert not (split / "config.yaml").exists() and (split / "metrics.jsonl").read_text() == original
     resumed = _run(split, "grpo.steps=3", "checkpoint.every=1", "precision.mode=quads")
     assert [r["step"] for r in resumed] == [0, 1, 2]
     assert _without_times(resumed) == _without_times(full)
     (aside,) = split.glob("metrics.*.jsonl")
     assert aside.read_text() == original
-    kept = sorted(p.name for p in (tmp_path / "full" / "checkpoints").iterdir())
+    kept = sorted(p.name for p in (tmp_path / "full" / "checkpoints").iterdir() if p != stray)
     assert kept == ["step_2", "step_3"]  # checkpoint.keep_last: 2
     assert (split / ".lock").read_text() == ""  # released
 

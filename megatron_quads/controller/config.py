@@ -174,6 +174,11 @@ class CheckpointSection(_Strict):
 
     every: int = Field(0, ge=0, description="save every N steps (0: never)")
     keep_last: int = Field(2, ge=1, description="complete checkpoints kept")
+    preemption_grace_s: float = Field(
+        30.0, ge=0, description="on SIGTERM / SIGINT: the seconds the scheduler allows before it kills the driver "
+        "(Kubernetes' terminationGracePeriodSeconds and Slurm's KillWait default to 30); the stopping run writes a "
+        "checkpoint of its finished steps when its longest save so far fits in what is left (0: stop without one)"
+    )
 
 
 class LoggingSection(_Strict):

@@ -9,6 +9,8 @@ import re
 
 import ray
 
+from megatron_quads.controller.faults import WRITE_FAULTS, StorageError, storage_error
+
 NOT_RESUMABLE = (ValueError, TypeError, KeyError, IndexError, AttributeError, NameError, NotImplementedError,
                  AssertionError, ImportError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
 """Errors a resume would meet again: bad inputs (a missing path, a config that cannot build the model, a
@@ -74,7 +76,9 @@ def _resumable(error_type: str, error: BaseException | None) -> bool:
 def root_cause(err: BaseException) -> RootCause:
     """The error behind Ray's wrappers: a RayTaskError is unwrapped (nested ones too) to the exception the
     rank raised; when that could not be sent back, or an actor failed in ``__init__`` (RayActorError),
-    the last exception of the traceback text is read; any other RayActorError is a lost process."""
+    the last exception of the traceback text is read; any other RayActorError is a lost process. A
+    storage fault (a checkpoint write refused, a full disk) is told by path, cause and fix, and a
+    resume gets past it once it is fixed."""
     for _ in range(16):
         cause = getattr(err, "cause", None) if isinstance(err, ray.exceptions.RayTaskError) else None
         unsent = isinstance(cause, ray.exceptions.RayError) and not isinstance(
@@ -95,6 +99,10 @@ def root_cause(err: BaseException) -> RootCause:
         detail = [line for line in lines[1:] if not re.match(r"^(class_name|actor_id|pid|name|namespace|ip):", line)]
         why = detail[0].split(". ", 1)[0].rstrip(".") + "." if detail else ""  # e.g. its worker process has died
         return RootCause(type(err).__name__, " ".join(filter(None, [*lines[:1], why])), died=True, resumable=True)
+    if isinstance(err, StorageError):  # a checkpoint write the storage refused: fixed outside, then resumed
+        return RootCause(type(err).__name__, str(err), died=False, resumable=True)
+    if isinstance(err, OSError) and err.errno in WRITE_FAULTS:  # a full disk, anywhere
+        return RootCause(type(err).__name__, str(storage_error(err)), died=False, resumable=True)
     text = str(err).strip()
     return RootCause(type(err).__name__, text.split("\n", 1)[0], died=False, resumable=_resumable("", err))
 

@@ -6,7 +6,7 @@ import gzip
 import json
 from pathlib import Path
 
-from megatron_quads.atomic_io import save_figure_atomic
+from megatron_quads.atomic_io import append_whole, save_figure_atomic
 from megatron_quads.controller.config import RunConfig
 
 
@@ -25,16 +25,16 @@ class MetricsSink:
             )
 
     def log(self, record: dict) -> None:
-        """Append one step's record."""
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        """Append one step's record, whole or not at all (a full disk raises ``OSError`` naming the file
+        and leaves no part of the line)."""
+        append_whole(self.path, (json.dumps(record) + "\n").encode())
         if self.wandb_run is not None:
             self.wandb_run.log(record, step=record["step"])
 
     def log_eval(self, record: dict) -> None:
-        """Append one evaluation's record (``step``: the updates its weights had) to the eval JSONL."""
-        with open(self.eval_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        """Append one evaluation's record (``step``: the updates its weights had) to the eval JSONL, whole
+        or not at all."""
+        append_whole(self.eval_path, (json.dumps(record) + "\n").encode())
         if self.wandb_run is not None:
             self.wandb_run.log(record, step=record["step"])
 

@@ -19,17 +19,27 @@ from tqdm import tqdm
 from megatron_quads.atomic_io import write_atomic, write_text_atomic
 from megatron_quads.controller.config import RunConfig, check_runnable
 from megatron_quads.controller.failures import NO_RESUME_NOTE, TRAINER_RANKS, TrainerFailure, trainer_get
+from megatron_quads.controller.faults import StorageError, is_storage_fault, storage_error
 from megatron_quads.controller.placement import Placement, Slot
+from megatron_quads.controller.preemption import RunStopped, StopSignals, checkpoint_on_stop
 from megatron_quads.controller.prompts import draw_prompts, prompt_limit, select_prompts
 from megatron_quads.controller.report import MetricsSink, plot_run, read_records
-from megatron_quads.controller.run_dir import check_saved_config, hold_run_dir, keep_records_before, start_records
-from megatron_quads.controller.workers import (
-    RolloutWorker,
-    TrainerWorker,
+from megatron_quads.controller.run_dir import (
+    CONFIG_NAME,
+    ConfigMismatch,
+    check_saved_config,
+    checkpoint_config,
     checkpoint_dirs,
-    policy_model_config,
-    start_checkpoint,
+    hold_run_dir,
+    keep_records_before,
+    make_way_for_checkpoint,
+    mismatch_message,
+    newest_checkpoint_config,
+    prepare_run_dir,
+    refused_differences,
+    start_records,
 )
+from megatron_quads.controller.workers import RolloutWorker, TrainerWorker, policy_model_config, start_checkpoint
 from megatron_quads.manifest import MANIFEST, read_manifest, verify_manifest, write_manifest
 from megatron_quads.rl.advantages import group_advantages
 from megatron_quads.rl.gap_monitor import GapMonitor
@@ -390,18 +400,54 @@ def decode_response(tok, ids: list[int]) -> str:
     return "".join(pieces)
 
 
-def save_checkpoint(cfg: RunConfig, trainers: Trainers, step: int, stream) -> Path:
-    """Trainer state + controller state, made visible by the manifest (every file's size and sha256,
-    the step, ``complete``) written last; keeps the last K."""
+def save_checkpoint(cfg: RunConfig, trainers: Trainers, step: int, stream_state: dict) -> Path:
+    """Trainer state, controller state (``step`` steps done, the prompt stream's ``stream_state``) and
+    the run config that made them (``config.yaml``), made visible by the manifest (every file's size
+    and sha256, the step, ``complete``) written last; keeps the last K. A save that fails (a full
+    disk, a trainer rank's error) removes what it wrote and leaves the older checkpoints as they were."""
     root = Path(cfg.run_dir) / "checkpoints" / f"step_{step}"
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True)
-    trainers.save(str(root / RUN_CHECKPOINT_TRAINER))
-    write_text_atomic(root / "controller.json", json.dumps({"step": step, "stream": stream.state_dict()}, indent=1))
-    write_manifest(root, {"step": step, "complete": True})
+    make_way_for_checkpoint(root)
+    try:
+        root.mkdir(parents=True)
+        trainers.save(str(root / RUN_CHECKPOINT_TRAINER))
+        write_text_atomic(root / "controller.json", json.dumps({"step": step, "stream": stream_state}, indent=1))
+        save_config(cfg, root / CONFIG_NAME)
+        write_manifest(root, {"step": step, "complete": True})
+    except (OSError, TrainerFailure):
+        shutil.rmtree(root, ignore_errors=True)  # frees its space; without a manifest no resume would use it
+        raise
     for old in checkpoint_dirs(cfg.run_dir)[: -cfg.checkpoint.keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return root
+
+
+class Checkpoints:
+    """Where the run stands for a checkpoint: the steps finished (:attr:`done`) and the prompt stream's
+    state after them, the last checkpointed step (:attr:`saved`) and the longest save so far (which
+    tells a stopping run whether a save fits in its grace period)."""
+
+    def __init__(self, cfg: RunConfig, trainers: Trainers) -> None:
+        self.cfg, self.trainers = cfg, trainers
+        self.done = self.saved = 0
+        self.stream_state: dict | None = None  # None until the loop starts
+        self.longest_save_s: float | None = None
+
+    def resumed_at(self, step: int, stream) -> None:
+        """The loop starts at ``step`` (0, or a checkpoint's step) with ``stream`` there."""
+        self.done = self.saved = step
+        self.stream_state = stream.state_dict()
+
+    def finished(self, steps: int, stream) -> None:
+        """``steps`` steps are done (trained and recorded) and ``stream`` stands after them."""
+        self.done, self.stream_state = steps, stream.state_dict()
+
+    def save(self) -> Path:
+        """Save the finished steps (:func:`save_checkpoint`)."""
+        start = time.perf_counter()
+        path = save_checkpoint(self.cfg, self.trainers, self.done, self.stream_state)
+        self.saved = self.done
+        self.longest_save_s = max(self.longest_save_s or 0.0, time.perf_counter() - start)
+        return path
 
 
 _DAMAGED = "the checkpoint is damaged; the run resumes from the next older one (delete this one to silence the warning)"
@@ -449,18 +495,25 @@ def latest_checkpoint(cfg: RunConfig) -> Path | None:
 
 
 def resume_checkpoint(cfg: RunConfig, trainers: Trainers, start: str | None,
-                      start_loaded: bool) -> tuple[Path, dict] | None:
+                      start_loaded: bool, force_config: bool = False) -> tuple[Path, dict] | None:
     """Load the newest checkpoint that verifies and loads into every trainer rank (model, optimizer,
     RNG); returns it and its controller state, or None when the run starts over.
 
     A checkpoint whose load raises on a rank (a damaged shard Megatron cannot read, a NaN or Inf
     parameter) is skipped with a warning and the next older one tried. When none loads, the trainers
     get ``start`` (the model-only starting checkpoint) again unless ``start_loaded`` and nothing was
-    tried since. A rank that died while loading stops the run: no checkpoint can load into it.
+    tried since. A rank that died while loading stops the run: no checkpoint can load into it. A
+    checkpoint whose recorded config differs from ``cfg`` in keys a resume may not change is refused
+    (:class:`~megatron_quads.controller.run_dir.ConfigMismatch`) unless ``force_config``.
     """
     tried = False
     for path in verified_checkpoints(cfg):
         state = json.loads((path / "controller.json").read_text())
+        recorded = checkpoint_config(path)
+        if recorded is not None and not force_config:
+            refused = refused_differences(_with_defaults(recorded), cfg.model_dump(mode="json"))
+            if refused:
+                raise ConfigMismatch(mismatch_message(Path(cfg.run_dir), refused, path / CONFIG_NAME))
         tried = True
         try:
             trainers.load(str(path / RUN_CHECKPOINT_TRAINER), with_optimizer=True)
@@ -484,13 +537,30 @@ def resume_checkpoint(cfg: RunConfig, trainers: Trainers, start: str | None,
 def _resume_hint(cfg: RunConfig) -> str:
     """Where a stopped run resumes from: the newest checkpoint that verifies, and the command."""
     last = latest_checkpoint(cfg)
-    if last is not None:
-        where = f"the last complete checkpoint is {last}"
-    elif checkpoint_dirs(cfg.run_dir):
-        where = "no checkpoint verifies (see the warnings)"
-    else:
-        where = "no checkpoint was written yet"
-    return f"{where}; resume with: megatron-quads train {Path(cfg.run_dir) / 'config.yaml'}"
+    if last is None and checkpoint_dirs(cfg.run_dir):
+        return f"no checkpoint verifies (see the warnings); {_resume_command(cfg, None)}"
+    return _resume_command(cfg, last)
+
+
+def _resume_command(cfg: RunConfig, last: Path | None) -> str:
+    """The last complete checkpoint ``last`` and the command that resumes from it: the run's
+    ``config.yaml``, or the checkpoint's own when that is gone (neither: the command that started
+    the run); with ``--force-config`` when the checkpoint was made under a config that differs from
+    this run's in keys a resume may not change (this run continued under another config and has not
+    checkpointed since)."""
+    where = "no checkpoint was written yet" if last is None else f"the last complete checkpoint is {last}"
+    try:
+        recorded = checkpoint_config(last) if last is not None else None
+    except (OSError, ValueError):  # damaged: the resume finds out and says so
+        recorded = None
+    config = Path(cfg.run_dir) / CONFIG_NAME
+    if not config.is_file():
+        if recorded is None:
+            return f"{where}; start the run again with the command that started it"
+        config = last / CONFIG_NAME
+    elif recorded is not None and refused_differences(_with_defaults(recorded), cfg.model_dump(mode="json")):
+        return f"{where}; resume with: megatron-quads train {config} --force-config"
+    return f"{where}; resume with: megatron-quads train {config}"
 
 
 def _init_ray(cfg: RunConfig) -> None:
@@ -505,37 +575,81 @@ def _init_ray(cfg: RunConfig) -> None:
 def run(cfg: RunConfig, force_config: bool = False) -> Path:
     """Run GRPO as configured; returns the metrics file. The run holds ``run_dir``'s lock until it
     ends (a second run there is refused: :class:`~megatron_quads.controller.run_dir.RunDirBusy`); a
-    run_dir holding an earlier run takes only a config that differs from the saved one in
-    ``RESUMABLE_KEYS`` (else :class:`~megatron_quads.controller.run_dir.ConfigMismatch`, unless
-    ``force_config``). A trainer failure raises :class:`TrainerFailure` naming the last complete
+    run_dir holding an earlier run takes only a config that differs from the saved one (the newest
+    checkpoint's, else ``config.yaml``) in ``RESUMABLE_KEYS`` (else
+    :class:`~megatron_quads.controller.run_dir.ConfigMismatch`, unless ``force_config``). A run_dir
+    that cannot be written raises :class:`~megatron_quads.controller.run_dir.RunDirUnusable` before
+    Ray starts. A trainer failure raises :class:`TrainerFailure`, a storage fault (a full disk, a
+    missing permission) :class:`~megatron_quads.controller.faults.StorageError`, and SIGTERM / SIGINT
+    :class:`~megatron_quads.controller.preemption.RunStopped`, each naming the last complete
     checkpoint and the command that resumes."""
     check_runnable(cfg)
     run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with hold_run_dir(run_dir):  # one run at a time, until this one ends
-        check_saved_config(run_dir, cfg.model_dump(mode="json"), has_checkpoint=bool(checkpoint_dirs(cfg.run_dir)),
-                           force=force_config, normalize=_with_defaults)
-        save_config(cfg, run_dir / "config.yaml")  # only once the check passed
-        return _run_held(cfg, run_dir)
-
-
-def _run_held(cfg: RunConfig, run_dir: Path) -> Path:
-    """:func:`run` once it holds ``run_dir``: the Ray actors, the loop, and their end (also on errors)."""
-    _init_ray(cfg)
-    placement = Placement(cfg)
-    trainers = rollouts = None
+    prepare_run_dir(run_dir)
     try:
-        rollouts = Rollouts(cfg, placement.rollout_slots)  # engine actors start in the background ...
-        trainers = Trainers(cfg, placement.trainer_slots)  # ... while the trainer ranks set up
-        record_placement(run_dir / "placement.json", trainers, rollouts)
-        return _train(cfg, trainers, rollouts)
-    except TrainerFailure as err:
-        raise err.with_note(_resume_hint(cfg) if err.resumable else NO_RESUME_NOTE) from err.__cause__
-    finally:
-        for group in (trainers, rollouts):
-            if group is not None:
-                group.kill()
-        placement.remove()
+        with hold_run_dir(run_dir):  # one run at a time, until this one ends
+            check_saved_config(run_dir, cfg.model_dump(mode="json"), has_checkpoint=bool(checkpoint_dirs(run_dir)),
+                               force=force_config, normalize=_with_defaults, recorded=newest_checkpoint_config(run_dir))
+            save_config(cfg, run_dir / CONFIG_NAME)  # only once the check passed
+            return _run_held(cfg, run_dir, force_config)
+    except OSError as err:
+        if not isinstance(err, StorageError) and not is_storage_fault(err, within=run_dir):
+            raise
+        fault = err if isinstance(err, StorageError) else storage_error(err)
+        raise fault.with_note(_resume_hint(cfg)) from err
+
+
+def _run_held(cfg: RunConfig, run_dir: Path, force_config: bool) -> Path:
+    """:func:`run` once it holds ``run_dir``: the Ray actors, the loop, and their end (also on errors
+    and on SIGTERM / SIGINT, whose handlers replace Ray's once Ray has started)."""
+    _init_ray(cfg)
+    placement = trainers = rollouts = checkpoints = None
+    with StopSignals(cfg.checkpoint.preemption_grace_s) as stop:
+        try:
+            placement = Placement(cfg)
+            rollouts = Rollouts(cfg, placement.rollout_slots)  # engine actors start in the background ...
+            trainers = Trainers(cfg, placement.trainer_slots)  # ... while the trainer ranks set up
+            record_placement(run_dir / "placement.json", trainers, rollouts)
+            checkpoints = Checkpoints(cfg, trainers)
+            return _train(cfg, trainers, rollouts, stop, checkpoints, force_config)
+        except TrainerFailure as err:
+            raise err.with_note(_resume_hint(cfg) if err.resumable else NO_RESUME_NOTE) from err.__cause__
+        except KeyboardInterrupt:
+            if stop.received is None:  # not a stop signal (raised by other code)
+                raise
+            raise _stopped(cfg, stop, checkpoints) from None
+        finally:
+            for group in (trainers, rollouts):
+                if group is not None:
+                    group.kill()
+            if placement is not None:
+                placement.remove()
+
+
+def _stopped(cfg: RunConfig, stop: StopSignals, checkpoints: Checkpoints | None) -> RunStopped:
+    """The end of a run a signal stopped: where it stopped, the checkpoint of its finished steps when
+    the grace period allows (:func:`checkpoint_on_stop`), and the command that resumes."""
+    logger.warning("%s received: stopping (%.1f s of the %g s grace period left)", stop.name, stop.time_left(),
+                   stop.grace_s)
+    if checkpoints is None or checkpoints.stream_state is None:
+        where, saved = "during start-up, before any step", "nothing to save"
+        last = next(reversed(checkpoint_dirs(cfg.run_dir)), None)  # not re-verified: the grace period is short
+    else:
+        done, total = checkpoints.done, cfg.grpo.steps
+        if stop.deferred:
+            where = f"after step {done - 1} finished ({done} of {total} steps done)"
+        elif done < total:
+            where = (f"during step {done}, which was abandoned: its rollouts are discarded and the resumed run does "
+                     f"it again ({done} of {total} steps done)")
+        else:
+            where = f"after the last step ({done} of {total} steps done)"
+        if done == 0:
+            saved = "no step had finished: nothing to save"
+        else:
+            saved = checkpoint_on_stop(stop, checkpoints.save, needed=done > checkpoints.saved,
+                                       longest_save_s=checkpoints.longest_save_s)
+        last = Path(cfg.run_dir) / "checkpoints" / f"step_{checkpoints.saved}" if checkpoints.saved else None
+    return RunStopped(f"stopped by {stop.name} {where}; {saved}\n{_resume_command(cfg, last)}", stop.received)
 
 
 def _with_defaults(saved: dict) -> dict:
@@ -615,7 +729,8 @@ def evaluate(cfg: RunConfig, rollouts: Rollouts, task, tok, step: int) -> dict[s
             "time/eval": time.perf_counter() - start}
 
 
-def _train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts) -> Path:
+def _train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts, stop: StopSignals, checkpoints: Checkpoints,
+           force_config: bool = False) -> Path:
     run_dir = Path(cfg.run_dir)
     task, tok = task_and_tokenizer(cfg)
     vocab = policy_model_config(cfg).vocab_size
@@ -634,7 +749,8 @@ def _train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts) -> Path:
     if kl:
         logger.info("kept the reference policy for the KL penalty: %.1f MB per trainer rank (host memory)",
                     trainers.keep_reference() / 1e6)
-    resume, state = resume_checkpoint(cfg, trainers, checkpoint, start_loaded=kl) or (None, None)
+    resumed = resume_checkpoint(cfg, trainers, checkpoint, start_loaded=kl, force_config=force_config)
+    resume, state = resumed or (None, None)
     if resume is not None:
         stream.load_state_dict(state["stream"])
         start = state["step"]
@@ -656,53 +772,58 @@ def _train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts) -> Path:
     monitor = GapMonitor(cfg.monitor) if cfg.monitor.enabled else None
     if monitor is not None:  # a resumed run's trend continues from the steps it kept
         monitor.replay(read_records(metrics_path))
-    progress = tqdm(range(start, cfg.grpo.steps), initial=start, total=cfg.grpo.steps, desc="GRPO", unit="step")
-    for step in progress:
-        t0 = time.perf_counter()
-        drawn = draw_prompts(stream, tok, cfg.grpo.prompts_per_step, limit)              # too-long prompts skipped
-        if drawn.skipped:
-            logger.warning("step %d: skipped %d prompt(s) longer than %s", step, drawn.skipped, limit)
-        prompts, unique_ids = drawn.prompts, drawn.ids
-        prompt_ids = [ids for ids in unique_ids for _ in range(n)]
-        sync = rollouts.sync(trainers, step)                                              # weight sync (quantize once)
-        t_sync = time.perf_counter()
-        calibration = rollouts.calibrate(unique_ids)                                      # RAC calibration (quads)
-        t_calibrate = time.perf_counter()
-        if held_out is not None and step % cfg.eval.every == 0:
-            sink.log_eval(evaluate(cfg, rollouts, held_out, tok, step))                   # evaluation
-        t_eval = time.perf_counter()
-        generations = rollouts.generate(prompt_ids, dataclasses.replace(params, seed=cfg.seed * 100003 + step))
-        freed = rollouts.sleep() if release else 0                                        # colocated: free the GPU
-        t_gen = time.perf_counter()
-        rewards = torch.tensor(task.rewards([p for p in prompts for _ in range(n)], [decode_response(tok, g.token_ids) for g in generations]))
-        batch = build_batch(prompt_ids, generations, tok.pad_id)
-        batch["advantages"] = group_advantages(rewards, n, cfg.grpo.advantages)
-        t_reward = time.perf_counter()
-        routed = batch.get("routed_experts")
-        batch["logp_old"] = trainers.compute_logprobs(batch["tokens"], routed_experts=routed)  # trainer log-probs
-        replay = {} if routed is None else {"mismatch/routing_disagreement": trainers.routing_disagreement()}
-        if kl:
-            batch["logp_ref"] = trainers.compute_logprobs(batch["tokens"], reference=True, routed_experts=routed)
-        mismatch = mismatch_metrics(batch["logp_rollout"], batch["logp_old"], batch["mask"][:, 1:])
-        t_logp = time.perf_counter()
-        train = policy_updates(cfg, trainers, batch, step)                                # policy update(s)
-        t_train = time.perf_counter()
-        record = {
-            "step": step, "reward": float(rewards.mean()),
-            "response_length": float(batch["mask"].sum(1).mean()), "prompts/skipped_too_long": float(drawn.skipped),
-            **{f"mismatch/{k}": float(v) for k, v in mismatch.items()}, **replay,
-            **{f"train/{k}": v for k, v in train.items()},
-            "time/sync": t_sync - t0, "time/calibrate": t_calibrate - t_sync, "time/generate": t_gen - t_eval,
-            "time/reward": t_reward - t_gen, "calibration/tokens": calibration["calibration_tokens"],
-            "time/logprobs": t_logp - t_reward, "time/train": t_train - t_logp, "rollout_restarts": rollouts.restarts,
-            **{f"sync/{k}": v for k, v in sync.items()}, "rollout/gpu_bytes_released": float(freed),
-        }
-        if monitor is not None:
-            record.update(monitor.update(record))                                       # collapse early warning
-        sink.log(record)
-        progress.set_postfix(reward=f"{record['reward']:.3f}", gap=f"{record['mismatch/gap_max_abs']:.3f}")
-        if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0:
-            save_checkpoint(cfg, trainers, step + 1, stream)                               # checkpoint
+    checkpoints.resumed_at(start, stream)
+    with tqdm(range(start, cfg.grpo.steps), initial=start, total=cfg.grpo.steps, desc="GRPO", unit="step") as progress:
+        for step in progress:
+            t0 = time.perf_counter()
+            drawn = draw_prompts(stream, tok, cfg.grpo.prompts_per_step, limit)          # too-long prompts skipped
+            if drawn.skipped:
+                logger.warning("step %d: skipped %d prompt(s) longer than %s", step, drawn.skipped, limit)
+            prompts, unique_ids = drawn.prompts, drawn.ids
+            prompt_ids = [ids for ids in unique_ids for _ in range(n)]
+            sync = rollouts.sync(trainers, step)                                          # weight sync (quantize once)
+            t_sync = time.perf_counter()
+            calibration = rollouts.calibrate(unique_ids)                                  # RAC calibration (quads)
+            t_calibrate = time.perf_counter()
+            if held_out is not None and step % cfg.eval.every == 0:
+                sink.log_eval(evaluate(cfg, rollouts, held_out, tok, step))               # evaluation
+            t_eval = time.perf_counter()
+            generations = rollouts.generate(prompt_ids, dataclasses.replace(params, seed=cfg.seed * 100003 + step))
+            freed = rollouts.sleep() if release else 0                                    # colocated: free the GPU
+            t_gen = time.perf_counter()
+            rewards = torch.tensor(task.rewards([p for p in prompts for _ in range(n)], [decode_response(tok, g.token_ids) for g in generations]))
+            batch = build_batch(prompt_ids, generations, tok.pad_id)
+            batch["advantages"] = group_advantages(rewards, n, cfg.grpo.advantages)
+            t_reward = time.perf_counter()
+            routed = batch.get("routed_experts")
+            batch["logp_old"] = trainers.compute_logprobs(batch["tokens"], routed_experts=routed)  # trainer log-probs
+            replay = {} if routed is None else {"mismatch/routing_disagreement": trainers.routing_disagreement()}
+            if kl:
+                batch["logp_ref"] = trainers.compute_logprobs(batch["tokens"], reference=True, routed_experts=routed)
+            mismatch = mismatch_metrics(batch["logp_rollout"], batch["logp_old"], batch["mask"][:, 1:])
+            t_logp = time.perf_counter()
+            with stop.deferring():  # from the update on, a stop signal waits for the step's end
+                train = policy_updates(cfg, trainers, batch, step)                        # policy update(s)
+                t_train = time.perf_counter()
+                record = {
+                    "step": step, "reward": float(rewards.mean()),
+                    "response_length": float(batch["mask"].sum(1).mean()),
+                    "prompts/skipped_too_long": float(drawn.skipped),
+                    **{f"mismatch/{k}": float(v) for k, v in mismatch.items()}, **replay,
+                    **{f"train/{k}": v for k, v in train.items()},
+                    "time/sync": t_sync - t0, "time/calibrate": t_calibrate - t_sync, "time/generate": t_gen - t_eval,
+                    "time/reward": t_reward - t_gen, "calibration/tokens": calibration["calibration_tokens"],
+                    "time/logprobs": t_logp - t_reward, "time/train": t_train - t_logp,
+                    "rollout_restarts": rollouts.restarts,
+                    **{f"sync/{k}": v for k, v in sync.items()}, "rollout/gpu_bytes_released": float(freed),
+                }
+                if monitor is not None:
+                    record.update(monitor.update(record))                                 # collapse early warning
+                sink.log(record)
+                checkpoints.finished(step + 1, stream)
+                if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0:
+                    checkpoints.save()                                                    # checkpoint
+            progress.set_postfix(reward=f"{record['reward']:.3f}", gap=f"{record['mismatch/gap_max_abs']:.3f}")
     if held_out is not None and start < cfg.grpo.steps:  # the final weights
         rollouts.sync(trainers, cfg.grpo.steps)
         rollouts.calibrate(rollouts.calibration)

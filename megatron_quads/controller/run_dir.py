@@ -6,11 +6,15 @@ Standard library only at import time (the lock is taken before anything heavy st
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
 import os
+import re
+import shutil
 import socket
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -18,11 +22,16 @@ from pathlib import Path
 from typing import Any
 
 from megatron_quads.atomic_io import write_text_atomic
+from megatron_quads.controller.faults import STORAGE_FIXES
+from megatron_quads.manifest import MANIFEST, read_manifest, sha256
 
 logger = logging.getLogger(__name__)
 
 LOCK_NAME = ".lock"
 RECORD_FILES = ("metrics.jsonl", "eval.jsonl")
+CONFIG_NAME = "config.yaml"
+"""The resolved run config, in the run directory and in each checkpoint (the config that made it)."""
+_STEP = re.compile(r"step_(\d+)")
 
 RESUMABLE_KEYS: tuple[str, ...] = (
     "run_dir",                                 # where the run is, not what it computes (a moved or respelled path)
@@ -31,6 +40,7 @@ RESUMABLE_KEYS: tuple[str, ...] = (
     "eval",                                    # evaluation reads the weights, never changes them or the prompt stream
     "checkpoint.every",                        # saving reads the state, never changes it
     "checkpoint.keep_last",
+    "checkpoint.preemption_grace_s",           # how a stop on SIGTERM / SIGINT is handled
     "rollout.timeout_s",                       # failure handling: when an engine counts as hung, how often to retry
     "rollout.max_retries",
     "rollout.sync_bucket_mb",                  # the weight sync's buffer size: the same values arrive
@@ -54,6 +64,118 @@ class RunDirBusy(RunDirError):
 
 class ConfigMismatch(RunDirError):
     """The config differs from the saved one of the run the directory holds in keys a resume may not change."""
+
+
+class RunDirUnusable(RunDirError):
+    """The run directory cannot be created or written (a file where a directory belongs, a read-only
+    filesystem, no permission)."""
+
+
+def _unusable(path: Path, err: OSError, doing: str) -> RunDirUnusable:
+    name = errno.errorcode.get(err.errno, str(err.errno))
+    fix = STORAGE_FIXES.get(err.errno, "fix the storage, or choose another run_dir (run_dir=...)")
+    return RunDirUnusable(f"run_dir: cannot {doing} {path}: {err.strerror or err} ({name}); {fix}")
+
+
+def prepare_run_dir(run_dir: str | Path) -> None:
+    """Create ``run_dir`` and check this process can write in it (and in its ``checkpoints/``) before
+    anything heavy starts. A file where one of those directories (or a parent) belongs, a read-only
+    filesystem, a missing permission or a record file that is not a writable regular file raises
+    :class:`RunDirUnusable`, one line naming the path, the cause and the fix."""
+    run_dir = Path(run_dir)
+    for path in (run_dir / "checkpoints", run_dir, *run_dir.parents):
+        if path.exists() or path.is_symlink():
+            if not path.is_dir():
+                raise RunDirUnusable(f"run_dir: {path} is a file where the run needs a directory; move the file "
+                                     "away, or choose another run_dir (run_dir=...)")
+            break
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise _unusable(Path(err.filename or run_dir), err, "create") from None
+    for directory in (run_dir, run_dir / "checkpoints"):
+        if not directory.is_dir():
+            continue
+        try:  # a probe file: write permission and a writable filesystem (os.access misses both for root)
+            fd, name = tempfile.mkstemp(prefix=".write-test-", dir=directory)
+            os.close(fd)
+            os.unlink(name)
+        except OSError as err:
+            raise _unusable(directory, err, "write in") from None
+    for name in (*RECORD_FILES, LOCK_NAME):
+        path = run_dir / name
+        if path.exists() and not path.is_file():
+            raise RunDirUnusable(f"run_dir: {path} is not a regular file (the run appends to it); move it away, "
+                                 "or choose another run_dir (run_dir=...)")
+        if path.is_file() and not os.access(path, os.W_OK):
+            raise RunDirUnusable(f"run_dir: cannot write {path}: Permission denied (EACCES); "
+                                 f"{STORAGE_FIXES[errno.EACCES]}")
+
+
+def checkpoint_dirs(run_dir: str | Path) -> list[Path]:
+    """The run's step checkpoints with a manifest (``checkpoints/step_N/manifest.json``), oldest first;
+    a directory still being written (no manifest yet) and any other name are left out."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [(int(m[1]), p) for p in root.iterdir() if (m := _STEP.fullmatch(p.name)) and (p / MANIFEST).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def make_way_for_checkpoint(path: Path) -> None:
+    """Clear ``checkpoints/step_N`` for a new save: a directory there (an unfinished or damaged save
+    of this run) is removed; anything else (a stray file, a link) is moved aside to
+    ``step_N.stray-<UTC time>`` with a warning, so no save fails on it and nothing is deleted."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        target, n = path.with_name(f"{path.name}.stray-{stamp}"), 0
+        while target.exists() or target.is_symlink():
+            n += 1
+            target = path.with_name(f"{path.name}.stray-{stamp}-{n}")
+        path.rename(target)
+        logger.warning("%s was not a checkpoint directory (a stray file where this run saves step %s): moved it to %s",
+                       path, path.name.removeprefix("step_"), target)
+
+
+def checkpoint_config(checkpoint: Path) -> dict | None:
+    """The run config a checkpoint records (its ``config.yaml``, the resolved config of the run that
+    saved it), or None for a checkpoint that records none. A ``config.yaml`` that does not match the
+    sha256 its manifest lists, or does not parse as a mapping, raises ``ValueError`` naming it."""
+    import yaml
+
+    path = checkpoint / CONFIG_NAME
+    files = read_manifest(checkpoint).get("files")
+    listed = files.get(CONFIG_NAME) if isinstance(files, dict) else None
+    if listed is None and not path.is_file():
+        return None
+    if listed is not None and (not path.is_file() or sha256(path) != listed.get("sha256")):
+        raise ValueError(f"{path} is missing or does not match its sha256 in {MANIFEST}")
+    try:
+        tree = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise ValueError(f"{path} cannot be read: {err}") from None
+    if not isinstance(tree, dict):
+        raise ValueError(f"{path} is not a mapping")
+    return tree
+
+
+def newest_checkpoint_config(run_dir: str | Path) -> tuple[Path, dict] | None:
+    """The config of the newest checkpoint that records one (``(its config.yaml, the tree)``), the one
+    a resume starts from unless the checkpoint turns out damaged; a checkpoint whose config is damaged
+    or whose manifest does not mark it complete is skipped, as the resume skips it."""
+    for checkpoint in reversed(checkpoint_dirs(run_dir)):
+        try:
+            if read_manifest(checkpoint).get("complete") is not True:
+                continue
+            tree = checkpoint_config(checkpoint)
+        except (OSError, ValueError) as err:
+            logger.warning("checkpoint %s: its config cannot be checked (%s); the resume skips it", checkpoint, err)
+            continue
+        if tree is not None:
+            return checkpoint / CONFIG_NAME, tree
+    return None
 
 
 def _utc() -> str:
@@ -91,8 +213,12 @@ def hold_run_dir(run_dir: str | Path) -> Iterator[None]:
                            "of %s; run one at a time there", path, err, run_dir)
             locked = False
         if locked:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": _utc()}).encode(), 0)
+            holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": _utc()}
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, json.dumps(holder).encode(), 0)
+            except OSError as err:  # a full disk: name the file
+                raise OSError(err.errno, err.strerror, str(path)) from err
         try:
             yield
         finally:
@@ -124,15 +250,16 @@ def refused_differences(saved: dict, new: dict) -> list[tuple[str, Any, Any]]:
     return [d for d in config_differences(saved, new) if not may_change_on_resume(d[0])]
 
 
-def mismatch_message(run_dir: Path, refused: list[tuple[str, Any, Any]]) -> str:
-    """What differs (each key with its saved and new value) and the three ways on."""
-    lines = "\n".join(f"  {key}: {old!r} (saved) -> {new!r} (now)" for key, old, new in refused)
-    return (f"run_dir {run_dir} holds an earlier run (a checkpoint or records) whose config.yaml differs from this "
-            f"config in keys a resume may not change:\n{lines}\n"
-            f"To continue that run, resume with its config: megatron-quads train {run_dir / 'config.yaml'} "
-            f"(overrides of {', '.join(RESUMABLE_KEYS)} may be added). To run this config, give it a new run_dir "
-            "(run_dir=...). To continue the run under this config anyway, pass --force-config "
-            "(run(cfg, force_config=True)); the saved config is then kept beside it as config.<time>.yaml.")
+def mismatch_message(run_dir: Path, refused: list[tuple[str, Any, Any]], source: Path | None = None) -> str:
+    """One line: the saved config ``source`` (default: ``run_dir/config.yaml``), each key that differs
+    with its saved and new value, and the three ways on."""
+    source = source or run_dir / CONFIG_NAME
+    changes = ", ".join(f"{key}: {old!r} (saved) -> {new!r} (now)" for key, old, new in refused)
+    return (f"run_dir {run_dir} holds an earlier run whose config ({source}) differs from this config in keys a "
+            f"resume may not change: {changes}. To continue that run, resume with its config: megatron-quads train "
+            f"{source} (overrides of {', '.join(RESUMABLE_KEYS)} may be added); to run this config, give it a new "
+            "run_dir (run_dir=...); to continue the run under this config anyway, pass --force-config "
+            "(run(cfg, force_config=True)), which keeps the saved config.yaml as config.<time>.yaml.")
 
 
 def has_records(run_dir: Path) -> bool:
@@ -140,17 +267,10 @@ def has_records(run_dir: Path) -> bool:
     return any((run_dir / name).is_file() and (run_dir / name).stat().st_size > 0 for name in RECORD_FILES)
 
 
-def check_saved_config(run_dir: Path, new: dict, *, has_checkpoint: bool, force: bool = False,
-                       normalize: Callable[[dict], dict] = lambda tree: tree) -> None:
-    """When ``run_dir`` holds an earlier run (its ``config.yaml`` and a checkpoint or records), refuse
-    ``new`` (a resolved config tree) if it differs from the saved one outside :data:`RESUMABLE_KEYS`,
-    with :class:`ConfigMismatch` listing each difference. With ``force`` the run goes on and the saved
-    config is moved aside (``config.<time>.yaml``). ``normalize`` fills the saved tree's defaults."""
+def _read_saved_config(path: Path, run_dir: Path, force: bool) -> dict | None:
+    """``run_dir/config.yaml`` as a tree; an unreadable one is a :class:`ConfigMismatch` (None with ``force``)."""
     import yaml
 
-    path = run_dir / "config.yaml"
-    if not path.is_file() or not (has_checkpoint or has_records(run_dir)):
-        return
     try:
         saved = yaml.safe_load(path.read_text())
         if not isinstance(saved, dict):
@@ -160,16 +280,40 @@ def check_saved_config(run_dir: Path, new: dict, *, has_checkpoint: bool, force:
             raise ConfigMismatch(f"run_dir {run_dir} holds an earlier run but its {path} is unreadable ({err}): "
                                  "repair it, give this run a new run_dir (run_dir=...), or pass --force-config "
                                  "to continue the run under this config") from None
-        refused = [("config.yaml", "unreadable", "this config")]
+        return None
+    return saved
+
+
+def check_saved_config(run_dir: Path, new: dict, *, has_checkpoint: bool, force: bool = False,
+                       normalize: Callable[[dict], dict] = lambda tree: tree,
+                       recorded: tuple[Path, dict] | None = None) -> None:
+    """When ``run_dir`` holds an earlier run (a checkpoint or records), refuse ``new`` (a resolved config
+    tree) if it differs outside :data:`RESUMABLE_KEYS` from the saved config, with
+    :class:`ConfigMismatch` listing each difference on one line. The saved config is the one the
+    newest checkpoint records (``recorded``: its ``config.yaml`` and tree, see
+    :func:`newest_checkpoint_config`), whether or not ``run_dir/config.yaml`` is still there; without
+    one, ``run_dir/config.yaml``. With ``force`` the run goes on and ``run_dir/config.yaml`` is moved
+    aside (``config.<time>.yaml``). ``normalize`` fills a saved tree's defaults."""
+    path = run_dir / CONFIG_NAME
+    if not (has_checkpoint or has_records(run_dir)):
+        return
+    if recorded is not None:
+        source, saved = recorded
+    elif path.is_file():
+        source, saved = path, _read_saved_config(path, run_dir, force)
     else:
-        refused = refused_differences(normalize(saved), new)
+        if has_checkpoint:
+            logger.warning("run_dir %s holds checkpoints that record no config and has no config.yaml: this config "
+                           "cannot be checked against the run that made them", run_dir)
+        return
+    refused = refused_differences(normalize(saved), new) if saved is not None else [(CONFIG_NAME, "unreadable", "-")]
     if not refused:
         return
     if not force:
-        raise ConfigMismatch(mismatch_message(run_dir, refused))
+        raise ConfigMismatch(mismatch_message(run_dir, refused, source))
     aside = move_aside(path)
-    logger.warning("--force-config: %s continues under a config that differs in %s; the saved config is now %s",
-                   run_dir, ", ".join(key for key, _, _ in refused), aside)
+    logger.warning("--force-config: %s continues under a config that differs from %s in %s%s", run_dir, source,
+                   ", ".join(key for key, _, _ in refused), f"; the saved config is now {aside}" if aside else "")
 
 
 def move_aside(path: Path, stamp: str | None = None) -> Path | None:

@@ -6,11 +6,11 @@ Plain classes (Ray wraps them with ``ray.remote``), so they are usable and testa
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import torch
 
 from megatron_quads.controller.config import RunConfig
+from megatron_quads.controller.faults import checkpoint_write_error, is_storage_fault, storage_error
 from megatron_quads.rollout.engine import logprob_temperature
 
 
@@ -96,8 +96,18 @@ class TrainerWorker:
         return self.worker.steps_done
 
     def save(self, path: str) -> None:
-        """Save model, optimizer and RNG (collective)."""
-        self.worker.save_checkpoint(path)
+        """Save model, optimizer and RNG (collective). A failed write raises the rank's own error instead
+        of torch's ``CheckpointException``, whose text hides it; one the storage caused (a full disk, no
+        permission) as a :class:`~megatron_quads.controller.faults.StorageError` naming the file."""
+        try:
+            self.worker.save_checkpoint(path)
+        except BaseException as err:  # CheckpointException is a BaseException
+            cause = checkpoint_write_error(err)
+            if is_storage_fault(cause):
+                raise storage_error(cause) from None
+            if cause is err:
+                raise
+            raise cause from None
 
     def compute_logprobs(self, tokens: torch.Tensor, routed_experts: torch.Tensor | None = None) -> torch.Tensor:
         """Per-token log-probs of this rank's shard under the current weights (replaying
@@ -318,12 +328,3 @@ class RolloutWorker:
     def ping(self) -> int:
         """Liveness check: the weight version held."""
         return self.engine.weight_version
-
-
-def checkpoint_dirs(run_dir: str) -> list[Path]:
-    """Complete step checkpoints of a run, oldest first."""
-    root = Path(run_dir) / "checkpoints"
-    if not root.exists():
-        return []
-    return sorted((p for p in root.iterdir() if p.name.startswith("step_") and (p / "manifest.json").exists()),
-                  key=lambda p: int(p.name.split("_")[1]))
