@@ -42,17 +42,21 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     from megatron_quads.analyze import run, table_rows
     from megatron_quads.rollout.rac import ChannelStatistic
 
-    report = run(
-        Path(args.out),
-        checkpoint=args.checkpoint,
-        hf_model=args.hf_model,
-        ratios=tuple(args.ratios),
-        statistics=tuple(ChannelStatistic(s) for s in args.statistics),
-        num_sequences=args.sequences,
-        seq_len=args.seq_len,
-        seed=args.seed,
-        **_analysis_rows(args),
-    )
+    try:
+        report = run(
+            Path(args.out),
+            checkpoint=args.checkpoint,
+            hf_model=args.hf_model,
+            ratios=tuple(args.ratios),
+            statistics=tuple(ChannelStatistic(s) for s in args.statistics),
+            num_sequences=args.sequences,
+            seq_len=args.seq_len,
+            seed=args.seed,
+            **_analysis_rows(args),
+        )
+    except (ValueError, FileNotFoundError) as err:  # bad input: a refused checkpoint, a missing model, ...
+        Console(stderr=True).print(f"[red]analyze: {escape(str(err))}[/red]", soft_wrap=True)
+        return 2
     table = Table(title=f"rollout vs trainer gap: {report['model']}, {report['tokens']} tokens ({args.tokens})")
     for column in ("pair", "max |Δlogp|", "mean |Δlogp|", "k3 KL", "weight err", "activation err"):
         table.add_column(column, justify="left" if column == "pair" else "right")
@@ -86,10 +90,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from megatron_quads.controller.placement import PlacementError
     from megatron_quads.controller.run import TrainerFailure, run
     from megatron_quads.controller.run_dir import RunDirError
+    from megatron_quads.trainer.checkpoint_audit import UnsafeCheckpointError
 
     try:
         metrics = run(cfg, force_config=args.force_config)
-    except (RunDirError, PlacementError) as err:  # run_dir in use or of another config; the cluster too small
+    except (RunDirError, PlacementError, UnsafeCheckpointError) as err:  # run_dir in use or of another config; the
+        # cluster too small; a model.checkpoint whose pickles could run code
         Console(stderr=True).print(f"[red]{escape(str(err))}[/red]", soft_wrap=True)
         return 2
     except TrainerFailure as err:
@@ -168,7 +174,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
                 model=model, tokenizer=args.tokenizer, overwrite=args.overwrite, seed=args.seed,
             )
     except (ValueError, KeyError, FileNotFoundError, FileExistsError, ConversionError) as err:
-        Console(stderr=True).print(f"[red]convert {args.convert}: {err}[/red]", soft_wrap=True)
+        Console(stderr=True).print(f"[red]convert {args.convert}: {escape(str(err))}[/red]", soft_wrap=True)
         return 2
     Console().print(f"wrote {out}")
     return 0

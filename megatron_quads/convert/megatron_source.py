@@ -26,9 +26,9 @@ from megatron_quads.convert.names import (
     megatron_tensors,
 )
 from megatron_quads.megatron_lm.checkpoint import megatron_lm_model_config
+from megatron_quads.trainer.checkpoint_audit import audit_dist_checkpoint, load_dist_checkpoint, load_dist_tensors_metadata
 from megatron_quads.trainer.model import PolicyModelConfig, load_model_config
 from megatron_quads.trainer.settings import DIST_METADATA, dist_checkpoint_dir
-
 
 
 @contextmanager
@@ -68,11 +68,10 @@ class MegatronCheckpoint:
     """A dist checkpoint of a Qwen3-MoE-mappable GPT-MoE, its architecture and its global tensors."""
 
     def __init__(self, directory: str | os.PathLike[str], model: PolicyModelConfig | None = None) -> None:
-        from megatron.core import dist_checkpointing
-
         self.directory = dist_checkpoint_dir(directory)
         if not is_dist_checkpoint(self.directory):
             raise FileNotFoundError(f"{self.directory} is not a complete Megatron dist checkpoint (no {DIST_METADATA})")
+        audit_dist_checkpoint(self.directory)  # its pickles, before anything of it is read
         found = load_model_config(self.directory)
         if model is None and found is None:
             found = megatron_lm_model_config(self.directory)  # a Megatron-LM checkpoint records its arguments
@@ -83,7 +82,7 @@ class MegatronCheckpoint:
             )
         self.model: PolicyModelConfig = model or found
         with single_process_group():
-            self.metadata = dist_checkpointing.load_tensors_metadata(str(self.directory))
+            self.metadata = load_dist_tensors_metadata(self.directory)
         self.tensors = megatron_tensors(self.model)
         self._check()
 
@@ -141,7 +140,6 @@ class MegatronCheckpoint:
 
     def read(self, unit: Unit) -> list[tuple[str, torch.Tensor]]:
         """The HF tensors of ``unit``, each owning its memory (safetensors stores no shared views)."""
-        from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
         request = {}
@@ -157,7 +155,7 @@ class MegatronCheckpoint:
                     tensor.key, buf, (0, unit.layer, shape[0]), replica_id=0
                 )
         with single_process_group():
-            loaded = dist_checkpointing.load(request, str(self.directory), validate_access_integrity=False)
+            loaded = load_dist_checkpoint(request, self.directory, validate_access_integrity=False)
         out: list[tuple[str, torch.Tensor]] = []
         for tensor in self._unit_tensors(unit):
             value = loaded.pop(tensor.key)

@@ -107,9 +107,9 @@ def _fill_from_hf(model: torch.nn.Module, source: str, cfg: PolicyModelConfig, p
 
 
 def _fill_from_megatron(model: torch.nn.Module, source: str) -> None:
-    from megatron.core import dist_checkpointing
+    from megatron_quads.trainer.checkpoint_audit import load_dist_checkpoint
 
-    state = dist_checkpointing.load(model.sharded_state_dict(), source)
+    state = load_dist_checkpoint(model.sharded_state_dict(), source)
     model.load_state_dict(state, strict=True)
 
 
