@@ -159,12 +159,15 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     try:
         model = _model_config_file(args.model_config) if getattr(args, "model_config", None) else None
         if args.convert == "hf-to-megatron":
-            out = commands.hf_to_megatron(args.source, args.out, _parallel(args), overwrite=args.overwrite)
+            out = commands.hf_to_megatron(args.source, args.out, _parallel(args), overwrite=args.overwrite,
+                                          allow_nonfinite=args.allow_nonfinite)
         elif args.convert == "megatron-to-hf":
             out = commands.megatron_to_hf(args.source, args.out, model, hf_base=args.hf_base,
-                                          max_shard_bytes=args.max_shard_size, overwrite=args.overwrite)
+                                          max_shard_bytes=args.max_shard_size, overwrite=args.overwrite,
+                                          allow_nonfinite=args.allow_nonfinite)
         elif args.convert == "reshard":
-            out = commands.reshard(args.source, args.out, _parallel(args), model, overwrite=args.overwrite)
+            out = commands.reshard(args.source, args.out, _parallel(args), model, overwrite=args.overwrite,
+                                   allow_nonfinite=args.allow_nonfinite)
         else:
             from megatron_quads.convert.to_quads import to_quads
 
@@ -195,6 +198,10 @@ def _add_convert(sub) -> None:
         parser.add_argument("--ep", type=int, default=1, help="expert parallel size of the saved layout")
         parser.add_argument("--etp", type=int, default=None, help="expert tensor parallel size (default: --tp)")
 
+    def nonfinite(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--allow-nonfinite", action="store_true",
+                            help="copy tensors holding NaN or Inf as they are (default: stop, naming the tensor)")
+
     def model_config(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--model-config", default=None,
                             help="architecture of the checkpoint (model_config.json or a run's config.yaml) when it "
@@ -203,9 +210,11 @@ def _add_convert(sub) -> None:
     hf_to_megatron = kinds.add_parser("hf-to-megatron", help="HF Qwen3-MoE directory -> Megatron dist checkpoint")
     common(hf_to_megatron)
     layout(hf_to_megatron)
+    nonfinite(hf_to_megatron)
     megatron_to_hf = kinds.add_parser("megatron-to-hf", help="Megatron dist checkpoint -> HF safetensors (offline)")
     common(megatron_to_hf)
     model_config(megatron_to_hf)
+    nonfinite(megatron_to_hf)
     megatron_to_hf.add_argument("--hf-base", default=None,
                                 help="HF directory whose config fields and tokenizer files the output keeps "
                                      "(default: the checkpoint's hf_base/)")
@@ -215,6 +224,7 @@ def _add_convert(sub) -> None:
     common(reshard)
     layout(reshard)
     model_config(reshard)
+    nonfinite(reshard)
     to_quads = kinds.add_parser("to-quads", help="HF directory or Megatron checkpoint -> NVFP4-plus-residual (vLLM)")
     common(to_quads)
     model_config(to_quads)

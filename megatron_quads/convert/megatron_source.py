@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_quads.convert.finite import require_finite
 from megatron_quads.convert.names import (
     MegatronTensor,
     hf_from_megatron,
@@ -65,9 +66,13 @@ class Unit:
 
 
 class MegatronCheckpoint:
-    """A dist checkpoint of a Qwen3-MoE-mappable GPT-MoE, its architecture and its global tensors."""
+    """A dist checkpoint of a Qwen3-MoE-mappable GPT-MoE, its architecture and its global tensors.
+    Its pickles are audited before anything of it is read; a tensor holding NaN or Inf is refused
+    when read, naming it, unless ``allow_nonfinite``."""
 
-    def __init__(self, directory: str | os.PathLike[str], model: PolicyModelConfig | None = None) -> None:
+    def __init__(self, directory: str | os.PathLike[str], model: PolicyModelConfig | None = None,
+                 allow_nonfinite: bool = False) -> None:
+        self.allow_nonfinite = allow_nonfinite
         self.directory = dist_checkpoint_dir(directory)
         if not is_dist_checkpoint(self.directory):
             raise FileNotFoundError(f"{self.directory} is not a complete Megatron dist checkpoint (no {DIST_METADATA})")
@@ -159,12 +164,17 @@ class MegatronCheckpoint:
         out: list[tuple[str, torch.Tensor]] = []
         for tensor in self._unit_tensors(unit):
             value = loaded.pop(tensor.key)
+            mapped: list[tuple[str, torch.Tensor]] = []
             if tensor.depth == 0:
-                out += hf_from_megatron(tensor.key, (), value, self.model)
+                mapped += hf_from_megatron(tensor.key, (), value, self.model)
             elif tensor.depth == 1:
-                out += hf_from_megatron(tensor.key, (unit.layer,), value[0], self.model)
+                mapped += hf_from_megatron(tensor.key, (unit.layer,), value[0], self.model)
             else:
                 for expert in range(value.shape[1]):
-                    out += hf_from_megatron(tensor.key, (unit.layer, expert), value[0, expert], self.model)
+                    mapped += hf_from_megatron(tensor.key, (unit.layer, expert), value[0, expert], self.model)
+            if not self.allow_nonfinite:
+                for name, t in mapped:
+                    require_finite(name, t, f"{self.directory} (Megatron tensor '{tensor.key}')")
+            out += mapped
             del value
         return [(name, t.clone() if t.untyped_storage().nbytes() != t.nbytes else t) for name, t in out]
