@@ -78,7 +78,8 @@ def load_hf_model(path: str) -> Target:
     if Path(path, QUANT_CONFIG_FILE).exists():
         model = load_quads_model(path)
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32, local_files_only=True).eval()
+        model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32, local_files_only=True,
+                                                     weights_only=True, trust_remote_code=False).eval()
     split_experts(model)
     modules = {name: m for name, m in model.named_modules() if _HF_EXPERT_LINEAR.match(name)}
     if not modules:
@@ -128,6 +129,7 @@ def build_tiny_model(checkpoint: str | None, seed: int) -> torch.nn.Module:
     """A Megatron GPT-MoE in fp32 on one CPU rank: the architecture a dist checkpoint's
     ``model_config.json`` records, loaded from it; without a checkpoint (or that file) the tiny
     default architecture, random or loaded."""
+    from megatron_quads.trainer.checkpoint_audit import audit_dist_checkpoint, load_dist_checkpoint
     from megatron_quads.trainer.distributed import init_trainer_distributed
     from megatron_quads.trainer.model import (
         ParallelConfig,
@@ -136,18 +138,17 @@ def build_tiny_model(checkpoint: str | None, seed: int) -> torch.nn.Module:
         load_model_config,
     )
 
-    init_trainer_distributed(1, 0, ParallelConfig(), seed=seed)
     if checkpoint:
         from megatron_quads.trainer.settings import dist_checkpoint_dir
 
         checkpoint = str(dist_checkpoint_dir(checkpoint))  # a GRPO run's checkpoints/step_N too
+        audit_dist_checkpoint(checkpoint)  # before any work
+    init_trainer_distributed(1, 0, ParallelConfig(), seed=seed)
     recorded = load_model_config(checkpoint) if checkpoint else None
     cfg = (recorded or PolicyModelConfig(init_method_std=0.05)).model_copy(update={"dtype": "fp32"})
     model = build_gpt_model(cfg, ParallelConfig())
     if checkpoint:
-        from megatron.core import dist_checkpointing
-
-        state = dist_checkpointing.load({"model": model.sharded_state_dict()}, checkpoint)
+        state = load_dist_checkpoint({"model": model.sharded_state_dict()}, checkpoint)
         model.load_state_dict(state["model"])
     return model.eval()
 

@@ -42,17 +42,21 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     from megatron_quads.analyze import run, table_rows
     from megatron_quads.rollout.rac import ChannelStatistic
 
-    report = run(
-        Path(args.out),
-        checkpoint=args.checkpoint,
-        hf_model=args.hf_model,
-        ratios=tuple(args.ratios),
-        statistics=tuple(ChannelStatistic(s) for s in args.statistics),
-        num_sequences=args.sequences,
-        seq_len=args.seq_len,
-        seed=args.seed,
-        **_analysis_rows(args),
-    )
+    try:
+        report = run(
+            Path(args.out),
+            checkpoint=args.checkpoint,
+            hf_model=args.hf_model,
+            ratios=tuple(args.ratios),
+            statistics=tuple(ChannelStatistic(s) for s in args.statistics),
+            num_sequences=args.sequences,
+            seq_len=args.seq_len,
+            seed=args.seed,
+            **_analysis_rows(args),
+        )
+    except (ValueError, FileNotFoundError) as err:  # bad input: a refused checkpoint, a missing model, ...
+        Console(stderr=True).print(f"[red]analyze: {escape(str(err))}[/red]", soft_wrap=True)
+        return 2
     table = Table(title=f"rollout vs trainer gap: {report['model']}, {report['tokens']} tokens ({args.tokens})")
     for column in ("pair", "max |Δlogp|", "mean |Δlogp|", "k3 KL", "weight err", "activation err"):
         table.add_column(column, justify="left" if column == "pair" else "right")
@@ -105,10 +109,12 @@ def _train(cfg, force_config: bool) -> int:
     from megatron_quads.controller.preemption import RunStopped
     from megatron_quads.controller.run import TrainerFailure, run
     from megatron_quads.controller.run_dir import RunDirError
+    from megatron_quads.trainer.checkpoint_audit import UnsafeCheckpointError
 
     try:
         metrics = run(cfg, force_config=force_config)
-    except (RunDirError, PlacementError) as err:  # run_dir in use, unusable or of another config; a small cluster
+    except (RunDirError, PlacementError, UnsafeCheckpointError) as err:  # run_dir in use, unusable or of another
+        # config; a small cluster; a model.checkpoint whose pickles could run code
         return _fail(str(err), 2)
     except (TrainerFailure, StorageError) as err:
         return _fail(f"training stopped: {err}", 1)
@@ -177,12 +183,15 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     try:
         model = _model_config_file(args.model_config) if getattr(args, "model_config", None) else None
         if args.convert == "hf-to-megatron":
-            out = commands.hf_to_megatron(args.source, args.out, _parallel(args), overwrite=args.overwrite)
+            out = commands.hf_to_megatron(args.source, args.out, _parallel(args), overwrite=args.overwrite,
+                                          allow_nonfinite=args.allow_nonfinite)
         elif args.convert == "megatron-to-hf":
             out = commands.megatron_to_hf(args.source, args.out, model, hf_base=args.hf_base,
-                                          max_shard_bytes=args.max_shard_size, overwrite=args.overwrite)
+                                          max_shard_bytes=args.max_shard_size, overwrite=args.overwrite,
+                                          allow_nonfinite=args.allow_nonfinite)
         elif args.convert == "reshard":
-            out = commands.reshard(args.source, args.out, _parallel(args), model, overwrite=args.overwrite)
+            out = commands.reshard(args.source, args.out, _parallel(args), model, overwrite=args.overwrite,
+                                   allow_nonfinite=args.allow_nonfinite)
         else:
             from megatron_quads.convert.to_quads import to_quads
 
@@ -192,7 +201,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
                 model=model, tokenizer=args.tokenizer, overwrite=args.overwrite, seed=args.seed,
             )
     except (ValueError, KeyError, FileNotFoundError, FileExistsError, ConversionError) as err:
-        Console(stderr=True).print(f"[red]convert {args.convert}: {err}[/red]", soft_wrap=True)
+        Console(stderr=True).print(f"[red]convert {args.convert}: {escape(str(err))}[/red]", soft_wrap=True)
         return 2
     Console().print(f"wrote {out}")
     return 0
@@ -213,6 +222,10 @@ def _add_convert(sub) -> None:
         parser.add_argument("--ep", type=int, default=1, help="expert parallel size of the saved layout")
         parser.add_argument("--etp", type=int, default=None, help="expert tensor parallel size (default: --tp)")
 
+    def nonfinite(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--allow-nonfinite", action="store_true",
+                            help="copy tensors holding NaN or Inf as they are (default: stop, naming the tensor)")
+
     def model_config(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--model-config", default=None,
                             help="architecture of the checkpoint (model_config.json or a run's config.yaml) when it "
@@ -221,9 +234,11 @@ def _add_convert(sub) -> None:
     hf_to_megatron = kinds.add_parser("hf-to-megatron", help="HF Qwen3-MoE directory -> Megatron dist checkpoint")
     common(hf_to_megatron)
     layout(hf_to_megatron)
+    nonfinite(hf_to_megatron)
     megatron_to_hf = kinds.add_parser("megatron-to-hf", help="Megatron dist checkpoint -> HF safetensors (offline)")
     common(megatron_to_hf)
     model_config(megatron_to_hf)
+    nonfinite(megatron_to_hf)
     megatron_to_hf.add_argument("--hf-base", default=None,
                                 help="HF directory whose config fields and tokenizer files the output keeps "
                                      "(default: the checkpoint's hf_base/)")
@@ -233,6 +248,7 @@ def _add_convert(sub) -> None:
     common(reshard)
     layout(reshard)
     model_config(reshard)
+    nonfinite(reshard)
     to_quads = kinds.add_parser("to-quads", help="HF directory or Megatron checkpoint -> NVFP4-plus-residual (vLLM)")
     common(to_quads)
     model_config(to_quads)

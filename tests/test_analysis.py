@@ -180,12 +180,14 @@ def test_embedded_task_tokens_are_held_out_problems_with_their_answers_and_diffe
         assert is_eval_problem(prompt + "=", task.config.eval_fraction)
 
 
-def test_embedded_task_tokens_on_another_vocabulary_are_refused(tmp_path) -> None:
+def test_embedded_task_tokens_on_another_vocabulary_are_refused(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     from megatron_quads.cli import main
 
-    with pytest.raises(ValueError, match="use tokens 'random'"):
-        main(["analyze", "--tokens", "embedded-task", "--out", str(tmp_path), "--ratios", "0.25",
-              "--sequences", "2", "--seq-len", "8"])  # the default architecture: vocabulary 64
+    assert main(["analyze", "--tokens", "embedded-task", "--out", str(tmp_path), "--ratios", "0.25",
+                 "--sequences", "2", "--seq-len", "8"]) == 2  # the default architecture: vocabulary 64
+    err = capsys.readouterr().err
+    assert "analyze: tokens 'embedded-task' are for a model of vocabulary" in err and "use tokens 'random'" in err
+    assert "Traceback" not in err and err.count("\n") == 1
 
 
 def test_analyze_on_the_embedded_checkpoint_with_its_task_tokens(tmp_path) -> None:

@@ -3,24 +3,28 @@ before anything of it runs."""
 
 from __future__ import annotations
 
+import ast
+import json
 import pickle
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from megatron_quads.trainer.checkpoint_audit import UnsafeCheckpointError, audit_dist_checkpoint, load_plain_data
+from megatron_quads.trainer.checkpoint_audit import (
+    UnsafeCheckpointError,
+    audit_dist_checkpoint,
+    load_dist_checkpoint,
+    load_dist_tensors_metadata,
+    load_plain_data,
+)
+from pickle_payloads import OpensAFile as _OpensAFile
+from pickle_payloads import poison_dcp_metadata
 
-
-class _OpensAFile:
-    """Unpickling this runs ``open(path, "w")``: the marker file shows whether a pickle executed."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __reduce__(self):
-        return open, (str(self.path), "w")
+PACKAGE = Path(__file__).parents[1] / "megatron_quads"
+EMBEDDED_CHECKPOINT = PACKAGE / "assets" / "tiny_moe_sft" / "checkpoint"
 
 
 def _save(path: Path, state: dict) -> Path:
@@ -76,3 +80,81 @@ def test_load_plain_data_returns_tensors_and_refuses_code(tmp_path) -> None:
     with pytest.raises(UnsafeCheckpointError, match=r"bad\.pt: the RNG state is not plain data"):
         load_plain_data(bad, bad, "the RNG state")
     assert not marker.exists()
+
+
+def test_poisoned_metadata_is_valid_and_runs_its_payload_under_dcps_own_reader(tmp_path) -> None:
+    """The payload every reader's test uses is real: DCP's reader (what Megatron calls) returns the
+    checkpoint's metadata and the marker file appears; the audit refuses it without running it."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    ckpt = Path(shutil.copytree(EMBEDDED_CHECKPOINT, tmp_path / "ckpt"))
+    clean = FileSystemReader(str(ckpt)).read_metadata()
+    marker = tmp_path / "ran"
+    poison_dcp_metadata(ckpt, marker)
+    assert FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata == clean.state_dict_metadata
+    assert marker.exists()
+    marker.unlink()
+    with pytest.raises(UnsafeCheckpointError, match=r"ckpt/\.metadata: .*global 'operator\.itemgetter'"):
+        audit_dist_checkpoint(ckpt)
+    assert not marker.exists()
+
+
+def test_the_loaders_audit_and_a_checkpoint_changed_after_its_audit_is_audited_again(tmp_path) -> None:
+    ckpt = Path(shutil.copytree(EMBEDDED_CHECKPOINT, tmp_path / "ckpt"))
+    audit_dist_checkpoint(ckpt)  # passes, and is remembered
+    marker = tmp_path / "ran"
+    poison_dcp_metadata(ckpt, marker)
+    for load in (lambda: load_dist_tensors_metadata(ckpt), lambda: load_dist_checkpoint({}, ckpt)):
+        with pytest.raises(UnsafeCheckpointError, match=r"ckpt/\.metadata: its metadata pickle"):
+            load()
+    assert not marker.exists()
+
+
+def test_a_checkpoint_of_another_megatron_backend_is_refused(tmp_path) -> None:
+    ckpt = Path(shutil.copytree(EMBEDDED_CHECKPOINT, tmp_path / "ckpt"))
+    (ckpt / "metadata.json").write_text(json.dumps({"sharded_backend": "zarr", "sharded_backend_version": 1,
+                                                    "common_backend": "torch", "common_backend_version": 1}))
+    with pytest.raises(UnsafeCheckpointError, match=r"metadata\.json: sharded_backend is 'zarr'; only 'torch_dist'"):
+        load_dist_checkpoint({}, ckpt)
+
+
+_LOADERS = {"load", "loads", "Unpickler", "load_tensors_metadata", "load_common_state_dict", "load_sharded_metadata",
+            "load_plain_tensors", "load_content_metadata", "FileSystemReader", "read_metadata"}
+_PICKLE_MODULES = {"pickle", "cloudpickle", "dill", "joblib"}
+
+
+def _unaudited_reads(tree: ast.AST) -> list[str]:
+    """Calls and imports in ``tree`` that read pickles or torch files without the audit module."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.split(".")[0] in _PICKLE_MODULES]
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if module.split(".")[0] in _PICKLE_MODULES:
+                found.append(module)
+            elif "checkpoint" in module or module == "torch":
+                found += [f"{module}.{a.name}" for a in node.names if a.name in _LOADERS]
+        elif isinstance(node, ast.Attribute) and node.attr in _LOADERS and isinstance(node.value, ast.Name):
+            if node.value.id in {"torch", "dist_checkpointing", "dcp", "checkpoint", *_PICKLE_MODULES}:
+                found.append(f"{node.value.id}.{node.attr}")
+        elif isinstance(node, ast.Attribute) and node.attr == "FileSystemReader":
+            found.append(node.attr)
+    return found
+
+
+def test_no_module_reads_a_checkpoint_pickle_except_through_the_audit() -> None:
+    """The one audited path: ``torch.load``, pickle loads and Megatron's / DCP's loaders appear only in
+    ``trainer/checkpoint_audit.py`` (the scan itself is checked on a snippet that does all of them)."""
+    snippet = ("import pickle\nimport torch\nfrom megatron.core import dist_checkpointing\n"
+               "from torch.distributed.checkpoint import FileSystemReader\n"
+               "torch.load(f)\npickle.loads(b)\ndist_checkpointing.load(s, d)\ndist_checkpointing.load_tensors_metadata(d)\n")
+    assert len(_unaudited_reads(ast.parse(snippet))) == 6
+    offenders = {}
+    for file in sorted(PACKAGE.rglob("*.py")):
+        if file.relative_to(PACKAGE).as_posix() == "trainer/checkpoint_audit.py":
+            continue
+        reads = _unaudited_reads(ast.parse(file.read_text(), str(file)))
+        if reads:
+            offenders[file.relative_to(PACKAGE).as_posix()] = reads
+    assert not offenders, f"read checkpoint pickles through megatron_quads.trainer.checkpoint_audit: {offenders}"

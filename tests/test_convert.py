@@ -9,6 +9,7 @@ the ranks fork from a process without a torch.distributed group of its own.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -189,6 +190,62 @@ def test_a_missing_or_misshapen_tensor_is_named(converted: dict[str, Path], tmp_
         hf_to_megatron(hf, tmp_path / "out", ParallelConfig(), progress=False)
     assert not (tmp_path / "out").exists()
     assert not list(tmp_path.glob(".out.tmp-*"))
+
+
+_CLI_CALLS = """import contextlib, io, json, sys
+from megatron_quads.cli import main
+results = []
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(argv)
+    results.append([code, err.getvalue()])
+print("RESULTS " + json.dumps(results))
+"""
+
+
+def _cli_in_fresh_process(commands: list[list[str]]) -> list[tuple[int, str]]:
+    """``(exit code, stderr)`` of each command, run one after the other in one fresh process."""
+    done = subprocess.run([sys.executable, "-c", _CLI_CALLS, json.dumps(commands)], capture_output=True, text=True,
+                          check=True, timeout=600)
+    line = next(line for line in done.stdout.splitlines() if line.startswith("RESULTS "))
+    return [tuple(r) for r in json.loads(line[len("RESULTS "):])]
+
+
+def test_non_finite_weights_are_refused_naming_the_tensor_unless_allowed(converted: dict[str, Path], tmp_path: Path) -> None:
+    """hf-to-megatron, reshard and megatron-to-hf stop at a NaN or Inf and name the tensor (exit code
+    2, one line); with --allow-nonfinite they copy it where it was."""
+    hf = _copy_hf(converted, tmp_path)
+    tensors = load_file(hf / "model.safetensors")
+    victim = "model.layers.1.mlp.experts.2.down_proj.weight"
+    tensors[victim][5, 3] = float("nan")
+    tensors["model.norm.weight"][7] = float("-inf")
+    save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
+    ckpt = tmp_path / "megatron"
+    results = _cli_in_fresh_process([
+        ["convert", "hf-to-megatron", str(hf), str(tmp_path / "refused"), "--ep", "2"],
+        ["convert", "hf-to-megatron", str(hf), str(ckpt), "--ep", "2", "--allow-nonfinite"],
+        ["convert", "reshard", str(ckpt), str(tmp_path / "resharded"), "--ep", "1"],
+    ])
+    (refused, err), (allowed, _), (resharded, reshard_err) = results
+    assert refused == 2 and allowed == 0 and resharded == 2, results
+    # the ranks' logs share stderr: the command's message is the line it prints
+    message = next(line for line in err.splitlines() if line.startswith("convert hf-to-megatron: "))
+    assert re.search(r"tensor 'model\.(norm|layers\.1\.mlp\.experts\.2\.down_proj)\.weight' in .*edited/model\.safetensors "
+                     r"holds 1 NaN or Inf values.*--allow-nonfinite\)$", message), message
+    assert "Traceback" not in err
+    message = next(line for line in reshard_err.splitlines() if line.startswith("convert reshard: "))
+    assert re.search(rf"tensor '.*' in {ckpt} holds 1 NaN or Inf values", message), message
+    assert not (tmp_path / "refused").exists() and not (tmp_path / "resharded").exists()
+
+    with pytest.raises(ValueError, match=rf"tensor '{victim}' in {ckpt} \(Megatron tensor 'decoder\.layers\..*fc2.*'\) "
+                                         r"holds 1 NaN or Inf values"):
+        megatron_to_hf(ckpt, tmp_path / "hf_refused", progress=False)
+    out = megatron_to_hf(ckpt, tmp_path / "hf_copied", progress=False, allow_nonfinite=True)
+    copied = _tensors(out)
+    assert torch.isnan(copied[victim][5, 3]) and int(torch.isnan(copied[victim]).sum()) == 1
+    assert copied["model.norm.weight"][7] == float("-inf")
+    assert all(torch.equal(t, tensors[n]) for n, t in copied.items() if n not in (victim, "model.norm.weight"))
 
 
 def test_an_existing_target_needs_overwrite(converted: dict[str, Path], tmp_path: Path) -> None:

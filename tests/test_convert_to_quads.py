@@ -240,6 +240,29 @@ def test_errors_name_the_problem(hf_dir: Path, static_out: Path, tmp_path: Path)
     assert not (tmp_path / "out").exists()
 
 
+def test_a_non_finite_source_tensor_and_a_binary_calibration_file_are_named(hf_dir: Path, tmp_path: Path,
+                                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from megatron_quads.cli import main
+
+    binary = tmp_path / "prompts.txt"
+    binary.write_bytes(b"1+2=\n3+4=\n\xff\xfe\x00\x01\n")
+    assert main(["convert", "to-quads", str(hf_dir), str(tmp_path / "out"), "--ratio", "0.25", "--calibration",
+                 str(binary)]) == 2
+    err = capsys.readouterr().err
+    assert f"{binary}:3 is not UTF-8 text (byte 0xff at offset 10)" in err and "codec" not in err, err
+    assert "Traceback" not in err and err.count("\n") == 1, err
+    damaged = Path(shutil.copytree(hf_dir, tmp_path / "damaged"))
+    tensors = load_file(damaged / fmt.SINGLE_FILE)
+    tensors["model.embed_tokens.weight"][3, 5] = float("inf")
+    save_file(tensors, damaged / fmt.SINGLE_FILE, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"tensor 'model\.embed_tokens\.weight' in {damaged / fmt.SINGLE_FILE} holds "
+                                         r"1 NaN or Inf values"):
+        to_quads(damaged, tmp_path / "out", RATIO, **CALIBRATION)
+    assert not (tmp_path / "out").exists()
+
+
 def test_modelopt_decodes_every_nvfp4_tensor_to_the_projects_values(static_out: Path, attention_out: Path) -> None:
     """ModelOpt's NVFP4QTensor.dequantize evaluated in float64 is the exact product
     ``e2m1 * scale * weight_scale_2``; the project's float32 dequantize rounds that product once, so

@@ -406,6 +406,29 @@ def test_megatron_lm_checkpoint_converts_without_model_config(tmp_path: Path) ->
     assert manifest["quads"]["ratio"] == 0.25, "the ratio the run recorded (--quads-rac-ratio)"
 
 
+def test_a_megatron_lm_checkpoint_whose_pickles_would_run_code_is_refused(tmp_path: Path) -> None:
+    """Its recorded arguments (``common.pt``) and its ``.metadata`` are both read through the audit:
+    neither runs, and the refusal names the file."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_quads.convert.to_quads import to_quads
+    from megatron_quads.trainer.checkpoint_audit import UnsafeCheckpointError
+    from pickle_payloads import OpensAFile, poison_dcp_metadata
+
+    marker = tmp_path / "ran"
+    ckpt = tmp_path / "iter_0000002"
+    _save_megatron_lm_checkpoint(ckpt, argparse.Namespace(**LM_ARGS))
+    metadata = poison_dcp_metadata(ckpt, marker)
+    with pytest.raises(UnsafeCheckpointError, match=rf"{metadata}: its metadata pickle"):
+        to_quads(ckpt, tmp_path / "out", None, tokenizer="char", progress=False)
+    evil = tmp_path / "evil_args"
+    evil.mkdir()
+    dist_checkpointing.save({"args": argparse.Namespace(**LM_ARGS, hook=OpensAFile(marker))}, str(evil))
+    with pytest.raises(UnsafeCheckpointError, match=r"evil_args/common\.pt: Megatron-LM's common state is not plain data"):
+        read_megatron_lm_args(evil)
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
 def test_to_quads_without_ratio_needs_a_recorded_one(tmp_path: Path) -> None:
     from megatron_quads.convert.to_quads import to_quads
 

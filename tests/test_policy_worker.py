@@ -140,6 +140,17 @@ def test_a_checkpoint_whose_rng_file_would_run_code_is_refused(tmp_path) -> None
     assert not (tmp_path / "ran").exists()
 
 
+def test_a_checkpoint_whose_metadata_would_run_code_is_refused(tmp_path) -> None:
+    from megatron_quads.trainer.checkpoint_audit import UnsafeCheckpointError
+    from pickle_payloads import poison_dcp_metadata
+
+    saved = _worker().save_checkpoint(tmp_path / "ckpt")
+    metadata = poison_dcp_metadata(saved, tmp_path / "ran")  # still unpickles to the valid metadata
+    with pytest.raises(UnsafeCheckpointError, match=rf"{metadata}: its metadata pickle is not plain checkpoint metadata"):
+        _worker().load_checkpoint(saved)
+    assert not (tmp_path / "ran").exists()
+
+
 def test_a_model_only_load_carries_the_weights_into_the_bf16_optimizer(tmp_path) -> None:
     """The optimizer's fp32 main copies follow the loaded weights: a tiny step keeps them."""
     saved = _worker(dtype="bf16", optimizer="adam", seed=3).save_checkpoint(tmp_path / "m", with_optimizer=False)

@@ -24,6 +24,7 @@ from megatron_quads.rollout.weights import (
     make_quant_config,
     quantize_hf_weights,
     reblocking_error,
+    require_finite_unquantized_files,
     routed_expert_scope,
     save_quantized_weights,
 )
@@ -301,6 +302,39 @@ def test_missing_module_unknown_dtype_and_bad_config(model, tmp_path: Path) -> N
     (out / fmt.QUANT_CONFIG_FILE).write_text(json.dumps(doc))
     with pytest.raises(ValueError, match="group_size"):
         load_quantized_weights(out)
+
+
+def test_a_zero_weight_scale_2_beside_non_zero_block_scales_fails_to_load(model, tmp_path: Path) -> None:
+    """It would decode the weight to zeros; an all-zero weight (block scales all 0) keeps its 0."""
+    out = save_quantized_weights(model, tmp_path / "ckpt")
+    name = "model.layers.1.mlp.experts.2.down_proj.weight_scale_2"
+    _rewrite(out, name, torch.zeros((), dtype=torch.float32))
+    with pytest.raises(ValueError, match=r"down_proj\.weight_scale_2 is 0 but .*down_proj\.weight_scale holds non-zero"):
+        load_quantized_weights(out)
+    zero = QuantizedLinearWeight.from_weight(torch.zeros(16, 32))
+    assert float(zero.weight_scale_2) == 0.0 and not zero.weight_scale.view(torch.uint8).any()
+
+
+def test_config_json_that_contradicts_hf_quant_config_fails_to_load(model, tmp_path: Path) -> None:
+    for key, value, message in (("quant_algo", "FP8", r"quant_algo = 'FP8' but .*quant_algo = 'NVFP4'"),
+                                ("exclude_modules", ["lm_head"], r"quantization_config\.exclude_modules = \['lm_head'\]")):
+        out = save_quantized_weights(model, tmp_path / key, model_config={"model_type": "qwen3_moe"})
+        doc = json.loads((out / fmt.MODEL_CONFIG_FILE).read_text())
+        doc["quantization_config"][key] = value
+        (out / fmt.MODEL_CONFIG_FILE).write_text(json.dumps(doc))
+        with pytest.raises(ValueError, match=rf"{out / fmt.MODEL_CONFIG_FILE} says .*{message}.*re-export"):
+            load_quantized_weights(out)
+
+
+def test_the_unquantized_tensors_of_the_files_are_checked_one_at_a_time(model, tmp_path: Path) -> None:
+    out = save_quantized_weights(model, tmp_path / "ckpt", 3000)
+    assert require_finite_unquantized_files(out) == len(model.unquantized)
+    name = next(n for n in model.unquantized if n.endswith("embed_tokens.weight"))
+    damaged = model.state_dict()[name].clone()
+    damaged[2, 3] = float("-inf")
+    _rewrite(out, name, damaged)
+    with pytest.raises(ValueError, match=rf"'{name}' in {_file_of(out, name)} holds 1 NaN or Inf".replace(".", r"\.")):
+        require_finite_unquantized_files(out)
 
 
 def test_gate_up_with_different_weight_scale_2_fails_to_load(model, tmp_path: Path) -> None:

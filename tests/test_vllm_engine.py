@@ -268,6 +268,31 @@ def _version(version: int):
     return edit
 
 
+def _set(name: str, value: float):
+    def edit(tensors, config) -> None:
+        tensors[name] = torch.full_like(tensors[name], value)
+    return edit
+
+
+def _scale_byte(name: str, byte: int):
+    """One E4M3 block scale of ``name`` replaced by ``byte`` (0x7F / 0xFF: NaN)."""
+    def edit(tensors, config) -> None:
+        tensors[name].view(torch.uint8).view(-1)[7] = byte
+    return edit
+
+
+def _nan_at(name: str):
+    def edit(tensors, config) -> None:
+        tensors[name][0, 0] = float("nan")
+    return edit
+
+
+def _inf_at(name: str):
+    def edit(tensors, config) -> None:
+        tensors[name][5] = float("inf")
+    return edit
+
+
 @pytest.mark.parametrize("edit, message", [
     (_drop("model.layers.1.mlp.experts.3.up_proj.weight_scale"),
      r"lacks 1 tensors of model\.layers\.1\.mlp\.experts, e\.g\. \['model\.layers\.1\.mlp\.experts\.3\.up_proj\.weight_scale'\]"),
@@ -276,10 +301,38 @@ def _version(version: int):
     (_drop("model.layers.0.mlp.experts.1.gate_proj.residual_channels"),
      r"model\.layers\.0\.mlp\.experts\.1\.gate_proj\.residual_channels"),
     (_version(2), r"quads\.version is 2; this plugin reads version 1"),
-], ids=["missing-tensor", "unsorted-channels", "missing-channels", "unknown-version"])
+    (_set("model.layers.1.mlp.experts.4.down_proj.weight_scale_2", 0.0),
+     r"model\.layers\.1\.mlp\.experts\.4\.down_proj\.weight_scale_2 is 0 but its weight_scale holds non-zero block "
+     r"scales: the weight would compute zeros"),
+    (_set("model.layers.2.mlp.experts.6.gate_proj.weight_scale_2", float("nan")),
+     r"model\.layers\.2\.mlp\.experts\.6\.gate_proj\.weight_scale_2 is nan; it must be finite and >= 0"),
+    (_scale_byte("model.layers.0.mlp.experts.2.up_proj.weight_scale", 0x7F),
+     r"model\.layers\.0\.mlp\.experts\.2\.up_proj\.weight_scale holds 1 NaN or negative block scales"),
+    (_scale_byte("model.layers.3.mlp.experts.0.down_proj.residual_weight_scale", 0xFF),
+     r"model\.layers\.3\.mlp\.experts\.0\.down_proj\.residual_weight_scale holds 1 NaN or negative block scales"),
+    (_nan_at("lm_head.weight"), r"unquantized tensor 'lm_head\.weight' in .*ckpt/model\.safetensors holds 1 NaN or Inf"),
+    (_inf_at("model.norm.weight"), r"unquantized tensor 'model\.norm\.weight' in .*holds 1 NaN or Inf"),
+], ids=["missing-tensor", "unsorted-channels", "missing-channels", "unknown-version", "zero-weight-scale-2",
+        "nan-weight-scale-2", "nan-block-scale", "nan-residual-block-scale", "nan-lm-head", "inf-norm"])
 def test_a_bad_checkpoint_fails_with_an_error_that_names_it(model: dict, tmp_path: Path, edit, message: str) -> None:
     directory = _broken_checkpoint(model, tmp_path, edit)
     with pytest.raises(Exception, match=message):
+        engine = VllmRolloutEngine(model["config_json"], precision="quads", ratio=RATIO, dtype=torch.float32,
+                                   checkpoint=directory)
+        engine.close()
+
+
+def test_a_quant_algo_that_config_json_contradicts_is_refused(model: dict, tmp_path: Path) -> None:
+    """vLLM reads config.json's quantization_config; hf_quant_config.json (what ModelOpt's tools read)
+    saying another algorithm means the two files describe different checkpoints."""
+    import json
+
+    directory = save_quantized_weights(model["quantized"], tmp_path / "ckpt", model_config=model["config_json"])
+    quant = json.loads((directory / "hf_quant_config.json").read_text())
+    quant["quantization"]["quant_algo"] = "FP8"
+    (directory / "hf_quant_config.json").write_text(json.dumps(quant))
+    with pytest.raises(Exception, match=r"config\.json says quantization_config\.quant_algo = 'NVFP4' but "
+                                        r".*hf_quant_config\.json says quantization\.quant_algo = 'FP8'"):
         engine = VllmRolloutEngine(model["config_json"], precision="quads", ratio=RATIO, dtype=torch.float32,
                                    checkpoint=directory)
         engine.close()

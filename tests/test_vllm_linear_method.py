@@ -198,6 +198,28 @@ def test_a_bad_attention_channel_set_fails_at_construction(checkpoint, tmp_path:
             pass
 
 
+@pytest.mark.parametrize("damage", ["nan-scale-2", "nan-block-scale"])
+def test_a_bad_attention_scale_fails_at_construction_naming_it(checkpoint, tmp_path: Path, damage: str) -> None:
+    """A NaN q_proj weight_scale_2 is named as such (not as q/k/v scales that differ); a NaN byte in
+    k_proj's block scales is named."""
+    from safetensors.torch import load_file, save_file
+
+    root, _ = checkpoint
+    bad = tmp_path / "bad"
+    shutil.copytree(root / "quads", bad)
+    tensors = load_file(bad / "model.safetensors")
+    if damage == "nan-scale-2":
+        name, message = "model.layers.1.self_attn.q_proj.weight_scale_2", "is nan; it must be finite and >= 0"
+        tensors[name] = torch.full_like(tensors[name], float("nan"))
+    else:
+        name, message = "model.layers.0.self_attn.k_proj.weight_scale", "holds 1 NaN or negative block scales"
+        tensors[name].view(torch.uint8).view(-1)[5] = 0xFF
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=re.escape(f"{name} {message}")):
+        with _engine(bad, f"quads@{RATIO}"):
+            pass
+
+
 # ---------------------------------------------------------------------- quads
 @pytest.fixture(scope="module")
 def quads_llm(checkpoint) -> Iterator[object]:
@@ -332,6 +354,35 @@ def test_a_missing_tensor_is_named() -> None:
     _load(layer, _gate_up(), skip="1.weight_scale_2")
     with pytest.raises(ValueError, match=re.escape("model.layers.0.mlp.up_proj.weight_scale_2")):
         method.process_weights_after_loading(layer)
+
+
+def test_scales_are_checked_before_the_shards_are_compared() -> None:
+    """weight_scale_2 = 0 beside non-zero block scales, a negative block scale, a static input scale
+    of 0 and a NaN residual block scale are each named (the shards' own checks come after)."""
+    from megatron_quads.vllm_plugin.linear_method import QuadsLinearMethod
+    from megatron_quads.vllm_plugin.serving import ServingConfig
+
+    cases = {
+        "1.weight_scale_2": (lambda t: torch.zeros_like(t), "up_proj.weight_scale_2 is 0 but its weight_scale holds"),
+        "0.weight_scale": (lambda t: t.view(torch.uint8).index_fill(1, torch.tensor([2]), 0x88).view(t.dtype),
+                           "gate_proj.weight_scale holds 48 NaN or negative block scales"),
+        "1.input_scale": (lambda t: torch.zeros_like(t), "up_proj.input_scale is 0.0; it must be finite and > 0"),
+        "0.residual_weight_scale": (lambda t: t.view(torch.uint8).index_fill(0, torch.tensor([7]), 0x7F).view(t.dtype),
+                                    "gate_proj.residual_weight_scale holds 1 NaN or negative block scales"),
+    }
+    for target, (damage, message) in cases.items():
+        layer = torch.nn.Module()
+        layer.prefix, layer.tp_size = "model.layers.0.mlp.gate_up_proj", 1
+        method = QuadsLinearMethod(ServingConfig("quads", RATIO, (), True, True))
+        method.create_weights(layer, 64, [48, 32], 64, 80, torch.float32, weight_loader=None)
+        shards = [lin.with_input_scale(torch.tensor(0.5)) for lin in _gate_up()]
+        for shard, lin in enumerate(shards):
+            for name, tensor in lin.state_dict("checkpoint").items():
+                leaf = name.partition(".")[2]
+                value = damage(tensor) if f"{shard}.{leaf}" == target else tensor
+                getattr(layer, leaf).weight_loader(getattr(layer, leaf), value, shard)
+        with pytest.raises(ValueError, match=re.escape(f"model.layers.0.mlp.{message}")):
+            method.process_weights_after_loading(layer)
 
 
 def test_a_layer_nothing_was_loaded_into_is_zero() -> None:

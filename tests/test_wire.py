@@ -115,6 +115,11 @@ def test_damaged_payloads_are_refused_naming_the_tensor() -> None:
     scales[f"{module}.weight_scale"].view(torch.uint8)[1, 2, 3] = 0x7F  # a NaN block scale
     with pytest.raises(ValueError, match=rf"{module}\.weight_scale.*NaN"):
         decode_wire(scales, quantized=True, weight_version=0)
+    zero = dict(payload)
+    zero[f"{module}.weight_scale_2"] = payload[f"{module}.weight_scale_2"].clone()
+    zero[f"{module}.weight_scale_2"][3] = 0.0  # expert 3's non-zero weight would decode to zeros
+    with pytest.raises(ValueError, match=rf"{module}\.weight_scale_2.*0 beside non-zero block scales"):
+        decode_wire(zero, quantized=True, weight_version=0)
     unsorted = dict(payload)
     unsorted[f"{module}.residual_channels"] = payload[f"{module}.residual_channels"].flip(1).contiguous()
     with pytest.raises(ValueError, match=rf"{module}\.residual_channels.*sorted"):

@@ -46,6 +46,7 @@ from megatron_quads.rl.gap_monitor import GapMonitor
 from megatron_quads.rl.metrics import mismatch_metrics
 from megatron_quads.rollout.engine import SamplingParams
 from megatron_quads.rollout.routing import routing_batch
+from megatron_quads.trainer.checkpoint_audit import audit_dist_checkpoint
 from megatron_quads.trainer.settings import DIST_METADATA, RUN_CHECKPOINT_TRAINER
 
 logger = logging.getLogger(__name__)
@@ -582,8 +583,11 @@ def run(cfg: RunConfig, force_config: bool = False) -> Path:
     Ray starts. A trainer failure raises :class:`TrainerFailure`, a storage fault (a full disk, a
     missing permission) :class:`~megatron_quads.controller.faults.StorageError`, and SIGTERM / SIGINT
     :class:`~megatron_quads.controller.preemption.RunStopped`, each naming the last complete
-    checkpoint and the command that resumes."""
+    checkpoint and the command that resumes. A ``model.checkpoint`` whose pickles could run code
+    raises :class:`~megatron_quads.trainer.checkpoint_audit.UnsafeCheckpointError` before anything starts."""
     check_runnable(cfg)
+    if cfg.model.checkpoint and Path(cfg.model.checkpoint).is_dir():
+        audit_dist_checkpoint(cfg.model.checkpoint)  # here, before Ray; each trainer rank audits what it loads
     run_dir = Path(cfg.run_dir)
     prepare_run_dir(run_dir)
     try:

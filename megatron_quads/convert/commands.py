@@ -61,10 +61,11 @@ def _layout(parallel: ParallelConfig) -> dict[str, int]:
 
 def hf_to_megatron(
     hf_dir: str | os.PathLike[str], out: str | os.PathLike[str], parallel: ParallelConfig,
-    overwrite: bool = False, progress: bool = True,
+    overwrite: bool = False, progress: bool = True, allow_nonfinite: bool = False,
 ) -> Path:
     """A Megatron dist checkpoint of the HF model in ``hf_dir``, saved in layout ``parallel``, with
-    ``model_config.json`` (what training reads) and the source's config and tokenizer in ``hf_base/``."""
+    ``model_config.json`` (what training reads) and the source's config and tokenizer in ``hf_base/``.
+    A source tensor holding NaN or Inf stops it, naming the tensor, unless ``allow_nonfinite``."""
     from megatron_quads.trainer.cpu_compat import find_free_port
 
     hf_dir = Path(hf_dir)
@@ -74,7 +75,8 @@ def hf_to_megatron(
     check_layout(model, parallel)
     start = time.perf_counter()
     with atomic_directory(out, overwrite) as tmp:
-        save_dist_checkpoint(SaveJob("hf", str(hf_dir), str(tmp), model, parallel, find_free_port(), progress))
+        save_dist_checkpoint(SaveJob("hf", str(hf_dir), str(tmp), model, parallel, find_free_port(), progress,
+                                     allow_nonfinite))
         save_model_config(model, tmp)
         copy_hf_files(hf_dir, tmp / HF_BASE_DIR, with_config=True)
         write_manifest(tmp, {"command": command_line(), "source": str(hf_dir.resolve()), "kind": "megatron-dist",
@@ -87,16 +89,18 @@ def hf_to_megatron(
 def reshard(
     checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], parallel: ParallelConfig,
     model: PolicyModelConfig | None = None, overwrite: bool = False, progress: bool = True,
+    allow_nonfinite: bool = False,
 ) -> Path:
     """The model weights of dist checkpoint ``checkpoint`` saved again in layout ``parallel``
-    (optimizer and RNG state are not carried over)."""
+    (optimizer and RNG state are not carried over). A tensor holding NaN or Inf stops it, naming the
+    tensor, unless ``allow_nonfinite``."""
     from megatron_quads.trainer.cpu_compat import find_free_port
 
     source = MegatronCheckpoint(checkpoint, model)
     check_layout(source.model, parallel)
     with atomic_directory(out, overwrite) as tmp:
         save_dist_checkpoint(SaveJob("megatron", str(source.directory), str(tmp), source.model, parallel,
-                                     find_free_port(), progress))
+                                     find_free_port(), progress, allow_nonfinite))
         save_model_config(source.model, tmp)
         if (source.directory / HF_BASE_DIR).is_dir():
             shutil.copytree(source.directory / HF_BASE_DIR, tmp / HF_BASE_DIR)
@@ -130,12 +134,13 @@ def _base_config(source: MegatronCheckpoint, hf_base: str | os.PathLike[str] | N
 def megatron_to_hf(
     checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], model: PolicyModelConfig | None = None,
     hf_base: str | os.PathLike[str] | None = None, max_shard_bytes: int = DEFAULT_HF_SHARD_BYTES,
-    overwrite: bool = False, progress: bool = True,
+    overwrite: bool = False, progress: bool = True, allow_nonfinite: bool = False,
 ) -> Path:
     """Sharded safetensors + ``config.json`` of dist checkpoint ``checkpoint``, read and written one
     unit (embedding, layer, head) at a time. ``hf_base``: an HF directory whose config fields (token
-    ids, ...) and tokenizer files the output keeps (default: the checkpoint's ``hf_base/``)."""
-    source = MegatronCheckpoint(checkpoint, model)
+    ids, ...) and tokenizer files the output keeps (default: the checkpoint's ``hf_base/``). A tensor
+    holding NaN or Inf stops it, naming the tensor, unless ``allow_nonfinite``."""
+    source = MegatronCheckpoint(checkpoint, model, allow_nonfinite=allow_nonfinite)
     base, base_dir = _base_config(source, hf_base)
     config = hf_config_from_policy(source.model, base)
     units = source.units()

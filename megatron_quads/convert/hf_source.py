@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from megatron_quads.convert.finite import require_finite
 from megatron_quads.convert.names import hf_tensor_shapes
 from megatron_quads.rollout import checkpoint_format as fmt
 from megatron_quads.trainer.hf_config import policy_config_from_hf
@@ -29,10 +30,12 @@ TOKENIZER_FILES = (
 
 
 class HfCheckpoint:
-    """A local HF directory: its config, the trainer architecture it maps to, and its tensors."""
+    """A local HF directory: its config, the trainer architecture it maps to, and its tensors.
+    A tensor holding NaN or Inf is refused when read, naming it, unless ``allow_nonfinite``."""
 
-    def __init__(self, directory: str | os.PathLike[str]) -> None:
+    def __init__(self, directory: str | os.PathLike[str], allow_nonfinite: bool = False) -> None:
         self.directory = Path(directory)
+        self.allow_nonfinite = allow_nonfinite
         config_path = self.directory / fmt.MODEL_CONFIG_FILE
         if not config_path.is_file():
             raise FileNotFoundError(f"{self.directory} is not a Hugging Face model directory (no config.json)")
@@ -68,8 +71,12 @@ class HfCheckpoint:
         return self.files[name]
 
     def get(self, name: str) -> torch.Tensor:
-        """Tensor ``name`` (a fresh CPU tensor)."""
-        return self._handle(self._file_of(name)).get_tensor(name)
+        """Tensor ``name`` (a fresh CPU tensor); finite unless ``allow_nonfinite``."""
+        file_name = self._file_of(name)
+        tensor = self._handle(file_name).get_tensor(name)
+        if not self.allow_nonfinite:
+            require_finite(name, tensor, str(self.directory / file_name))
+        return tensor
 
     def check(self) -> None:
         """Every tensor the config implies is present with its shape, and no other tensor is: or ValueError."""

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_quads.convert.finite import require_finite
 from megatron_quads.convert.names import (
     MegatronTensor,
     hf_from_megatron,
@@ -26,9 +27,9 @@ from megatron_quads.convert.names import (
     megatron_tensors,
 )
 from megatron_quads.megatron_lm.checkpoint import megatron_lm_model_config
+from megatron_quads.trainer.checkpoint_audit import audit_dist_checkpoint, load_dist_checkpoint, load_dist_tensors_metadata
 from megatron_quads.trainer.model import PolicyModelConfig, load_model_config
 from megatron_quads.trainer.settings import DIST_METADATA, dist_checkpoint_dir
-
 
 
 @contextmanager
@@ -65,14 +66,17 @@ class Unit:
 
 
 class MegatronCheckpoint:
-    """A dist checkpoint of a Qwen3-MoE-mappable GPT-MoE, its architecture and its global tensors."""
+    """A dist checkpoint of a Qwen3-MoE-mappable GPT-MoE, its architecture and its global tensors.
+    Its pickles are audited before anything of it is read; a tensor holding NaN or Inf is refused
+    when read, naming it, unless ``allow_nonfinite``."""
 
-    def __init__(self, directory: str | os.PathLike[str], model: PolicyModelConfig | None = None) -> None:
-        from megatron.core import dist_checkpointing
-
+    def __init__(self, directory: str | os.PathLike[str], model: PolicyModelConfig | None = None,
+                 allow_nonfinite: bool = False) -> None:
+        self.allow_nonfinite = allow_nonfinite
         self.directory = dist_checkpoint_dir(directory)
         if not is_dist_checkpoint(self.directory):
             raise FileNotFoundError(f"{self.directory} is not a complete Megatron dist checkpoint (no {DIST_METADATA})")
+        audit_dist_checkpoint(self.directory)  # its pickles, before anything of it is read
         found = load_model_config(self.directory)
         if model is None and found is None:
             found = megatron_lm_model_config(self.directory)  # a Megatron-LM checkpoint records its arguments
@@ -83,7 +87,7 @@ class MegatronCheckpoint:
             )
         self.model: PolicyModelConfig = model or found
         with single_process_group():
-            self.metadata = dist_checkpointing.load_tensors_metadata(str(self.directory))
+            self.metadata = load_dist_tensors_metadata(self.directory)
         self.tensors = megatron_tensors(self.model)
         self._check()
 
@@ -141,7 +145,6 @@ class MegatronCheckpoint:
 
     def read(self, unit: Unit) -> list[tuple[str, torch.Tensor]]:
         """The HF tensors of ``unit``, each owning its memory (safetensors stores no shared views)."""
-        from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
         request = {}
@@ -157,16 +160,21 @@ class MegatronCheckpoint:
                     tensor.key, buf, (0, unit.layer, shape[0]), replica_id=0
                 )
         with single_process_group():
-            loaded = dist_checkpointing.load(request, str(self.directory), validate_access_integrity=False)
+            loaded = load_dist_checkpoint(request, self.directory, validate_access_integrity=False)
         out: list[tuple[str, torch.Tensor]] = []
         for tensor in self._unit_tensors(unit):
             value = loaded.pop(tensor.key)
+            mapped: list[tuple[str, torch.Tensor]] = []
             if tensor.depth == 0:
-                out += hf_from_megatron(tensor.key, (), value, self.model)
+                mapped += hf_from_megatron(tensor.key, (), value, self.model)
             elif tensor.depth == 1:
-                out += hf_from_megatron(tensor.key, (unit.layer,), value[0], self.model)
+                mapped += hf_from_megatron(tensor.key, (unit.layer,), value[0], self.model)
             else:
                 for expert in range(value.shape[1]):
-                    out += hf_from_megatron(tensor.key, (unit.layer, expert), value[0, expert], self.model)
+                    mapped += hf_from_megatron(tensor.key, (unit.layer, expert), value[0, expert], self.model)
+            if not self.allow_nonfinite:
+                for name, t in mapped:
+                    require_finite(name, t, f"{self.directory} (Megatron tensor '{tensor.key}')")
+            out += mapped
             del value
         return [(name, t.clone() if t.untyped_storage().nbytes() != t.nbytes else t) for name, t in out]

@@ -44,6 +44,7 @@ class SaveJob:
     parallel: ParallelConfig
     port: int
     progress: bool = True
+    allow_nonfinite: bool = False
 
 
 def world_size_for(parallel: ParallelConfig) -> int:
@@ -69,7 +70,8 @@ def check_layout(model: PolicyModelConfig, parallel: ParallelConfig) -> None:
             raise ValueError(f"{name} = {size} is not divisible by {flag} {ways}; choose a layout that divides it")
 
 
-def _fill_from_hf(model: torch.nn.Module, source: str, cfg: PolicyModelConfig, progress) -> None:
+def _fill_from_hf(model: torch.nn.Module, source: str, cfg: PolicyModelConfig, progress,
+                  allow_nonfinite: bool = False) -> None:
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factory_merges
     from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
@@ -79,7 +81,7 @@ def _fill_from_hf(model: torch.nn.Module, source: str, cfg: PolicyModelConfig, p
 
     sharded, nonpersistent, factories = load_preprocess(model.sharded_state_dict())
     cache: dict[tuple, torch.Tensor] = {}
-    with HfCheckpoint(source) as hf:
+    with HfCheckpoint(source, allow_nonfinite=allow_nonfinite) as hf:
         def load(value):
             if isinstance(value, ShardedObject):
                 return None  # the local spec's linears keep no extra state
@@ -106,10 +108,15 @@ def _fill_from_hf(model: torch.nn.Module, source: str, cfg: PolicyModelConfig, p
     model.load_state_dict(state, strict=True)
 
 
-def _fill_from_megatron(model: torch.nn.Module, source: str) -> None:
-    from megatron.core import dist_checkpointing
+def _fill_from_megatron(model: torch.nn.Module, source: str, allow_nonfinite: bool = False) -> None:
+    from megatron_quads.convert.finite import require_finite
+    from megatron_quads.trainer.checkpoint_audit import load_dist_checkpoint
 
-    state = dist_checkpointing.load(model.sharded_state_dict(), source)
+    state = load_dist_checkpoint(model.sharded_state_dict(), source)
+    if not allow_nonfinite:
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                require_finite(key, value, source)
     model.load_state_dict(state, strict=True)
 
 
@@ -133,9 +140,9 @@ def _rank_main(rank: int, job: SaveJob, world_size: int) -> None:
             model.bfloat16()  # what the trainer's Float16Module does: its checkpoints hold bf16 norms too
         with progress_bar(rank == 0 and job.progress, f"filling parameters (rank 0 of {world_size})") as advance:
             if job.kind == "hf":
-                _fill_from_hf(model, job.source, job.model, advance)
+                _fill_from_hf(model, job.source, job.model, advance, job.allow_nonfinite)
             else:
-                _fill_from_megatron(model, job.source)
+                _fill_from_megatron(model, job.source, job.allow_nonfinite)
         dist.barrier()
         dist_checkpointing.save(model.sharded_state_dict(), job.target)
         dist.barrier()

@@ -205,19 +205,31 @@ def _quantize(src: _Source, ratio: float, scope: str, progress: bool) -> Quantiz
 def read_calibration_file(path: str | os.PathLike[str]) -> list[tuple[int, str]]:
     """``(line number, prompt)`` of a calibration file: a ``.jsonl`` file holds one JSON object per
     line with a ``"prompt"`` or ``"text"`` string, any other file one prompt per line; blank lines
-    are skipped. A file without prompts, or a JSONL line without such a field, raises ValueError."""
+    are skipped. A file that is not UTF-8 text or holds no prompts, or a JSONL line without such a
+    field, raises ValueError naming the file (and the line)."""
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"calibration file {file} does not exist")
     jsonl = file.suffix == ".jsonl"
     prompts = []
-    for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(_utf8_text(file).splitlines(), start=1):
         if not line.strip():
             continue
         prompts.append((number, _jsonl_prompt(file, number, line) if jsonl else line))
     if not prompts:
         raise ValueError(f"calibration file {file} holds no prompts (blank lines are skipped)")
     return prompts
+
+
+def _utf8_text(file: Path) -> str:
+    """The file's text; ValueError naming the file, line and byte where it is not UTF-8."""
+    data = file.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = len((data[: err.start].decode("utf-8") + "x").splitlines())  # the text before the bad byte is valid
+        raise ValueError(f"calibration file {file}:{line} is not UTF-8 text (byte 0x{data[err.start]:02x} at offset "
+                         f"{err.start}); give a text or JSONL file of prompts encoded in UTF-8") from None
 
 
 def _jsonl_prompt(file: Path, number: int, line: str) -> str:

@@ -182,6 +182,33 @@ def parse_hf_quant_config(doc: Any, source: str = QUANT_CONFIG_FILE) -> tuple[li
     return list(exclude), dict(quads)
 
 
+_SHARED_KEYS = ("quant_algo", "group_size", "exclude_modules")
+"""Keys both quantization configs hold (``config.json`` flat, ``hf_quant_config.json`` under ``quantization``)."""
+
+
+def check_quant_configs_agree(directory: str | os.PathLike[str]) -> None:
+    """``config.json``'s ``quantization_config`` and ``hf_quant_config.json``, where a checkpoint has
+    both, agree on ``quant_algo``, ``group_size``, ``exclude_modules`` and the ``quads`` block (engines
+    read one file, ModelOpt's tools the other): else ValueError naming the key and both files."""
+    root = Path(directory)
+    model = read_json_file(root, MODEL_CONFIG_FILE, required=False)
+    flat = model.get("quantization_config") if isinstance(model, dict) else None
+    quant = read_json_file(root, QUANT_CONFIG_FILE, required=False)
+    if not isinstance(flat, dict) or not isinstance(quant, dict):
+        return
+    nested = quant.get("quantization") if isinstance(quant.get("quantization"), dict) else quant
+    pairs = [(f"quantization_config.{k}", flat.get(k), f"quantization.{k}", nested.get(k)) for k in _SHARED_KEYS]
+    pairs.append(("quantization_config.quads", flat.get("quads"), "quads", quant.get("quads")))
+    for key_a, a, key_b, b in pairs:
+        if key_a.endswith("quant_algo") and isinstance(a, str) and isinstance(b, str):
+            a, b = a.upper(), b.upper()
+        if a != b and not (key_a != "quantization_config.quads" and (a is None or b is None)):
+            raise ValueError(
+                f"{root / MODEL_CONFIG_FILE} says {key_a} = {a!r} but {root / QUANT_CONFIG_FILE} says {key_b} = {b!r}; "
+                "the two files describe different checkpoints (one was edited): re-export the checkpoint"
+            )
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 

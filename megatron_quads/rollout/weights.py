@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from megatron_quads.nvfp4 import (
     BLOCK_SIZE,
@@ -37,6 +38,7 @@ from megatron_quads.nvfp4 import (
 )
 from megatron_quads.nvfp4.metrics import relative_error
 from megatron_quads.rollout import checkpoint_format as fmt
+from megatron_quads.rollout.stored_scales import invalid_block_scales, invalid_decode_scales
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +83,7 @@ def _check_scale_bytes(t: torch.Tensor, leaf: str, prefix: str) -> None:
     """E4M3 block scales must be finite and non-negative: no NaN byte (0x7F/0xFF), no sign bit."""
     if not t.numel():
         return
-    b = t.view(torch.uint8)
-    bad = (b & 0x80).ne(0) | (b & 0x7F).eq(0x7F)
+    bad = invalid_block_scales(t)
     if bool(bad.any()):
         count = int(bad.sum())
         raise ValueError(
@@ -170,6 +171,11 @@ def _check_linear_fields(
     _check_shape(rs, fmt.RESIDUAL_WEIGHT_SCALE, prefix, (n, s // BLOCK_SIZE), of_channels)
     _check_scale_bytes(ws, fmt.WEIGHT_SCALE, prefix)
     _check_scale_bytes(rs, fmt.RESIDUAL_WEIGHT_SCALE, prefix)
+    if bool(invalid_decode_scales(weight_scale_2, ws.view(torch.uint8).ne(0).any())):
+        raise ValueError(
+            f"{prefix}weight_scale_2 is 0 but {prefix}weight_scale holds non-zero block scales: the weight would "
+            "decode to zeros (only an all-zero weight has weight_scale_2 = 0); the checkpoint is damaged: re-export it"
+        )
     devices = {t.device for t in (w, ws, weight_scale_2, ch, rw, rs)}
     if input_scale is not None:
         devices.add(input_scale.device)
@@ -1017,17 +1023,14 @@ def save_quantized_weights(
     )
 
 
-def _check_model_config(directory: Path, exclude: list[str], quads: dict[str, Any]) -> None:
-    """If ``config.json`` carries a QUADS ``quantization_config``, it must agree with ``hf_quant_config.json``."""
-    doc = fmt.read_json_file(directory, fmt.MODEL_CONFIG_FILE, required=False)
-    block = doc.get("quantization_config") if isinstance(doc, dict) else None
-    if not isinstance(block, dict) or "quads" not in block:
-        return
-    if block.get("quads") != quads or block.get("exclude_modules") != exclude:
-        raise ValueError(
-            f"{directory / fmt.MODEL_CONFIG_FILE} quantization_config disagrees with {fmt.QUANT_CONFIG_FILE} "
-            "(quads block or exclude_modules); one of them was edited: re-export the checkpoint"
-        )
+
+
+def _non_finite(name: str, tensor: torch.Tensor, file: Path, more: str = "") -> ValueError:
+    count = int((~torch.isfinite(tensor)).sum())
+    return ValueError(
+        f"unquantized tensor '{name}' in {file} holds {count} NaN or Inf values{more}; the checkpoint is damaged or "
+        "was exported from diverged weights: re-export it"
+    )
 
 
 def _require_finite_unquantized(unquantized: Mapping[str, torch.Tensor], root: Path) -> None:
@@ -1039,12 +1042,34 @@ def _require_finite_unquantized(unquantized: Mapping[str, torch.Tensor], root: P
     finite = torch.stack([torch.isfinite(unquantized[n]).all() for n in names]).tolist()
     bad = [n for n, ok in zip(names, finite, strict=True) if not ok]
     if bad:
-        count = int((~torch.isfinite(unquantized[bad[0]])).sum())
-        raise ValueError(
-            f"unquantized tensor '{bad[0]}' in {root / fmt.tensor_file_map(root)[bad[0]]} holds {count} NaN or Inf "
-            f"values ({len(bad)} tensor(s) in all); the checkpoint is damaged or was exported from diverged weights: "
-            "re-export it"
-        )
+        file = root / fmt.tensor_file_map(root)[bad[0]]
+        raise _non_finite(bad[0], unquantized[bad[0]], file, f" ({len(bad)} tensor(s) in all)")
+
+
+def require_finite_unquantized_files(directory: str | os.PathLike[str]) -> int:
+    """Every floating-point tensor of the checkpoint files in ``directory`` that belongs to no quantized
+    module (embeddings, norms, router, ``lm_head``, excluded linears) is finite: else ValueError naming
+    the first that is not and its file. Reads one tensor at a time (memory-mapped); returns how many
+    tensors it checked. For readers that do not load the checkpoint through :func:`load_quantized_weights`."""
+    root = Path(directory)
+    files = fmt.tensor_file_map(root)
+    quantized = {fmt.split_tensor_name(n)[0] for n in files if fmt.split_tensor_name(n)[1] in fmt.QUANTIZED_ONLY_LEAVES}
+    by_file: dict[str, list[str]] = {}
+    for name, file_name in files.items():
+        if fmt.split_tensor_name(name)[0] not in quantized:
+            by_file.setdefault(file_name, []).append(name)
+    checked = 0
+    for file_name, names in by_file.items():
+        try:
+            with safe_open(str(root / file_name), framework="pt") as f:
+                for name in names:
+                    tensor = f.get_tensor(name)
+                    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                        raise _non_finite(name, tensor, root / file_name)
+                    checked += 1
+        except (OSError, SafetensorError) as err:
+            raise ValueError(f"cannot read {root / file_name}: {err}; the file is damaged: re-export the checkpoint") from err
+    return checked
 
 
 def load_quantized_weights(
@@ -1060,7 +1085,7 @@ def load_quantized_weights(
     root = Path(directory)
     source = str(root / fmt.QUANT_CONFIG_FILE)
     exclude, quads = fmt.parse_hf_quant_config(fmt.read_json_file(root, fmt.QUANT_CONFIG_FILE), source)
-    _check_model_config(root, exclude, quads)
+    fmt.check_quant_configs_agree(root)
     tensors = fmt.read_checkpoint_tensors(root, device)
     config = make_quant_config(quads["residual_ratio"], exclude, quads["weight_version"])
     weights = QuantizedModelWeights.from_state_dict(tensors, config, quads["residual_tensors"], quads["input_scales"])

@@ -31,6 +31,7 @@ from megatron_quads.rollout.expert_stacks import (
     check_stack_fields,
     rebuild_residual,
 )
+from megatron_quads.rollout.stored_scales import invalid_block_scales, invalid_decode_scales
 from megatron_quads.rollout.weights import (
     LazyLinears,
     QuantizedLinearWeight,
@@ -108,10 +109,12 @@ def encode_wire(
 def _value_checks(fields: Mapping[str, torch.Tensor], module: str, checks: DeferredChecks) -> None:
     """Flag what the per-linear checks of the format would reject, for a whole stack at once."""
     in_features = 2 * fields["weight"].shape[2]
-    b = fields["weight_scale"].view(torch.uint8)
-    checks.add(f"'{module}.weight_scale' (negative or NaN block scales)", (b & 0x80).ne(0) | (b & 0x7F).eq(0x7F))
+    scales = fields["weight_scale"]
+    checks.add(f"'{module}.weight_scale' (negative or NaN block scales)", invalid_block_scales(scales))
     ws2 = fields["weight_scale_2"]
-    checks.add(f"'{module}.weight_scale_2' (not finite and >= 0)", ~(torch.isfinite(ws2) & (ws2 >= 0)))
+    nonzero = scales.view(torch.uint8).ne(0).reshape(ws2.numel(), -1).any(dim=1).reshape(ws2.shape)
+    checks.add(f"'{module}.weight_scale_2' (not finite and >= 0, or 0 beside non-zero block scales)",
+               invalid_decode_scales(ws2, nonzero))
     ch = fields["residual_channels"]
     if ch.shape[1]:
         bad = (ch < 0) | (ch >= in_features)

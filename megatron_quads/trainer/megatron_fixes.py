@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from typing import Optional
 
 import torch
@@ -168,15 +169,34 @@ def fix_router_without_te() -> bool:
     return True
 
 
+def _end_with(parent: int) -> None:
+    """In a forked ``Manager`` server: be killed when ``parent`` ends (Linux ``PR_SET_PDEATHSIG``), so a
+    process killed before it could shut its manager down leaves no server behind (one that would hold
+    the inherited stdout / stderr open, and with them the pipes of whoever waits on the output)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the server ends with a clean shutdown only
+        return
+    if os.getppid() != parent:  # the parent ended before the request took effect
+        os._exit(0)
+
+
 def use_forked_checkpoint_result_queue() -> bool:
     """Give Megatron's dist-checkpoint writer a fork-started ``Manager`` queue for its write results
     (same semantics, no interpreter start-up); returns False if one was already created. For
-    processes without CUDA (a forked server must not inherit a CUDA context)."""
+    processes without CUDA (a forked server must not inherit a CUDA context). The manager's server
+    ends with this process, also when it is killed."""
     import multiprocessing
+    from multiprocessing.managers import SyncManager
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is not None:
         return False
-    filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+    manager = SyncManager(ctx=multiprocessing.get_context("fork"))
+    manager.start(_end_with, (os.getpid(),))
+    filesystem_async._results_queue = manager.Queue()
     return True

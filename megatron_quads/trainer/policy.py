@@ -40,7 +40,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
-from megatron_quads.trainer.checkpoint_audit import audit_dist_checkpoint, load_plain_data
+from megatron_quads.trainer.checkpoint_audit import load_dist_checkpoint, load_plain_data
 from megatron_quads.trainer.fake_quant import invalidate_fake_quant_caches
 from megatron_quads.trainer.hf_export import export_hf_weights
 from megatron_quads.trainer.megatron_fixes import mark_expert_params_for_expert_dp, use_forked_checkpoint_result_queue
@@ -303,15 +303,14 @@ class PolicyWorker:
         ``with_optimizer=False`` loads model weights (and RNG, if present) only, e.g. to start
         training from a model-only checkpoint such as the embedded default. Every loaded parameter
         and optimizer tensor must be finite: a NaN or Inf raises ValueError naming the first one.
-        Its pickles are audited first (:func:`audit_dist_checkpoint`): one that could run code is
+        Its pickles are audited first (:func:`load_dist_checkpoint`): one that could run code is
         refused with :class:`UnsafeCheckpointError`.
         """
         path = Path(path)
         if not (path / "metadata.json").exists():
             raise FileNotFoundError(f"{path} is not a complete Megatron dist checkpoint (no metadata.json)")
-        audit_dist_checkpoint(path)
         state = self._sharded_state(is_loading=True, with_optimizer=with_optimizer)
-        loaded = dist_checkpointing.load(state, str(path))
+        loaded = load_dist_checkpoint(state, path)
         self.model.load_state_dict(loaded["model"])
         _require_finite(self.model.named_parameters(), f"parameter of the model loaded from {path}")
         if "optimizer" in loaded:

@@ -54,6 +54,7 @@ from megatron_quads.rollout.calibration import ChannelStats, select_from_stats
 from megatron_quads.rollout.precision import LinearState, Precision, linear_output
 from megatron_quads.rollout.rac import ChannelStatistic, reblock_columns, validate_channels
 from megatron_quads.vllm_plugin.fp4_gemm import AugmentedWeight, fp4_gemm_supported, fp4_linear
+from megatron_quads.vllm_plugin.scale_checks import ScaleChecks
 from megatron_quads.vllm_plugin.serving import ServingConfig
 
 _QKV_SHARDS = {"q": 0, "k": 1, "v": 2}
@@ -290,13 +291,29 @@ def _required(layer: torch.nn.Module, quads: bool) -> list[str]:
 
 
 def _check_loaded(layer: torch.nn.Module, loaded: set[tuple[str, int]], quads: bool) -> None:
-    """Every tensor of every shard was loaded."""
+    """Every tensor of every shard was loaded, and every scale is valid (:func:`_check_scales`, before
+    any check that compares the shards' scales)."""
     missing = [_checkpoint_name(layer, s, n) for n in _required(layer, quads)
                for s in range(len(layer.quads_shards)) if (n, s) not in loaded]
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} tensors of {layer.prefix}, e.g. {missing[:4]}; a quantized "
                          "linear needs weight, weight_scale, weight_scale_2 (input_scale where the checkpoint has them, "
                          "residual_* for quads)")
+    _check_scales(layer, quads)
+
+
+def _check_scales(layer: torch.nn.Module, quads: bool) -> None:
+    """Every stored scale of every shard follows :mod:`megatron_quads.rollout.stored_scales` (block
+    scales finite and >= 0; ``weight_scale_2`` finite, >= 0 and 0 only for an all-zero weight; static
+    input scales finite and > 0; in quads the residual block scales too): else ValueError naming the
+    first checkpoint tensor that does not."""
+    checks = ScaleChecks(layer.quads_shards, lambda index, leaf: _checkpoint_name(layer, index[0], leaf))
+    checks.weight(layer.weight_scale, layer.weight_scale_2)
+    if getattr(layer, "input_scale", None) is not None:
+        checks.input_scale(layer.input_scale)
+    if quads:
+        checks.residual(layer.residual_weight_scale)
+    checks.raise_first()
 
 
 def _check_empty_tails(layer: torch.nn.Module, empty: set[tuple[str, int]]) -> None:

@@ -339,7 +339,8 @@ def _required(layer: torch.nn.Module, quads: bool) -> list[str]:
 
 
 def _check_loaded(layer: torch.nn.Module, loaded: set, quads: bool) -> None:
-    """Every tensor of every local expert was loaded, no scale is NaN, residual channels are valid."""
+    """Every tensor of every local expert was loaded, every scale is valid (:func:`_check_scales`,
+    before any check that compares scales), residual channels are valid."""
     experts = layer.w13_weight.shape[0]
     missing = [_checkpoint_name(layer, e, shard, name.partition("_")[2])
                for name in _required(layer, quads) for shard in (("w2",) if name.startswith("w2") else ("w1", "w3"))
@@ -347,6 +348,7 @@ def _check_loaded(layer: torch.nn.Module, loaded: set, quads: bool) -> None:
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} tensors of {layer.layer_name}, e.g. {missing[:4]}; "
                          "every routed expert needs weight, weight_scale, weight_scale_2 (and residual_* for quads)")
+    _check_scales(layer, quads)
     if not quads:
         return
     channels13 = layer.w13_residual_channels
@@ -440,3 +442,35 @@ def _local_routing(layer: torch.nn.Module, topk_ids: torch.Tensor, topk_weights:
         return ids, topk_weights
     local = expert_map.to(ids.device)[ids].to(torch.int64)
     return local.clamp(min=0), torch.where(local >= 0, topk_weights, torch.zeros_like(topk_weights))
+
+
+def _global_expert(layer: torch.nn.Module, local: int) -> int:
+    """The checkpoint's (global) id of local expert ``local`` (they differ under expert parallelism)."""
+    expert_map = getattr(layer, "expert_map", None)
+    if expert_map is None:
+        return local
+    return int(torch.nonzero(expert_map.cpu() == local)[0])
+
+
+def _check_scales(layer: torch.nn.Module, quads: bool) -> None:
+    """Every stored scale of every local expert follows :mod:`megatron_quads.rollout.stored_scales`
+    (block scales finite and >= 0; ``weight_scale_2`` finite, >= 0 and 0 only for an all-zero
+    weight; static input scales finite and > 0; in quads the residual block scales too): else
+    ValueError naming the first checkpoint tensor that does not."""
+    from megatron_quads.vllm_plugin.scale_checks import ScaleChecks
+
+    for projection, shards in (("w13", ("w1", "w3")), ("w2", ("w2",))):
+        rows = layer.quads_sizes[projection][0] // len(shards)
+
+        def name(index: tuple[int, ...], leaf: str, shards: tuple[str, ...] = shards) -> str:
+            return _checkpoint_name(layer, _global_expert(layer, index[0]), shards[index[1]], leaf)
+
+        checks = ScaleChecks([rows] * len(shards), name)
+        scale_2 = getattr(layer, f"{projection}_weight_scale_2")
+        checks.weight(getattr(layer, f"{projection}_weight_scale"), scale_2.reshape(scale_2.shape[0], len(shards)))
+        input_scale = getattr(layer, f"{projection}_input_scale", None)
+        if input_scale is not None:
+            checks.input_scale(input_scale.reshape(input_scale.shape[0], len(shards)))
+        if quads:
+            checks.residual(getattr(layer, f"{projection}_residual_weight_scale"))
+        checks.raise_first()

@@ -5,11 +5,22 @@ It claims every checkpoint whose quantization config carries the project's ``qua
 e.g. where vLLM has no NVFP4 MoE backend. Routed experts get :class:`~.moe_method.QuadsFusedMoEMethod`,
 other linears in scope :class:`~.linear_method.QuadsLinearMethod`, excluded linears vLLM's own
 unquantized method. Importing this module registers the method.
+
+What is checked, and where. vLLM calls :meth:`QuadsNVFP4Config.maybe_update_config` once, with the
+checkpoint's directory, when it builds its config (before any worker starts): there the two
+quantization configs (``config.json``, ``hf_quant_config.json``) must agree, and every tensor of
+the checkpoint files that belongs to no quantized module (embeddings, norms, router, ``lm_head``,
+excluded linears: what vLLM's own layers serve) must be finite, else the engine does not start and
+the error names the tensor and its file. A checkpoint vLLM fetches from a hub (not a local
+directory) is not read there. The quantized tensors are checked by the methods as they are loaded
+(``process_weights_after_loading``, also on every in-place update): every tensor present, every
+scale valid (:mod:`.scale_checks`), channel sets valid and shared by fused siblings.
 """
 
 from __future__ import annotations
 
 from fnmatch import fnmatch
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,7 +30,8 @@ from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
 
-from megatron_quads.rollout.checkpoint_format import QUANT_CONFIG_FILE
+from megatron_quads.rollout.checkpoint_format import QUANT_CONFIG_FILE, check_quant_configs_agree
+from megatron_quads.rollout.weights import require_finite_unquantized_files
 from megatron_quads.vllm_plugin.serving import QUANT_NAME, ServingConfig, is_modelopt_nvfp4, serving_config
 
 
@@ -64,6 +76,16 @@ class QuadsNVFP4Config(QuantizationConfig):
         if "quads" in hf_quant_cfg:
             return QUANT_NAME
         return QUANT_NAME if user_quant == QUANT_NAME and is_modelopt_nvfp4(hf_quant_cfg) else None
+
+    def maybe_update_config(self, model_name: str, hf_config: Any = None, revision: str | None = None) -> None:
+        """Check the checkpoint in directory ``model_name`` before vLLM builds anything: its two
+        quantization configs agree and its unquantized tensors are finite (ValueError naming the key
+        or the tensor). A model name that is not a local directory is not checked here."""
+        directory = Path(model_name)
+        if not directory.is_dir():
+            return
+        check_quant_configs_agree(directory)
+        require_finite_unquantized_files(directory)
 
     def is_layer_excluded(self, prefix: str) -> bool:
         """ModelOpt's exclusion rules: exact (fused names resolved), substring or wildcard match."""
