@@ -127,6 +127,27 @@ def test_a_layout_gloo_cannot_gather_is_refused_on_cpu_trainer_ranks() -> None:
 @pytest.mark.parametrize(
     ("overrides", "pattern"),
     [
+        (["grpo.prompts_per_step=1", "grpo.responses_per_prompt=3"],
+         r"= 3 sequences in grpo\.mini_batches=1 update\(s\) give an update 3 sequence\(s\), fewer than the 4 "
+         r"data-parallel trainer replicas .* at least 4, lower grpo\.mini_batches"),
+        (["grpo.prompts_per_step=2", "grpo.responses_per_prompt=4", "grpo.mini_batches=3"],
+         r"give an update 2 sequence\(s\), fewer than the 4 .* at least 12"),
+    ],
+)
+def test_every_data_parallel_replica_needs_a_sequence_of_every_update(overrides: list[str], pattern: str) -> None:
+    _refused(["trainer_world_size=4", "rollout.engine=torch", *overrides], pattern)
+
+
+def test_updates_the_replicas_do_not_divide_pass() -> None:
+    load_config(EXAMPLE, ["trainer_world_size=4", "rollout.engine=torch", "grpo.prompts_per_step=2",
+                          "grpo.responses_per_prompt=3"])  # 6 sequences over 4 replicas: 2, 2, 1, 1
+    load_config(EXAMPLE, ["trainer_world_size=4", "parallel.tensor_parallel=2", "rollout.engine=torch",
+                          "grpo.prompts_per_step=1", "grpo.responses_per_prompt=2"])  # 2 replicas
+
+
+@pytest.mark.parametrize(
+    ("overrides", "pattern"),
+    [
         (["grpo.prompts_per_step=3", "grpo.responses_per_prompt=3"],
          r"= 9 sequences do not split into grpo\.mini_batches=1 update\(s\) of equal shares for the 2 data-parallel "
          r"ranks: .* multiple of 2"),

@@ -4,12 +4,17 @@ and on two GPUs over NCCL (``gpu`` marker; needs a machine with at least two CUD
 One 2-rank job runs every layout in turn, reusing its processes:
 
 1. reference: TP=1, EP=1 (data parallel 2), QUADS; saves a dist checkpoint, records per-token
-   log-probs of a fixed global batch, takes one SGD step, records the exported weights;
+   log-probs of a fixed global batch, takes one SGD step, records the exported weights; then, from
+   the checkpoint again, the same on a batch of odd sequence length (17: TP 2 does not divide it);
 2. EP=2; TP=2 + sequence parallel (expert-TP 2); TP=2 + SP with expert-TP=1 (expert-DP group of 2):
    each loads the reference checkpoint (Megatron's resharding), and records the same things, plus
    whether every fake-quantized shard equals ``quantize_dequantize(shard, amax of the full tensor)``;
 3. checkpoints across QUADS and stock specs: the EP=2 QUADS model after its step is saved and loaded
-   into a stock EP=1 model; the reference checkpoint is loaded into a stock model too.
+   into a stock EP=1 model; the reference checkpoint is loaded into a stock model too;
+4. router replay, every layout from the reference checkpoint: log-probs of both batches, then
+   routing counts and one step on the odd-length batch;
+5. with Megatron's MoE load-balancing loss, the reference and TP=2 + SP take one step on the whole
+   odd-length batch from the reference checkpoint.
 
 Tolerances (fp32): log-probs 2e-5 absolute; weights after one SGD step (lr 0.5, grad-norm clip 1)
 1e-6 absolute: the largest update is ~1e-2, so a missing gradient reduction or a wrong amax shows.
@@ -29,6 +34,9 @@ MODEL = dict(
     moe_router_topk=2, vocab_size=64, dtype="fp32", init_method_std=0.05,
 )
 GLOBAL_BATCH, SEQ = 8, 12
+ODD_SEQ = 17
+"""A length no TP size above 1 divides: sequence parallelism needs the worker to pad it."""
+AUX_LOSS_COEFF = 0.5
 LOGPROB_TOL, WEIGHT_TOL = 2e-5, 1e-6
 LAYOUTS = {
     "ep2": dict(expert_parallel=2),
@@ -37,16 +45,16 @@ LAYOUTS = {
 }
 
 
-def _global_batch() -> torch.Tensor:
+def _global_batch(seq: int = SEQ) -> torch.Tensor:
     gen = torch.Generator().manual_seed(99)
-    return torch.randint(0, MODEL["vocab_size"], (GLOBAL_BATCH, SEQ), generator=gen)
+    return torch.randint(0, MODEL["vocab_size"], (GLOBAL_BATCH, seq), generator=gen)
 
 
 def _token_mean_nll(logprobs: torch.Tensor, mb: dict) -> tuple:
     return -logprobs.sum(), torch.tensor(logprobs.numel()), {"nll": -logprobs}
 
 
-def _worker(parallel: dict, quads: bool, router_replay: bool = False):
+def _worker(parallel: dict, quads: bool, router_replay: bool = False, aux_loss_coeff: float = 0.0):
     from megatron_quads.trainer.model import ParallelConfig, PolicyModelConfig
     from megatron_quads.trainer.policy import (
         OptimConfig,
@@ -56,7 +64,7 @@ def _worker(parallel: dict, quads: bool, router_replay: bool = False):
     from megatron_quads.trainer.quads_config import QuadsTrainerConfig
 
     cfg = PolicyWorkerConfig(
-        model=PolicyModelConfig(**MODEL),
+        model=PolicyModelConfig(**MODEL, moe_aux_loss_coeff=aux_loss_coeff),
         parallel=ParallelConfig(**parallel),
         quads=QuadsTrainerConfig(enabled=quads),
         optim=OptimConfig(optimizer="sgd", lr=0.5, clip_grad=1.0),
@@ -66,11 +74,15 @@ def _worker(parallel: dict, quads: bool, router_replay: bool = False):
     return PolicyWorker(cfg)
 
 
-def _global_routing() -> torch.Tensor:
-    """Given experts for every token and layer of the global batch, ``[b, s, layers, k]`` (k distinct each)."""
+def _global_routing(seq: int = SEQ) -> torch.Tensor:
+    """Given experts for every token and layer of the global batch, ``[b, s, layers, k]`` (k distinct
+    each); at the odd length each sequence's last position is not routed, as a rollout returns it."""
     gen = torch.Generator().manual_seed(7)
-    scores = torch.rand(GLOBAL_BATCH, SEQ, MODEL["num_layers"], MODEL["num_experts"], generator=gen)
-    return scores.argsort(-1)[..., : MODEL["moe_router_topk"]].to(torch.int16)
+    scores = torch.rand(GLOBAL_BATCH, seq, MODEL["num_layers"], MODEL["num_experts"], generator=gen)
+    routing = scores.argsort(-1)[..., : MODEL["moe_router_topk"]].to(torch.int16)
+    if seq == ODD_SEQ:
+        routing[:, -1] = -1
+    return routing
 
 
 def _local_batch(rank: int, batch: torch.Tensor | None = None) -> torch.Tensor:
@@ -89,6 +101,10 @@ def _gather_logprobs(local: torch.Tensor) -> list:
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, local, group=group)
     return torch.cat(parts).tolist()
+
+
+def _logprob_diff(a: list, b: list) -> float:
+    return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
 
 
 def _fake_quant_uses_full_tensor_amax(worker, full: dict[str, torch.Tensor]) -> dict:
@@ -196,6 +212,17 @@ def _job(rank: int, port: int, out_dir: str) -> None:
            update=_max_diff(ref_after, ref_full), backend=dist.get_backend(),
            device=str(next(ref.model.parameters()).device))
 
+    def odd_length(worker) -> tuple[list, dict, dict[str, torch.Tensor]]:
+        """From the reference checkpoint: log-probs of the odd-length batch, a step on it, the weights after."""
+        worker.load_checkpoint(ckpt_ref)
+        logprobs = worker.compute_logprobs(_local_batch(rank, _global_batch(ODD_SEQ)))
+        metrics = worker.train_step({"tokens": _local_batch(rank, _global_batch(ODD_SEQ))}, _token_mean_nll)
+        return _gather_logprobs(logprobs), metrics, _export(worker)
+
+    ref_odd_logprobs, ref_odd_metrics, ref_odd_after = record.run("reference_odd", odd_length, ref)
+    record("reference_odd", logprobs=ref_odd_logprobs, metrics=ref_odd_metrics,
+           update=_max_diff(ref_odd_after, ref_full))
+
     # 2. the parallel layouts, from the reference checkpoint
     for name, parallel in LAYOUTS.items():
         def check(name=name, parallel=parallel):
@@ -209,10 +236,13 @@ def _job(rank: int, port: int, out_dir: str) -> None:
             after = _export(worker)
             if name == "ep2":
                 worker.save_checkpoint(ckpt_ep2)
+            odd_logprobs, odd_metrics, odd_after = odd_length(worker)
             record(
                 name, loaded_diff=_max_diff(loaded, ref_full), fake_quant=fq, payload=payload,
-                logprob_diff=max(abs(a - b) for ra, rb in zip(_gather_logprobs(logprobs), record.results["reference"]["logprobs"]) for a, b in zip(ra, rb)),
+                logprob_diff=_logprob_diff(_gather_logprobs(logprobs), record.results["reference"]["logprobs"]),
                 metrics=metrics, after_diff=_max_diff(after, ref_after),
+                odd_logprob_diff=_logprob_diff(odd_logprobs, ref_odd_logprobs), odd_metrics=odd_metrics,
+                odd_after_diff=_max_diff(odd_after, ref_odd_after),
             )
             return after
 
@@ -231,16 +261,44 @@ def _job(rank: int, port: int, out_dir: str) -> None:
 
     record.run("cross_spec", cross_spec)
 
-    # 4. router replay: every layout replays the same given experts, each rank its own rows
+    # 4. router replay: every layout replays the same given experts, each rank its own rows; then the
+    #    odd-length batch: log-probs, routing counts and a step, all under replay
+    replay_ref_odd_after: dict[str, torch.Tensor] = {}
     for name, parallel in {"reference": {}, **LAYOUTS}.items():
         def replay(name=name, parallel=parallel):
             init_trainer_distributed(WORLD, rank, ParallelConfig(**parallel), master_port=port, seed=5)
             worker = _worker(parallel, quads=True, router_replay=True)
             worker.load_checkpoint(ckpt_ref)
             logprobs = worker.compute_logprobs(_local_batch(rank), routed_experts=_local_batch(rank, _global_routing()))
-            record(f"replay_{name}", logprobs=_gather_logprobs(logprobs))
+            odd = {"tokens": _local_batch(rank, _global_batch(ODD_SEQ)),
+                   "routed_experts": _local_batch(rank, _global_routing(ODD_SEQ))}
+            odd_logprobs = worker.compute_logprobs(odd["tokens"], routed_experts=odd["routed_experts"])
+            counts = worker.routing_counts
+            odd_metrics = worker.train_step(odd, _token_mean_nll)
+            odd_after = _export(worker)
+            if name == "reference":
+                replay_ref_odd_after.update(odd_after)
+            record(f"replay_{name}", logprobs=_gather_logprobs(logprobs), odd_logprobs=_gather_logprobs(odd_logprobs),
+                   routing_counts=list(counts), odd_metrics=odd_metrics,
+                   odd_after_diff=_max_diff(odd_after, replay_ref_odd_after),
+                   odd_update=_max_diff(odd_after, ref_full))
 
         record.run(f"replay_{name}", replay)
+
+    # 5. MoE load-balancing loss on the odd-length batch: every data-parallel rank of the reference
+    #    steps on the whole batch (the balancing statistics are per replica), as TP 2's one replica does
+    aux_after: dict[str, dict[str, torch.Tensor]] = {}
+    for name, parallel in {"reference": {}, "tp2_sp": LAYOUTS["tp2_sp"]}.items():
+        def aux_loss(name=name, parallel=parallel):
+            init_trainer_distributed(WORLD, rank, ParallelConfig(**parallel), master_port=port, seed=5)
+            worker = _worker(parallel, quads=True, aux_loss_coeff=AUX_LOSS_COEFF)
+            worker.load_checkpoint(ckpt_ref)
+            metrics = worker.train_step({"tokens": _global_batch(ODD_SEQ)}, _token_mean_nll)
+            aux_after[name] = _export(worker)
+            record(f"aux_{name}", metrics=metrics, after_diff=_max_diff(aux_after[name], aux_after["reference"]),
+                   after_diff_without_aux=_max_diff(aux_after[name], ref_odd_after))
+
+        record.run(f"aux_{name}", aux_loss)
 
 
 TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason=f"needs {WORLD} CUDA GPUs (one per rank, NCCL)")
@@ -288,6 +346,24 @@ def test_layout_matches_reference(job: dict, layout: str) -> None:
         assert r["after_diff"] < WEIGHT_TOL
 
 
+def _assert_step_matches(metrics: dict, ref: dict) -> None:
+    assert metrics["update_successful"] == 1.0
+    assert abs(metrics["nll"] - ref["nll"]) < LOGPROB_TOL
+    assert abs(metrics["grad_norm"] - ref["grad_norm"]) < 1e-5 * ref["grad_norm"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_sequence_length_tp_does_not_divide_gives_the_reference_logprobs_and_step(job: dict, layout: str) -> None:
+    """On the odd-length batch (sequence parallelism pads it inside the worker) the log-probs, the
+    loss, the gradient norm and the weights after one step equal the one-layout reference's."""
+    ref = get(job, "reference_odd")[0]
+    assert ref["update"] > 1e-3 and len(ref["logprobs"][0]) == ODD_SEQ - 1
+    for r in get(job, layout):
+        assert r["odd_logprob_diff"] < LOGPROB_TOL
+        _assert_step_matches(r["odd_metrics"], ref["metrics"])
+        assert r["odd_after_diff"] < WEIGHT_TOL
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_every_rank_fake_quantizes_with_the_full_tensor_scale(job: dict, layout: str) -> None:
     for r in get(job, layout):
@@ -331,3 +407,34 @@ def test_quads_checkpoints_load_into_stock_models_across_layouts(job: dict) -> N
     for r in get(job, "cross_spec"):
         assert r["quads_ep2_to_stock_ep1"] == 0.0
         assert r["quads_ref_to_stock"] == 0.0
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_router_replay_at_a_length_tp_does_not_divide_matches_the_reference(job: dict, layout: str) -> None:
+    """Under replay on the odd-length batch: the log-probs, the step and the weights after it equal
+    the one-layout reference's, and the routed (token, layer) pairs counted over all ranks are the
+    batch's routed ones: the positions the worker added are not counted."""
+    ref = get(job, "replay_reference")
+    routing = _global_routing(ODD_SEQ)
+    routed = int((routing != -1).all(-1).sum())
+    assert sum(r["routing_counts"][0] for r in ref) == routed
+    assert ref[0]["odd_update"] > 1e-3
+    ref_differ = sum(r["routing_counts"][1] for r in ref)
+    assert ref_differ > 0  # the replayed experts are not the routers' own: the count can tell
+    records = get(job, f"replay_{layout}")
+    assert sum(r["routing_counts"][0] for r in records) == routed
+    assert sum(r["routing_counts"][1] for r in records) == ref_differ
+    for r in records:
+        assert _logprob_diff(r["odd_logprobs"], ref[0]["odd_logprobs"]) < LOGPROB_TOL
+        _assert_step_matches(r["odd_metrics"], ref[0]["odd_metrics"])
+        assert r["odd_after_diff"] < WEIGHT_TOL
+
+
+def test_the_load_balancing_loss_leaves_the_added_positions_out(job: dict) -> None:
+    """With Megatron's MoE auxiliary loss on, TP 2's step on the odd-length batch (padded inside the
+    worker, the added positions marked as padding) equals the reference's, which pads nothing."""
+    ref = get(job, "aux_reference")[0]
+    assert ref["after_diff_without_aux"] > 10 * WEIGHT_TOL  # the auxiliary loss moved the weights
+    for r in get(job, "aux_tp2_sp"):
+        _assert_step_matches(r["metrics"], ref["metrics"])
+        assert r["after_diff"] < WEIGHT_TOL

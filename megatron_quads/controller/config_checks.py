@@ -173,8 +173,25 @@ def expert_parallel_batch_problem(cfg: RunConfig) -> str | None:
             f"sequences a multiple of {updates * dp}")
 
 
+def data_parallel_batch_problem(cfg: RunConfig) -> str | None:
+    """Every data-parallel trainer replica must get at least one sequence of every update (the step's
+    sequences split into ``grpo.mini_batches`` updates, the first ones a sequence longer when they do
+    not divide)."""
+    p = cfg.parallel
+    dp = cfg.trainer_world_size // (p.tensor_parallel * p.pipeline_parallel)
+    sequences, updates = cfg.grpo.prompts_per_step * cfg.grpo.responses_per_prompt, cfg.grpo.mini_batches
+    smallest = sequences // updates
+    if smallest >= dp:
+        return None
+    return (f"grpo.prompts_per_step x grpo.responses_per_prompt = {sequences} sequences in grpo.mini_batches={updates} "
+            f"update(s) give an update {smallest} sequence(s), fewer than the {dp} data-parallel trainer replicas "
+            f"(trainer_world_size={cfg.trainer_world_size} / parallel.tensor_parallel={p.tensor_parallel}), so a "
+            f"replica would have nothing to train on: make the step's sequences at least {updates * dp}, lower "
+            "grpo.mini_batches, or use fewer data-parallel ranks")
+
+
 RUN_CHECKS = (run_dir_problem, temperature_problem, vllm_max_model_len_problem, response_room_problem, gloo_problem,
-              expert_parallel_batch_problem)
+              data_parallel_batch_problem, expert_parallel_batch_problem)
 """The checks a validated config passes (each returns what is wrong and the fix, or None), in order."""
 
 

@@ -84,6 +84,29 @@ class RolloutExport:
         return self.common if self.per_rank is None else self.per_rank[engine]
 
 
+def data_parallel_shards(batch: dict[str, torch.Tensor], dp: list[tuple[int, int]]) -> list[dict[str, torch.Tensor]]:
+    """Each trainer rank's part of ``batch`` (every tensor split along its first dimension, one row per
+    sequence), for ranks whose ``(data-parallel rank, data-parallel size)`` are ``dp``.
+
+    The sequences are cut into one contiguous piece per data-parallel replica, in replica order, and
+    the ranks of one replica get the same piece. When the replicas do not divide the sequences, the
+    first ``sequences % replicas`` pieces hold one sequence more than the others (6 sequences over 4
+    replicas: 2, 2, 1, 1). Raises ValueError when there are fewer sequences than replicas (a replica
+    would get none; the run config refuses such a layout).
+    """
+    sizes = {size for _, size in dp}
+    if len(sizes) != 1:
+        raise ValueError(f"the trainer ranks disagree on the data-parallel size: {sorted(sizes)}")
+    replicas = sizes.pop()
+    sequences = next(iter(batch.values())).shape[0]
+    if sequences < replicas:
+        raise ValueError(f"{sequences} sequences cannot give each of the {replicas} data-parallel trainer replicas "
+                         "one: give each update at least as many sequences as replicas (grpo.prompts_per_step x "
+                         "grpo.responses_per_prompt / grpo.mini_batches), or use fewer data-parallel ranks")
+    pieces = {k: v.tensor_split(replicas) for k, v in batch.items()}
+    return [{k: parts[rank] for k, parts in pieces.items()} for rank, _ in dp]
+
+
 class Trainers:
     """The trainer ranks as Ray actors forming one torch.distributed group."""
 
@@ -101,7 +124,7 @@ class Trainers:
         self.senders = _sender_actors(self.actors, trainer_get([a.weight_sender.remote() for a in self.actors]))
 
     def _shards(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        return [{k: v.chunk(size)[rank] for k, v in batch.items()} for rank, size in self.dp]
+        return data_parallel_shards(batch, self.dp)
 
     def compute_logprobs(self, tokens: torch.Tensor, reference: bool = False,
                          routed_experts: torch.Tensor | None = None) -> torch.Tensor:

@@ -54,6 +54,7 @@ from megatron_quads.trainer.router_replay import (
     replaying,
     reset_router_replay,
 )
+from megatron_quads.trainer.sequence_padding import pad_to_multiple
 from megatron_quads.trainer.settings import OptimConfig, PolicyWorkerConfig  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
@@ -144,22 +145,34 @@ class PolicyWorker:
 
     def _forward_logits(self, tokens: torch.Tensor, routed_experts: torch.Tensor | None = None,
                         agreement: RoutingAgreement | None = None) -> torch.Tensor:
-        """Logits of ``tokens``; given ``routed_experts [b, s, layers, k]``, every router replays them
-        (and ``agreement`` counts where the routers' own top-k differs)."""
-        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        """Logits ``[b, s, vocab (this rank's part)]`` of ``tokens [b, s]``; given ``routed_experts
+        [b, s, layers, k]``, every router replays them (and ``agreement`` counts where the routers' own
+        top-k differs).
+
+        Under sequence parallelism the forward runs on the sequences padded at the end to a multiple
+        of the TP size (:func:`pad_to_multiple`) and the logits of the added positions are dropped.
+        """
+        if routed_experts is None and self.cfg.router_replay:
+            raise ValueError("this worker replays routing (router_replay=True): every batch needs routed_experts")
+        if routed_experts is not None:
+            if not self.cfg.router_replay:
+                raise ValueError("the batch carries routed_experts but the worker was built without router_replay")
+            m = self.cfg.model
+            check_routing(routed_experts, m.num_layers, m.moe_router_topk, m.num_experts, tokens)
+        config = self.model.config
+        multiple = parallel_state.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
+        padded = pad_to_multiple(tokens, multiple, routed_experts)
+        positions = torch.arange(padded.tokens.shape[1], device=tokens.device).expand_as(padded.tokens)
+        extra = {} if padded.padding_mask is None else {"padding_mask": padded.padding_mask}
         if routed_experts is None:
-            if self.cfg.router_replay:
-                raise ValueError("this worker replays routing (router_replay=True): every batch needs routed_experts")
-            return self.ddp(tokens, positions, None)
-        if not self.cfg.router_replay:
-            raise ValueError("the batch carries routed_experts but the worker was built without router_replay")
-        m = self.cfg.model
-        check_routing(routed_experts, m.num_layers, m.moe_router_topk, m.num_experts, tokens)
-        local = local_routing(routed_experts, self.model.config.sequence_parallel)
-        if agreement is not None:
-            agreement.expect(local)
-        with replaying(replay_targets(local)):
-            return self.ddp(tokens, positions, None)
+            logits = self.ddp(padded.tokens, positions, None, **extra)
+        else:
+            local = local_routing(padded.routed_experts, config.sequence_parallel)
+            if agreement is not None:
+                agreement.expect(local)
+            with replaying(replay_targets(local)):
+                logits = self.ddp(padded.tokens, positions, None, **extra)
+        return logits[:, :padded.length]
 
     def _micro_batches(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         size = batch["tokens"].shape[0]

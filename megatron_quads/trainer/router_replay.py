@@ -29,10 +29,15 @@ NOT_ROUTED = -1
 
 def local_routing(routed_experts: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
     """This rank's part of ``routed_experts [b, s, layers, k]``: its chunk of the sequence under
-    sequence parallelism (each tensor-parallel rank routes its own), else all of it."""
+    sequence parallelism (each tensor-parallel rank routes its own; ``s`` must be a multiple of the
+    TP size, as Megatron requires of the sequence), else all of it."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     if not (sequence_parallel and tp > 1):
         return routed_experts
+    if routed_experts.shape[1] % tp:
+        raise ValueError(f"routed_experts covers {routed_experts.shape[1]} positions, not a multiple of the tensor-"
+                         f"parallel size {tp} that sequence parallelism splits the sequence into: pad the batch first "
+                         "(megatron_quads.trainer.sequence_padding.pad_to_multiple)")
     chunk = routed_experts.shape[1] // tp
     rank = parallel_state.get_tensor_model_parallel_rank()
     return routed_experts[:, rank * chunk:(rank + 1) * chunk]
