@@ -90,13 +90,19 @@ def _cmd_train(args: argparse.Namespace) -> int:
     except ConfigError as err:
         return _fail(str(err), 2)
     from megatron_quads.controller.run_dir import RunDirError, prepare_run_dir
-    from megatron_quads.trainer.checkpoint_audit import UnsafeCheckpointError, audit_dist_checkpoint
 
+    if cfg.model.checkpoint and Path(cfg.model.checkpoint).is_dir():
+        # Imports torch, so only when there is a checkpoint to audit; before the run dir exists so a
+        # refused checkpoint leaves nothing behind (the audit is cached for run()).
+        from megatron_quads.trainer.checkpoint_audit import UnsafeCheckpointError, audit_dist_checkpoint
+
+        try:
+            audit_dist_checkpoint(cfg.model.checkpoint)
+        except UnsafeCheckpointError as err:
+            return _fail(str(err), 2)
     try:
-        if cfg.model.checkpoint and Path(cfg.model.checkpoint).is_dir():
-            audit_dist_checkpoint(cfg.model.checkpoint)  # before the run leaves anything behind (cached for run())
         prepare_run_dir(cfg.run_dir)  # a file where it belongs, a read-only filesystem: before anything heavy
-    except (RunDirError, UnsafeCheckpointError) as err:
+    except RunDirError as err:
         return _fail(str(err), 2)
     try:
         return _train(cfg, args.force_config)
