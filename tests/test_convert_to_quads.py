@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from megatron_quads.precision import Precision
 from megatron_quads import embedded
 from megatron_quads.convert.commands import megatron_to_hf
 from megatron_quads.convert.to_quads import to_quads
@@ -85,7 +86,7 @@ def test_channels_are_what_the_builtin_engine_chooses_on_the_same_prompts(static
 
     weights = load_quantized_weights(static_out, verify_residual=True)
     assert len(weights.quantized) == 4 * 8 * 3 and weights.residual_fraction == pytest.approx(RATIO)
-    engine = TorchRolloutEngine(_engine_config(static_out), precision="quads", ratio=RATIO, dtype=torch.float32)
+    engine = TorchRolloutEngine(_engine_config(static_out), precision=Precision("quads", RATIO), dtype=torch.float32)
     engine.load_weights(weights.with_residual_channels(dict.fromkeys(weights.quantized)), version=0)
     engine.calibrate(_prompt_ids())
     expected = engine.residual_channels()
@@ -311,11 +312,11 @@ def test_vllm_serves_the_output_as_the_builtin_engine_does(static_out: Path) -> 
     from vllm_support import max_logprob_gap, task_prompts
 
     prompts, greedy = task_prompts(12, seed=5), SamplingParams(max_new_tokens=8, temperature=0.0)
-    reference = TorchRolloutEngine(_engine_config(static_out), precision="quads", ratio=RATIO, dtype=torch.float32)
+    reference = TorchRolloutEngine(_engine_config(static_out), precision=Precision("quads", RATIO), dtype=torch.float32)
     reference.load_weights(load_quantized_weights(static_out), version=0)
     expected = reference.generate(prompts, greedy)
     config = json.loads((static_out / fmt.MODEL_CONFIG_FILE).read_text())
-    engine = VllmRolloutEngine(config, precision="quads", ratio=RATIO, dtype=torch.float32, checkpoint=static_out)
+    engine = VllmRolloutEngine(config, precision=Precision("quads", RATIO), dtype=torch.float32, checkpoint=static_out)
     try:
         served = engine.generate(prompts, greedy)
     finally:
@@ -336,7 +337,7 @@ def test_vllm_calibrating_the_attention_output_again_chooses_the_same_channels(a
     prompts, greedy = task_prompts(12, seed=5), SamplingParams(max_new_tokens=8, temperature=0.0)
     weights = load_quantized_weights(attention_out)
     config = json.loads((attention_out / fmt.MODEL_CONFIG_FILE).read_text())
-    engine = VllmRolloutEngine(config, precision="quads", ratio=RATIO, dtype=torch.float32, checkpoint=attention_out)
+    engine = VllmRolloutEngine(config, precision=Precision("quads", RATIO), dtype=torch.float32, checkpoint=attention_out)
     try:
         served = engine.generate(prompts, greedy)
         engine.calibrate(_prompt_ids())

