@@ -78,7 +78,7 @@ def static_out(hf_dir: Path, root: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def attention_out(hf_dir: Path, root: Path) -> Path:
-    return to_quads(hf_dir, root / "attention", RATIO, scope="experts_and_attention", **CALIBRATION)
+    return to_quads(hf_dir, root / "attention", RATIO, scope="routed_experts_and_attention", **CALIBRATION)
 
 
 def test_channels_are_what_the_builtin_engine_chooses_on_the_same_prompts(static_out: Path) -> None:
@@ -208,7 +208,7 @@ def test_the_manifest_lists_every_file_with_its_checksum(static_out: Path) -> No
     assert sorted(doc["files"]) == [f for f in files if f != MANIFEST]
     assert {"config.json", "hf_quant_config.json", "model.safetensors"} <= set(doc["files"])
     quads = doc["quads"]
-    assert (quads["ratio"], quads["scope"], quads["input_scales"]) == (RATIO, "experts", "static")
+    assert (quads["ratio"], quads["scope"], quads["input_scales"]) == (RATIO, "routed_experts", "static")
     assert quads["calibration"]["tokens"] == sum(map(len, _prompt_ids())) and quads["calibration"]["prompts"] == PROMPTS
     assert quads["calibration"]["tokenizer"] == "char"
     assert not [p for p in static_out.parent.iterdir() if ".tmp-" in p.name]
@@ -224,6 +224,10 @@ def test_errors_name_the_problem(hf_dir: Path, static_out: Path, tmp_path: Path)
     for bad in (1.5, -0.1, float("nan")):
         with pytest.raises(ValueError, match=r"--ratio must be a fraction of input channels in \[0, 1\]"):
             to_quads(hf_dir, tmp_path / "out", bad, progress=False)
+    for wider, narrower in (("experts", "routed_experts"), ("experts_and_attention", "routed_experts_and_attention")):
+        with pytest.raises(ValueError, match=f"--scope {wider} includes shared experts.*use --scope {narrower}$"):
+            to_quads(hf_dir, tmp_path / "out", RATIO, scope=wider, progress=False)
+    assert not (tmp_path / "out").exists()
     files = {"empty.txt": "\n  \n", "no_field.jsonl": '{"prompt": "1+2="}\n{"question": "3+4="}\n',
              "not_json.jsonl": '{"prompt": "1+2="}\nnot json\n', "alphabet.txt": "1+2=\n1+x=\n"}
     messages = {"empty.txt": "holds no prompts", "no_field.jsonl": r'no_field\.jsonl:2 has no non-empty "prompt" or "text"',

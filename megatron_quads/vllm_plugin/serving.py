@@ -1,7 +1,7 @@
 """What the QUADS vLLM plugin serves: the precision of the linears in scope and the RAC ratio.
 
 Read from the checkpoint's ``quads`` config block (its ``precision``, the text form of
-:class:`~megatron_quads.precision.Precision`, which the rollout engines and the converter record;
+:class:`~megatron_quads.precision.Precision`, which the rollout engines record;
 a checkpoint without one is served as ``quads`` when it stores residual tensors, else ``w4a4``). The
 environment variable ``MEGATRON_QUADS_VLLM_PRECISION`` (``quads``, ``quads@<ratio>``, ``w4a4`` or
 ``w4a16``) overrides it, for serving a checkpoint someone else wrote another way. This module
