@@ -109,7 +109,7 @@ def test_static_input_scales_are_the_calibration_amax(static_out: Path, attentio
         if module.endswith("gate_proj"):
             up = weights.quantized[module.replace("gate_proj", "up_proj")]
             assert torch.equal(lin.input_scale, up.input_scale)
-    engine = TorchRolloutEngine(_engine_config(static_out), precision="w4a16", dtype=torch.float32)
+    engine = TorchRolloutEngine(_engine_config(static_out), precision=Precision("w4a16"), dtype=torch.float32)
     engine.load_weights(weights, version=0)
     seen = []
     hook = engine.model.model.layers[0].mlp.register_forward_pre_hook(lambda m, args: seen.append(args[0].abs().amax()))

@@ -299,7 +299,7 @@ def _gate_up_layer(precision: str = "quads") -> tuple[torch.nn.Module, object]:
 
     layer = torch.nn.Module()
     layer.prefix, layer.tp_size = "model.layers.0.mlp.gate_up_proj", 1
-    method = QuadsLinearMethod(ServingConfig(precision, RATIO, (), False, True))
+    method = QuadsLinearMethod(ServingConfig(Precision.parse(precision, RATIO), (), False, True))
     method.create_weights(layer, 64, [48, 32], 64, 80, torch.float32, weight_loader=None)
     return layer, method
 
@@ -374,7 +374,7 @@ def test_scales_are_checked_before_the_shards_are_compared() -> None:
     for target, (damage, message) in cases.items():
         layer = torch.nn.Module()
         layer.prefix, layer.tp_size = "model.layers.0.mlp.gate_up_proj", 1
-        method = QuadsLinearMethod(ServingConfig("quads", RATIO, (), True, True))
+        method = QuadsLinearMethod(ServingConfig(Precision("quads", RATIO), (), True, True))
         method.create_weights(layer, 64, [48, 32], 64, 80, torch.float32, weight_loader=None)
         shards = [lin.with_input_scale(torch.tensor(0.5)) for lin in _gate_up()]
         for shard, lin in enumerate(shards):
