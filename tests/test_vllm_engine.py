@@ -199,6 +199,7 @@ def test_routing_capture_refuses_process_layouts_it_cannot_hook() -> None:
 
 _MULTIPROCESS = """
 import json, os, sys, torch
+from megatron_quads.precision import Precision
 from megatron_quads.rollout.engine import SamplingParams
 from megatron_quads.rollout.weights import load_quantized_weights
 from megatron_quads.vllm_plugin.engine import VllmOptions, VllmRolloutEngine
@@ -220,8 +221,6 @@ def test_the_plugin_registers_in_vllms_engine_process(model: dict, tmp_path: Pat
     """Multiprocess mode: the worker runs in another process, which loads the plugin through its
     entry point (nothing here registers it there), serves the checkpoint as the built-in engine
     does and takes an in-place update (through a file: RPC cannot carry tensors there)."""
-    import json
-
     update = calibrated_weights(model["update"], model["hf_config"], model["calibration"], version=2)
     checkpoint = save_quantized_weights(model["quantized"], tmp_path / "ckpt", model_config=model["config_json"])
     update_dir = save_quantized_weights(update, tmp_path / "update", model_config=model["config_json"])
