@@ -22,7 +22,9 @@ from pathlib import Path
 import torch
 from results_io import load_records, profile_markdown_path, save_record, write_text_atomic
 
-from megatron_quads.rollout.engine import ENGINE_PRECISIONS, SamplingParams
+from megatron_quads.precision import ROLLOUT_KINDS, Precision
+from megatron_quads.rollout.engine import SamplingParams
+from megatron_quads.rollout.rac import DEFAULT_RATIO
 from megatron_quads.rollout.torch_engine import TorchRolloutEngine
 
 PROFILES = {
@@ -73,9 +75,9 @@ def main() -> None:
     torch.manual_seed(0)
     weights = checkpoint_weights(Qwen3MoeForCausalLM(config))  # random weights, checkpoint names
     rows = []
-    runs = [(p, True) for p in ENGINE_PRECISIONS] + [(p, False) for p in ENGINE_PRECISIONS if p != "bf16"]
+    runs = [(p, True) for p in ROLLOUT_KINDS] + [(p, False) for p in ROLLOUT_KINDS if p != "bf16"]
     for precision, grouped in runs:
-        engine = TorchRolloutEngine(config, precision=precision, device=device, dtype=getattr(torch, profile["dtype"]), grouped=grouped)
+        engine = TorchRolloutEngine(config, precision=Precision.parse(precision, DEFAULT_RATIO), device=device, dtype=getattr(torch, profile["dtype"]), grouped=grouped)
         engine.load_weights(weights, version=0)
         if precision == "quads":
             engine.calibrate(prompts[:4])

@@ -548,16 +548,16 @@ def _moe_forward(layer, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
 
 
 def bench_moe_layer(bandwidth: float, quick: bool) -> list[dict]:
-    """The engine's grouped MoE layer (``GroupedExperts``, W4A16 / ``aqat``) at Qwen3-30B-A3B expert
+    """The engine's grouped MoE layer (``GroupedExperts``, ``w4a16``) at Qwen3-30B-A3B expert
     shapes, routing and gather included, with the kernels' K orders where the layer takes them,
     against the same forward (:func:`_moe_forward`, checked bit for bit against the layer) with x in
     natural order throughout and with the Triton grouped kernel (``kernel="triton"``)."""
+    from megatron_quads.precision import Precision
     from megatron_quads.rollout.grouped_experts import GroupedExperts, GroupedProjection
-    from megatron_quads.rollout.precision import Precision
 
     experts, topk, hidden, ffn, rows = 128, 8, 2048, 768, []
-    layer = GroupedExperts(GroupedProjection(Precision("aqat"), _weight(2 * ffn, hidden, experts)[1]),
-                           GroupedProjection(Precision("aqat"), _weight(hidden, ffn, experts)[1]))
+    layer = GroupedExperts(GroupedProjection(Precision("w4a16"), _weight(2 * ffn, hidden, experts)[1]),
+                           GroupedProjection(Precision("w4a16"), _weight(hidden, ffn, experts)[1]))
     silu = torch.nn.functional.silu
     from megatron_quads.kernels.dispatch import X_ORDER_MIN_ROWS_PER_EXPERT
 
@@ -581,7 +581,7 @@ def bench_moe_layer(bandwidth: float, quick: bool) -> list[dict]:
         # the active experts' FP4 weights and scales; bf16 activations of both GEMMs: gate/up reads
         # hidden and writes 2 ffn values a routed row, down reads ffn and writes hidden
         nbytes = active * 3 * hidden * ffn * (1 / 2 + 1 / 16) + routed * (2 * hidden + 3 * ffn) * 2
-        rows.append(row(f"moe layer aqat tokens={tokens} (gate/up + down, {active} experts)", ordered, nbytes,
+        rows.append(row(f"moe layer w4a16 tokens={tokens} (gate/up + down, {active} experts)", ordered, nbytes,
                         2 * routed * 3 * hidden * ffn, bandwidth, natural_order_us=round(natural, 2),
                         triton_grouped_us=round(triton_only, 2), kernel_order_gain=round(natural / ordered - 1, 3),
                         kernel_order_forced_us=round(kernel_order, 2),

@@ -39,7 +39,8 @@ from results_io import load_records, save_record, write_text_atomic
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from vllm_support import RATIO, calibrated_weights, embedded_hf_weights, perturbed, task_prompts  # noqa: E402
 
-from megatron_quads.rollout.engine import ENGINE_PRECISIONS, SamplingParams  # noqa: E402
+from megatron_quads.precision import ROLLOUT_KINDS, Precision  # noqa: E402
+from megatron_quads.rollout.engine import SamplingParams  # noqa: E402
 from megatron_quads.rollout.checkpoint_format import MODEL_CONFIG_FILE, write_checkpoint  # noqa: E402
 from megatron_quads.rollout.weights import save_quantized_weights  # noqa: E402
 from megatron_quads.vllm_plugin.engine import VllmRolloutEngine  # noqa: E402
@@ -105,9 +106,9 @@ def main() -> None:
     prompts = task_prompts(BATCH, seed=3)
     greedy = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0)
     throughput, updates = [], []
-    for precision in ENGINE_PRECISIONS:
+    for precision in ROLLOUT_KINDS:
         served, new = (weights, update_dense) if precision == "bf16" else (first, update)
-        engine = VllmRolloutEngine(config_json, precision=precision, ratio=RATIO, dtype=torch.float32)
+        engine = VllmRolloutEngine(config_json, precision=Precision.parse(precision, RATIO), dtype=torch.float32)
         engine.load_weights(served, version=1)
         engine.generate(prompts[:4], SamplingParams(max_new_tokens=2, temperature=0.0))  # warm-up
         best, tokens = float("inf"), 0
@@ -128,7 +129,7 @@ def main() -> None:
                                         engine.llm.reset_prefix_cache()))
             engine.close()
             fresh: list[VllmRolloutEngine] = []
-            new_engine = _timed(lambda: fresh.append(VllmRolloutEngine(config_json, precision=precision, ratio=RATIO,
+            new_engine = _timed(lambda: fresh.append(VllmRolloutEngine(config_json, precision=Precision.parse(precision, RATIO),
                                                                        dtype=torch.float32, checkpoint=directory)))
             fresh[0].close()
         updates.append({"precision": precision, "in_place_s": round(in_place, 3), "reload_from_disk_s": round(from_disk, 3),

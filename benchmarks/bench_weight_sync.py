@@ -207,10 +207,11 @@ def _trainer_parts(q: dict, device: torch.device) -> list:
 def _engine_process(q: dict, precision: str, device: str, requests, replies) -> None:
     """The rollout side: receive bucket sets, decode and load them, acknowledge each (after a device sync)."""
     from megatron_quads.controller.weight_sync import from_buckets
+    from megatron_quads.precision import Precision
     from megatron_quads.rollout.torch_engine import TorchRolloutEngine
     from megatron_quads.rollout.wire import decode_wire
 
-    engine = TorchRolloutEngine(_sync_config(q), precision=precision, ratio=q["ratio"], device=device, dtype=torch.bfloat16)
+    engine = TorchRolloutEngine(_sync_config(q), precision=Precision.parse(precision, q["ratio"]), device=device, dtype=torch.bfloat16)
     replies.put("ready")
     while (buckets := requests.get()) is not None:
         start = time.perf_counter()

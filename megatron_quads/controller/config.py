@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from megatron_quads.controller.config_file import ConfigError, read_config  # noqa: F401 (re-exported)
 from megatron_quads.controller.config_checks import RUN_CHECKS, learning_signal_warnings
+from megatron_quads.precision import ConfigMode, Precision
 from megatron_quads.rl.settings import AdvantageConfig, GapMonitorConfig, PolicyLossConfig
 from megatron_quads.trainer.quads_config import QuadsTrainerConfig
 from megatron_quads.trainer.settings import (
@@ -30,12 +31,6 @@ from megatron_quads.trainer.settings import (
 )
 
 logger = logging.getLogger(__name__)
-
-PRECISION_MODES = ("bf16", "naive-nvfp4", "w4a16", "aqat", "quads")
-"""bf16: BF16 trainer and rollout; naive-nvfp4: BF16 trainer, W4A4 rollout; w4a16: AQAT trainer, W4A16
-rollout (NVFP4 weights, BF16 activations); aqat: AQAT trainer, W4A4 rollout; quads: AQAT trainer,
-W4A4 + RAC rollout."""
-
 
 RUN_CHOSEN_FIELDS = ("max_sequence_length", "init_method_std", "moe_token_dispatcher", "moe_grouped_gemm",
                      "moe_aux_loss_coeff", "dtype")
@@ -61,7 +56,7 @@ class ModelSection(_Strict):
 class PrecisionSection(_Strict):
     """Numerics of trainer and rollout."""
 
-    mode: Literal["bf16", "naive-nvfp4", "w4a16", "aqat", "quads"] = Field(
+    mode: ConfigMode = Field(
         "quads", description="bf16; naive-nvfp4 (BF16 trainer, W4A4 rollout); w4a16 (AQAT trainer, W4A16 rollout); "
         "aqat (AQAT trainer, W4A4); quads (AQAT, W4A4 + RAC)"
     )
@@ -355,13 +350,18 @@ class RunConfig(_Strict):
         colocated_gpu = self.placement.mode == "colocated" and self.placement.trainer_gpus_per_worker > 0
         return "cuda_ipc" if colocated_gpu else "object_store"
 
-    def trainer_quads(self) -> QuadsTrainerConfig:
-        """The trainer's fake-quant settings for this precision mode."""
-        return QuadsTrainerConfig(enabled=self.precision.mode in ("w4a16", "aqat", "quads"))
+    def run_precision(self) -> Precision:
+        """The run's :class:`~megatron_quads.precision.Precision`, decided from ``precision.mode`` and
+        ``precision.rac_ratio`` (the ratio counts for quads only); trainers and engines take this value."""
+        quads = QuadsTrainerConfig()
+        return Precision.from_config_mode(self.precision.mode, self.precision.rac_ratio,
+                                          trainer_block_2d=quads.block_2d, scope=quads.scope.value)
 
-    def engine_precision(self) -> str:
-        """The rollout engine's precision for this mode."""
-        return {"bf16": "bf16", "naive-nvfp4": "w4a4", "w4a16": "w4a16", "aqat": "w4a4", "quads": "quads"}[self.precision.mode]
+    def trainer_quads(self) -> QuadsTrainerConfig:
+        """The trainer's fake-quant settings of the run's precision."""
+        precision = self.run_precision()
+        return QuadsTrainerConfig(enabled=precision.trainer_fake_quant, scope=precision.scope,
+                                  block_2d=precision.trainer_block_2d)
 
     def policy_architecture(self) -> PolicyModelConfig | None:
         """The policy's architecture: the embedded model's, ``model.architecture``, or the start
@@ -388,7 +388,7 @@ def config_warnings(cfg: RunConfig) -> list[str]:
     config it came from) that the chosen mode, engine or schedule never reads."""
     out = []
     mode = cfg.precision.mode
-    if mode != "quads" and _changed(cfg.precision, "rac_ratio"):
+    if not cfg.run_precision().uses_rac and _changed(cfg.precision, "rac_ratio"):
         out.append(f"precision.rac_ratio={cfg.precision.rac_ratio} has no effect with precision.mode={mode}: "
                    "only quads rollouts add residual channels")
     roll = cfg.rollout

@@ -14,22 +14,23 @@ import torch
 from megatron_quads.rollout.wire import encode_wire, is_stack_name
 from megatron_quads.trainer.hf_export import export_rollout_parts, weight_sender
 
-PRECISIONS = ("bf16", "nvfp4")
+WEIGHT_FORMATS = ("bf16", "nvfp4")
+"""What the routed experts are sent as (``Precision.weight_format``)."""
 
 
 def export_rollout_tensors(
     model: torch.nn.Module | list[torch.nn.Module],
-    precision: str,
+    weight_format: str,
     dtype: torch.dtype,
     residual_channels: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor] | None:
-    """This rank's wire payload (``precision`` "nvfp4": routed experts quantized; "bf16": all in
+    """This rank's wire payload (``weight_format`` "nvfp4": routed experts quantized; "bf16": all in
     ``dtype``), or None on a rank that sends nothing. Collective: every trainer rank calls it in step.
 
     ``residual_channels``: see :func:`megatron_quads.rollout.wire.encode_wire`.
     """
-    if precision not in PRECISIONS:
-        raise ValueError(f"rollout weight precision must be one of {PRECISIONS}, got {precision!r}")
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"rollout weight format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
     sender = weight_sender()
     parts = export_rollout_parts(model)
     if sender is None:
@@ -37,4 +38,4 @@ def export_rollout_tensors(
             pass
         return None
     kept = ((n, t) for n, t in parts if sender[0] == 0 or is_stack_name(n))
-    return encode_wire(kept, quantized=precision == "nvfp4", dtype=dtype, residual_channels=residual_channels)
+    return encode_wire(kept, quantized=weight_format == "nvfp4", dtype=dtype, residual_channels=residual_channels)

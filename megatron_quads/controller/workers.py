@@ -158,8 +158,8 @@ class TrainerWorker:
 
         start = time.perf_counter()
         dtype = policy_model_config(self.cfg).torch_dtype
-        precision = "bf16" if self.cfg.engine_precision() == "bf16" else "nvfp4"
-        tensors = export_rollout_tensors(self.worker.model, precision, dtype)
+        weight_format = self.cfg.run_precision().weight_format
+        tensors = export_rollout_tensors(self.worker.model, weight_format, dtype)
         sender = weight_sender()
         if (tensors is None) != (sender is None):
             raise RuntimeError(f"trainer rank {self.rank}: export_rollout_tensors returned "
@@ -170,7 +170,7 @@ class TrainerWorker:
         buckets = None
         if tensors is not None:
             index, senders = sender
-            buckets = to_buckets(tensors, version, quantized=precision == "nvfp4", sender=index, senders=senders,
+            buckets = to_buckets(tensors, version, quantized=weight_format == "nvfp4", sender=index, senders=senders,
                                  bucket_bytes=int(self.cfg.rollout.sync_bucket_mb * 2**20), transport=packed_as,
                                  keep_alive=self._sync_buffers)
             del tensors
@@ -223,15 +223,13 @@ class RolloutWorker:
             colocated_gpu = cfg.placement.mode == "colocated" and self.device.type == "cuda"
             options = VllmOptions(**cfg.rollout.vllm.model_dump(), enable_sleep_mode=colocated_gpu,
                                   routed_experts=cfg.rollout.router_replay == "r3")
-            self.engine = VllmRolloutEngine(hf_config_from_policy(model), precision=cfg.engine_precision(),
-                                            ratio=cfg.precision.rac_ratio, dtype=model.torch_dtype, options=options,
-                                            seed=cfg.seed)
+            self.engine = VllmRolloutEngine(hf_config_from_policy(model), precision=cfg.run_precision(),
+                                            dtype=model.torch_dtype, options=options, seed=cfg.seed)
         else:
             from megatron_quads.rollout.torch_engine import TorchRolloutEngine
 
             self.engine = TorchRolloutEngine(
-                qwen3_moe_config(model), precision=cfg.engine_precision(),
-                ratio=cfg.precision.rac_ratio, device=self.device, dtype=model.torch_dtype,
+                qwen3_moe_config(model), precision=cfg.run_precision(), device=self.device, dtype=model.torch_dtype,
                 grouped=cfg.rollout.grouped_experts,
             )
         self.asleep = False
@@ -267,7 +265,7 @@ class RolloutWorker:
         if sent_version != version:
             raise ValueError(f"weight buckets have version {sent_version}, the controller expected {version}")
         receive_s = _elapsed(start)
-        weights = decode_wire(tensors, quantized, sent_version)
+        weights = decode_wire(tensors, quantized, sent_version, self.engine.precision if quantized else None)
         del tensors, received
         self.engine.load_weights(weights, version)
         del weights
@@ -275,7 +273,7 @@ class RolloutWorker:
 
     def calibrate(self, prompts: list[list[int]]) -> dict[str, float]:
         """Re-choose the RAC channels on ``prompts`` (quads; a no-op otherwise): seconds and prompt tokens."""
-        if self.engine.precision != "quads":
+        if not self.engine.precision.uses_rac:
             return {"calibrate_s": 0.0, "calibration_tokens": 0.0}
         self.wake_up()
         start = time.perf_counter()

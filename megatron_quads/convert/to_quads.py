@@ -48,7 +48,10 @@ from megatron_quads.trainer.model import PolicyModelConfig
 
 logger = logging.getLogger(__name__)
 
-SCOPES = ("experts", "experts_and_attention")
+SCOPES = ("routed_experts", "routed_experts_and_attention")
+"""The converter's scopes (names and meanings of :data:`megatron_quads.precision.SCOPES`)."""
+_WIDER_SCOPES = {"experts": "routed_experts", "experts_and_attention": "routed_experts_and_attention"}
+"""Scope names that include shared experts, which the converter does not quantize -> its nearest scope."""
 INPUT_SCALES = ("static", "dynamic")
 DEFAULT_CALIBRATION_PROMPTS = 64
 _TOKENIZER_DEFINITIONS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -80,14 +83,14 @@ class _Prompts:
 def to_quads(
     source: str | os.PathLike[str], out: str | os.PathLike[str], ratio: float | None, *,
     calibration_file: str | os.PathLike[str] | None = None, calibration_prompts: int | None = None,
-    input_scales: str = "dynamic", scope: str = "experts", model: PolicyModelConfig | None = None,
+    input_scales: str = "dynamic", scope: str = "routed_experts", model: PolicyModelConfig | None = None,
     tokenizer: str | os.PathLike[str] | None = None, overwrite: bool = False, progress: bool = True, seed: int = 0,
 ) -> Path:
     """Convert ``source`` (HF directory or Megatron dist checkpoint) into a QUADS checkpoint at ``out``.
 
     ``ratio``: the RAC ratio in [0, 1] (None: the ``--quads-rac-ratio`` a Megatron-LM checkpoint
-    recorded); ``scope``: ``experts`` (routed experts) or
-    ``experts_and_attention`` (plus attention q/k/v/o); ``input_scales``: ``static`` (an
+    recorded); ``scope``: ``routed_experts`` or ``routed_experts_and_attention`` (plus attention
+    q/k/v/o); ``input_scales``: ``static`` (an
     ``input_scale`` per linear from its calibration amax) or ``dynamic`` (none). Calibration prompts
     come from ``calibration_file`` (text, one prompt per line, or JSONL with a ``prompt`` / ``text``
     field) or are ``calibration_prompts`` prompts (default 64) of the built-in arithmetic task drawn
@@ -143,6 +146,9 @@ def _check_options(ratio: float, input_scales: str, scope: str, calibration_file
         raise ValueError(f"--ratio must be a fraction of input channels in [0, 1], got {ratio!r}")
     if input_scales not in INPUT_SCALES:
         raise ValueError(f"--input-scales must be one of {INPUT_SCALES}, got {input_scales!r}")
+    if scope in _WIDER_SCOPES:
+        raise ValueError(f"--scope {scope} includes shared experts (as the trainer's scope of that name does), which the "
+                         f"converter does not quantize: use --scope {_WIDER_SCOPES[scope]}")
     if scope not in SCOPES:
         raise ValueError(f"--scope must be one of {SCOPES}, got {scope!r}")
     if calibration_file is not None and calibration_prompts is not None:
@@ -189,7 +195,7 @@ def _megatron_source(directory: Path, model: PolicyModelConfig | None) -> _Sourc
 
 def _quantize(src: _Source, ratio: float, scope: str, progress: bool) -> QuantizedModelWeights:
     """The source's tensors, streamed through :func:`quantize_hf_weights` at ``scope`` (no channels yet)."""
-    is_quantized = routed_expert_scope() if scope == "experts" else experts_and_attention_scope()
+    is_quantized = routed_expert_scope() if scope == "routed_experts" else experts_and_attention_scope()
     dtype = torch.float32 if src.model.dtype == "fp32" else torch.bfloat16
     total = len(hf_tensor_shapes(src.model))
     with progress_bar(progress, "to-quads: quantize", total) as advance:

@@ -1,11 +1,12 @@
 """Where the rollout-vs-trainer gap comes from: per-layer weight vs activation error, and log-prob gaps.
 
-A *precision* says how one side computes each linear in scope (routed experts by default):
+A :class:`~megatron_quads.precision.Precision` kind says how one side computes each linear in scope
+(routed experts by default):
 
-| precision | output of a linear with input x |
+| kind | output of a linear with input x |
 |---|---|
 | ``bf16``  | ``x W^T`` (the BF16 trainer) |
-| ``aqat``  | ``x q(W)^T`` (the QUADS trainer; also W4A16 rollout) |
+| ``w4a16`` | ``x q(W)^T`` (the AQAT trainer, labelled ``aqat`` on the trainer side; the W4A16 rollout) |
 | ``w4a4``  | ``q(x) q(W)^T`` (naive NVFP4 rollout) |
 | ``quads`` | ``[q(x), q(r_S)] [q(W), W_S]^T`` (W4A4 + RAC at a ratio) |
 
@@ -33,14 +34,14 @@ from dataclasses import dataclass
 import torch
 
 from megatron_quads.nvfp4 import quantize
+from megatron_quads.precision import TRAINER_FAKE_QUANT, Precision
 from megatron_quads.rollout.calibration import RacCalibrator
-from megatron_quads.rollout.precision import (
-    LinearState,
-    Precision,
-    linear_output,
-    replace_output,
-)
+from megatron_quads.rollout.precision import LinearState, linear_output, replace_output
 from megatron_quads.rollout.rac import ChannelStatistic, reblock_columns
+
+
+_W4A16 = Precision("w4a16")
+"""``x q(W)^T``: the AQAT trainer's forward, and the weight-only rollout."""
 
 
 class QuantAnalysis:
@@ -82,7 +83,7 @@ class QuantAnalysis:
     def precision(self, precision: Precision) -> Iterator[None]:
         """Within the context, every in-scope linear computes under ``precision``."""
         handles = []
-        if precision.kind != "bf16":
+        if precision.quantized_rollout:
             for name, module in self.modules.items():
                 state = self.states[name]
 
@@ -98,7 +99,7 @@ class QuantAnalysis:
 
     def _output(self, x: torch.Tensor, name: str, precision: Precision) -> torch.Tensor:
         """In-scope linear ``name``'s output for ``x`` under ``precision`` (bf16: with its own weight)."""
-        if precision.kind == "bf16":
+        if not precision.quantized_rollout:
             weight = self.modules[name].weight.detach()
             return (x.float() @ weight.float().t()).to(x.dtype)
         return linear_output(x, self.states[name], precision)
@@ -120,7 +121,7 @@ class QuantAnalysis:
             def record(mod, args, result, name=name):
                 x = args[0]
                 y_t = self._output(x, name, trainer).double()
-                w_r_only = self._output(x, name, Precision("aqat") if rollout.kind != "bf16" else rollout).double()
+                w_r_only = self._output(x, name, _W4A16 if rollout.quantized_rollout else rollout).double()
                 y_r = self._output(x, name, rollout).double()
                 # x W_R^T - x W_T^T, then the rest: what the rollout's activation handling adds
                 sums[name]["weight"] += float((w_r_only - y_t).square().sum())
@@ -149,18 +150,15 @@ def logprob_gap(logp_trainer: torch.Tensor, logp_rollout: torch.Tensor, mask: to
 
 def default_pairs(ratios: list[float]) -> list[tuple[Precision, Precision]]:
     """The analysis's pairs: naive, weight-only, AQAT + W4A4, and QUADS at each RAC ratio."""
-    pairs = [
-        (Precision("bf16"), Precision("w4a4")),
-        (Precision("bf16"), Precision("aqat")),  # BF16 trainer vs W4A16 rollout
-        (Precision("aqat"), Precision("w4a4")),
-    ]
-    return pairs + [(Precision("aqat"), Precision("quads", r)) for r in ratios]
+    bf16 = Precision("bf16")
+    pairs = [(bf16, Precision("w4a4")), (bf16, _W4A16), (_W4A16, Precision("w4a4"))]
+    return pairs + [(_W4A16, Precision("quads", r)) for r in ratios]
 
 
 def pair_label(trainer: Precision, rollout: Precision) -> str:
-    """``trainer -> rollout`` with W4A16 spelled out for the weight-only rollout."""
-    rollout_name = "w4a16" if rollout.kind == "aqat" else rollout.label
-    return f"{trainer.label} vs {rollout_name}"
+    """``trainer vs rollout``; the trainer's ``x q(W)^T`` forward is named ``aqat``."""
+    trainer_name = TRAINER_FAKE_QUANT if trainer.kind == "w4a16" else trainer.label
+    return f"{trainer_name} vs {rollout.label}"
 
 
 @dataclass

@@ -87,9 +87,12 @@ def quads_block(
     input_scales: bool,
     num_quantized_modules: int,
     num_unquantized_tensors: int,
+    precision: str | None = None,
 ) -> dict[str, Any]:
-    """The ``quads`` block: what a QUADS reader needs beyond ModelOpt's keys."""
-    return {
+    """The ``quads`` block: what a QUADS reader needs beyond ModelOpt's keys; ``precision`` (the text
+    form of a :class:`~megatron_quads.precision.Precision`, e.g. ``quads@0.25``), when given, is the
+    rollout precision the checkpoint is served at."""
+    block = {
         "version": FORMAT_VERSION,
         "residual_ratio": float(residual_ratio),
         "residual_channels_key": RESIDUAL_CHANNELS,
@@ -102,6 +105,7 @@ def quads_block(
         "num_unquantized_tensors": int(num_unquantized_tensors),
         "shared_global_scale": [list(group) for group in SHARED_GLOBAL_SCALE_GROUPS],
     }
+    return block if precision is None else {**block, "precision": precision}
 
 
 def hf_quant_config(exclude_modules: list[str], quads: dict[str, Any]) -> dict[str, Any]:
@@ -176,6 +180,8 @@ def parse_hf_quant_config(doc: Any, source: str = QUANT_CONFIG_FILE) -> tuple[li
             raise ValueError(f"{source}: quads.{key} is '{value}'; format version {FORMAT_VERSION} uses '{expected}'")
     for key in ("residual_tensors", "input_scales"):
         _require(quads, key, bool, f"{source}: quads")
+    if "precision" in quads:  # absent in checkpoints that predate it: the reader derives it
+        _require(quads, "precision", str, f"{source}: quads")
     for key in ("weight_version", "num_quantized_modules", "num_unquantized_tensors"):
         if _require(quads, key, int, f"{source}: quads") < 0:
             raise ValueError(f"{source}: quads.{key} must be >= 0, got {quads[key]}")

@@ -8,8 +8,7 @@ from typing import Protocol
 
 import torch
 
-ENGINE_PRECISIONS = ("bf16", "w4a16", "w4a4", "quads")
-"""bf16; NVFP4 weights with BF16 activations; naive NVFP4 W4A4; W4A4 + Residual Activation Compensation."""
+from megatron_quads.precision import Precision
 
 
 @dataclass(frozen=True)
@@ -63,7 +62,7 @@ class Generation:
 class RolloutEngine(Protocol):
     """What the GRPO controller needs of a rollout engine."""
 
-    precision: str
+    precision: Precision
     weight_version: int
 
     def load_weights(self, weights: Mapping[str, torch.Tensor] | object, version: int) -> None:

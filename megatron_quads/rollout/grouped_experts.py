@@ -4,7 +4,7 @@
 linears and a host-synchronising ``torch.where`` each), which is what hooks and calibration need.
 For generation in an NVFP4 precision the built-in engine attaches a :class:`GroupedExperts` instead:
 the routed copies of the tokens are sorted by expert once, and each projection is one
-:func:`~megatron_quads.rollout.grouped.grouped_w4a16_linear` (``aqat``, served as W4A16) or
+:func:`~megatron_quads.rollout.grouped.grouped_w4a16_linear` (``w4a16``) or
 :func:`~megatron_quads.rollout.grouped.grouped_rac_linear` (``w4a4``, ``quads``) call, which on CUDA
 is one Triton launch. The stacks, and the RAC tails in the form the kernel takes on their device,
 are built when the weights load or move (:meth:`GroupedProjection.prepare`), never in a forward.
@@ -27,6 +27,7 @@ import torch
 
 from megatron_quads.nvfp4 import BLOCK_SIZE, NVFP4Tensor
 from megatron_quads.nvfp4.stacked import expert_weights, stack_experts
+from megatron_quads.precision import Precision
 from megatron_quads.rollout.grouped import (
     combine_routed_rows,
     grouped_rac_linear,
@@ -35,7 +36,7 @@ from megatron_quads.rollout.grouped import (
     prepare_grouped_rac_tail,
     route_by_expert,
 )
-from megatron_quads.rollout.precision import LinearState, Precision
+from megatron_quads.rollout.precision import LinearState
 
 
 @dataclass
@@ -65,16 +66,16 @@ class GroupedProjection:
         """The projection of ``x [T, K]``, rows sorted by expert as ``offsets [E + 1]`` says
         (``x_mma_order``: rows in the W4A16 kernel's K order, from :meth:`input_order`;
         ``y_mma_order``: the output's rows written in it)."""
-        if self.precision.kind == "aqat":
+        if not self.precision.quantized_activations:
             return grouped_w4a16_linear(x, self.weight, offsets, x_mma_order, y_mma_order)
         if x_mma_order or y_mma_order:
-            raise ValueError(f"only the W4A16 ('aqat') projection works in the kernel's K order, not {self.precision.kind!r}")
+            raise ValueError(f"only the w4a16 projection works in the kernel's K order, not {self.precision.kind!r}")
         return grouped_rac_linear(x, self.weight, offsets, self.channels, self.residual)
 
     def input_order(self, x: torch.Tensor, rows_per_expert: float) -> int | None:
         """The K-order block this projection wants its input in (:func:`kernel_x_order`; ``x`` gives
         the device and dtype, the weight K), ``None`` for natural."""
-        if self.precision.kind != "aqat":
+        if self.precision.quantized_activations:
             return None
         return kernel_x_order(x, rows_per_expert, in_features=self.weight.shape[-1])
 
@@ -106,7 +107,7 @@ class GroupedProjection:
                         expert_weights(_leading_columns(self.residual, self.num_channels)), strict=True)
             for state, (channels, residual) in zip(self.states, tails, strict=True):
                 state.channels[ratio], state.residual[ratio] = channels, residual
-        elif self.precision.kind == "quads":  # no tail: no channels, on the stacks' device
+        elif self.precision.uses_rac:  # no tail: no channels, on the stacks' device
             no_channels = torch.zeros(0, dtype=torch.int32, device=self.weight.codes.device)
             for state in self.states:
                 state.channels[ratio], state.residual[ratio] = no_channels, None
@@ -124,7 +125,7 @@ class GroupedProjection:
         """The prepared projection of the experts' states (which then view its stacks); ``None``
         where the experts' RAC channel counts differ."""
         channels = residual = None
-        if precision.kind == "quads":
+        if precision.uses_rac:
             chosen = [s.channels.get(precision.ratio) for s in states]
             counts = {0 if c is None else c.numel() for c in chosen}
             if len(counts) != 1:
@@ -188,7 +189,7 @@ class GroupedExperts:
         """Whether gate/up writes its output in the down kernel's K order: ``act(gate) * up`` is
         elementwise, so with gate and up each in whole K-order blocks it comes out in that order."""
         block_k = self.down.input_order(hidden_states, rows_per_expert)
-        return (block_k is not None and self.gate_up.precision.kind == "aqat"
+        return (block_k is not None and not self.gate_up.precision.quantized_activations
                 and self.gate_up.weight.shape[1] % (2 * block_k) == 0)
 
     @classmethod

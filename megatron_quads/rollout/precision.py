@@ -1,9 +1,10 @@
-"""Precision modes of the linears in scope, shared by the analysis tools and the built-in rollout engine.
+"""The linears in scope computed under a :class:`~megatron_quads.precision.Precision`, shared by the
+analysis tools and the built-in rollout engine.
 
-| precision | output of a linear with input x |
+| ``precision.kind`` | output of a linear with input x |
 |---|---|
 | ``bf16``  | ``x W^T`` |
-| ``aqat``  | ``x q(W)^T`` (the QUADS trainer; as a rollout: W4A16) |
+| ``w4a16`` | ``x q(W)^T`` (also the AQAT trainer's forward) |
 | ``w4a4``  | ``q(x) q(W)^T`` (naive NVFP4 rollout) |
 | ``quads`` | ``[q(x), q(r_S)] [q(W), W_S]^T`` (W4A4 + RAC at a ratio) |
 """
@@ -16,27 +17,9 @@ import torch
 from torch import nn
 
 from megatron_quads.nvfp4 import NVFP4Tensor
+from megatron_quads.precision import Precision
 from megatron_quads.rollout.rac import rac_linear
 from megatron_quads.rollout.w4a4 import w4a16_linear, w4a4_linear
-
-PRECISIONS = ("bf16", "aqat", "w4a4", "quads")
-
-
-@dataclass(frozen=True)
-class Precision:
-    """How one side computes the linears in scope (``ratio`` only for ``quads``)."""
-
-    kind: str
-    ratio: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.kind not in PRECISIONS:
-            raise ValueError(f"unknown precision {self.kind!r}; choose one of {PRECISIONS}")
-
-    @property
-    def label(self) -> str:
-        """A short name for tables and plots."""
-        return f"quads@{self.ratio:.3g}" if self.kind == "quads" else self.kind
 
 
 @dataclass
@@ -61,9 +44,9 @@ def replace_output(result: object, y: torch.Tensor) -> object:
 
 def linear_output(x: torch.Tensor, state: LinearState, precision: Precision) -> torch.Tensor:
     """The linear's output under an NVFP4 ``precision`` for input ``x [..., K]``, in x's dtype."""
-    if precision.kind == "bf16":
+    if not precision.quantized_rollout:
         raise ValueError("bf16 computes with the unquantized weight, which a LinearState does not hold")
-    if precision.kind == "aqat":
+    if precision.kind == "w4a16":
         return w4a16_linear(x, state.quantized)
     if precision.kind == "w4a4":
         return w4a4_linear(x, state.quantized)

@@ -21,19 +21,19 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from megatron_quads.nvfp4 import NVFP4Tensor, quantize
+from megatron_quads.precision import Precision
 from megatron_quads.rollout.calibration import ChannelStats, RacCalibrator
-from megatron_quads.rollout.engine import ENGINE_PRECISIONS, Generation, SamplingParams
+from megatron_quads.rollout.engine import Generation, SamplingParams
 from megatron_quads.rollout.grouped_experts import GroupedExperts, GroupedProjection
 from megatron_quads.rollout.hf_experts import split_experts
-from megatron_quads.rollout.precision import LinearState, Precision, QuantizedLinear
+from megatron_quads.rollout.precision import LinearState, QuantizedLinear
 from megatron_quads.rollout.rac import DEFAULT_RATIO, ChannelStatistic, reblock_columns
 from megatron_quads.rollout.routing import RoutingRecorder, SequenceRouting, recording
 from megatron_quads.rollout.weights import QuantizedModelWeights
 
 _CKPT_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)$")
 _ENGINE_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up|down)\.(\d+)$")
-_PRECISION_KIND = {"w4a16": "aqat", "w4a4": "w4a4", "quads": "quads"}
-_CALIBRATION = Precision("aqat")
+_CALIBRATION = Precision("w4a16")
 """What the expert linears compute while calibration records their inputs: W4A16 (``x q(W)^T``)."""
 
 
@@ -51,22 +51,21 @@ def _concat_nvfp4(parts: list[NVFP4Tensor]) -> NVFP4Tensor:
 
 
 class TorchRolloutEngine:
-    """Built-in rollout engine (see module docstring). ``config`` is a transformers Qwen3MoeConfig."""
+    """Built-in rollout engine (see module docstring). ``config`` is a transformers Qwen3MoeConfig;
+    ``precision``: the run's precision (its rollout kind and RAC ratio are what the engine computes)."""
 
-    def __init__(self, config, precision: str = "quads", ratio: float = DEFAULT_RATIO,
+    def __init__(self, config, precision: Precision = Precision("quads", DEFAULT_RATIO),
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16, grouped: bool = True) -> None:
         from transformers import Qwen3MoeForCausalLM
 
-        if precision not in ENGINE_PRECISIONS:
-            raise ValueError(f"unknown precision {precision!r}; the built-in engine serves {ENGINE_PRECISIONS}")
+        if not isinstance(precision, Precision):
+            raise TypeError(f"precision must be a megatron_quads.precision.Precision, got {precision!r}")
         self.precision = precision
-        self.ratio = ratio
         self.grouped = grouped  # grouped NVFP4 expert GEMMs per layer; False: every layer expert by expert
         self.device = torch.device(device)
         self.dtype = dtype
         self.weight_version = -1
-        self._expert_precision = (None if precision == "bf16" else
-                                  Precision(_PRECISION_KIND[precision], ratio if precision == "quads" else 0.0))
+        self._expert_precision = precision.rollout() if precision.quantized_rollout else None
         """What the expert linears compute in an NVFP4 mode (``None``: bf16, ``nn.Linear`` experts)."""
         model = Qwen3MoeForCausalLM(config)
         # split before the move: in an NVFP4 mode the dense expert weights never reach the device
@@ -78,6 +77,11 @@ class TorchRolloutEngine:
         self._layer_stacks: dict[str, dict[str, tuple]] = {}  # the stacks the last weights arrived in, by layer
         # transformers 5 renamed the KV-cache argument from past_key_values to cache
         self._cache_arg = "cache" if "cache" in inspect.signature(type(self.model).forward).parameters else "past_key_values"
+
+    @property
+    def ratio(self) -> float:
+        """The RAC ratio (0 unless quads): the key of the experts' channel sets."""
+        return self.precision.ratio
 
     def _quantized_linear(self, kind: str, expert: int, in_features: int, out_features: int) -> QuantizedLinear:
         """An expert linear of an NVFP4 mode; its state comes with the weights."""
@@ -170,7 +174,7 @@ class TorchRolloutEngine:
                 state[f"{module}.weight"] = nvfp4.dequantize(self.dtype)
                 continue
             states[module] = LinearState(nvfp4)
-            if self.precision != "quads":
+            if not self.precision.uses_rac:
                 continue  # the RAC tail is for quads only
             channels = lins[0].residual_channels
             if any(not torch.equal(lin.residual_channels, channels) for lin in lins):
@@ -207,7 +211,7 @@ class TorchRolloutEngine:
                                  torch.Size((n, rows, 2 * stack.weight.shape[2])), self.dtype)
             channels = residual = None
             width = stack.residual_channels.shape[1]
-            if self.precision == "quads" and width:
+            if self.precision.uses_rac and width:
                 channels = stack.residual_channels.to(self.device)
                 residual = NVFP4Tensor(stack.residual_weight.to(self.device), stack.residual_weight_scale.to(self.device),
                                        ws2, torch.Size((n, rows, width)), self.dtype)
@@ -225,8 +229,8 @@ class TorchRolloutEngine:
         (every expert linear computes ``x q(W)^T``, expert by expert, without RAC: the AQAT trainer's
         forward), over prompts batched by length so no padding token is recorded; channels are then
         scored with the quantized weights."""
-        if self.precision != "quads":
-            raise ValueError(f"RAC calibration is for the quads precision; this engine serves {self.precision!r}")
+        if not self.precision.uses_rac:
+            raise ValueError(f"RAC calibration is for the quads precision; this engine serves {self.precision}")
         if self.weight_version < 0:
             raise RuntimeError("no weights loaded: call load_weights first")
         self._ungroup()
@@ -256,8 +260,8 @@ class TorchRolloutEngine:
     def residual_channels(self) -> dict[str, torch.Tensor]:
         """The RAC channel set (CPU int32) of every quantized expert linear at the engine's ratio, by
         checkpoint module name: an expert's ``gate_proj`` and ``up_proj`` get their fused linear's set."""
-        if self.precision != "quads":
-            raise ValueError(f"RAC channels are held in the quads precision; this engine serves {self.precision!r}")
+        if not self.precision.uses_rac:
+            raise ValueError(f"RAC channels are held in the quads precision; this engine serves {self.precision}")
         return {module: state.channels[self.ratio].cpu()
                 for name, state in self.states.items() for module in checkpoint_modules(name)}
 
@@ -282,7 +286,7 @@ class TorchRolloutEngine:
                 names = {kind: [by_expert[e] for e in sorted(by_expert)] for kind, by_expert in kinds.items()}
                 for name in names["gate_up"] + names["down"]:
                     state = self.states[name]
-                    if precision.kind == "quads" and self.ratio not in state.channels:
+                    if precision.uses_rac and self.ratio not in state.channels:
                         state.channels[self.ratio] = torch.zeros(0, dtype=torch.int32, device=state.quantized.codes.device)  # until calibrated: plain W4A4
                         state.residual[self.ratio] = None
                 if not self.grouped:

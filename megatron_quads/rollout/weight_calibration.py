@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_quads.precision import Precision
 from megatron_quads.rollout import checkpoint_format as fmt
 from megatron_quads.rollout.calibration import ChannelStats, RacCalibrator, pool_stats
 from megatron_quads.rollout.rac import ChannelStatistic, select_channels
@@ -67,7 +68,7 @@ def calibrate_weights(weights: QuantizedModelWeights, hf_config, prompts: Sequen
         raise ValueError("calibration needs at least one prompt and no empty prompt")
     experts, attention = _split_scope(weights)
     ratio = weights.config["residual_ratio"]
-    engine = TorchRolloutEngine(hf_config, precision="quads", ratio=ratio, dtype=torch.float32)
+    engine = TorchRolloutEngine(hf_config, precision=Precision("quads", ratio), dtype=torch.float32)
     engine.load_weights(_engine_weights(weights, experts, attention), version=weights.config["weight_version"])
     recorder = RacCalibrator({m: engine.model.get_submodule(m) for m in attention},
                              {m: lin.in_features for m, lin in attention.items()})

@@ -37,6 +37,7 @@ from megatron_quads.nvfp4 import (
     quantize,
 )
 from megatron_quads.nvfp4.metrics import relative_error
+from megatron_quads.precision import Precision
 from megatron_quads.rollout import checkpoint_format as fmt
 from megatron_quads.rollout.stored_scales import invalid_block_scales, invalid_decode_scales
 
@@ -557,12 +558,16 @@ def excluded_modules(quantized: Iterable[str], unquantized: Mapping[str, torch.T
 
 
 QUANT_CONFIG_KEYS = ("quant_algo", "group_size", "residual_ratio", "exclude_modules", "weight_version")
+OPTIONAL_QUANT_CONFIG_KEYS = ("precision",)
+"""``precision``: the text form of the rollout :class:`~megatron_quads.precision.Precision` the
+weights are made for (weights that came without one serve as their reader derives)."""
 
 
 def make_quant_config(
-    residual_ratio: float = 0.0, exclude_modules: Iterable[str] = (), weight_version: int = 0
+    residual_ratio: float = 0.0, exclude_modules: Iterable[str] = (), weight_version: int = 0,
+    precision: Precision | str | None = None,
 ) -> dict[str, Any]:
-    """The container's config dict (validated)."""
+    """The container's config dict (validated); ``precision`` is recorded in its text form."""
     config = {
         "quant_algo": fmt.QUANT_ALGO,
         "group_size": fmt.GROUP_SIZE,
@@ -570,8 +575,16 @@ def make_quant_config(
         "exclude_modules": list(exclude_modules),
         "weight_version": int(weight_version),
     }
+    if precision is not None:
+        config["precision"] = str(precision)
     validate_quant_config(config)
     return config
+
+
+def recorded_precision(config: Mapping[str, Any]) -> Precision | None:
+    """The rollout precision a config dict records, or None when it records none."""
+    text = config.get("precision")
+    return None if text is None else Precision.parse(text, float(config["residual_ratio"]))
 
 
 def validate_quant_config(config: Mapping[str, Any]) -> None:
@@ -579,7 +592,7 @@ def validate_quant_config(config: Mapping[str, Any]) -> None:
     if not isinstance(config, Mapping):
         raise TypeError(f"config must be a dict with keys {QUANT_CONFIG_KEYS}, got {type(config).__name__}")
     missing = [k for k in QUANT_CONFIG_KEYS if k not in config]
-    unknown = [k for k in config if k not in QUANT_CONFIG_KEYS]
+    unknown = [k for k in config if k not in QUANT_CONFIG_KEYS + OPTIONAL_QUANT_CONFIG_KEYS]
     if missing or unknown:
         raise ValueError(f"config has missing keys {missing} / unknown keys {unknown}; expected exactly {QUANT_CONFIG_KEYS}")
     if config["quant_algo"] != fmt.QUANT_ALGO or config["group_size"] != fmt.GROUP_SIZE:
@@ -596,6 +609,10 @@ def validate_quant_config(config: Mapping[str, Any]) -> None:
     version = config["weight_version"]
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
         raise ValueError(f"config weight_version={version!r}; expected an integer >= 0")
+    if "precision" in config:
+        precision = recorded_precision(config)
+        if not precision.quantized_rollout or (precision.uses_rac and precision.ratio != ratio):
+            raise ValueError(f"config precision={config['precision']!r} does not fit NVFP4 weights with residual_ratio={ratio}")
 
 
 def _check_unquantized(name: str, t: Any) -> None:
@@ -970,7 +987,8 @@ def quantize_hf_weights(
 # safetensors checkpoint
 
 
-def _quads_block(weights: QuantizedModelWeights, include_residual: bool) -> dict[str, Any]:
+def _quads_block(weights: QuantizedModelWeights, include_residual: bool, precision: Precision | None) -> dict[str, Any]:
+    recorded = precision if precision is not None else recorded_precision(weights.config)
     return fmt.quads_block(
         residual_ratio=weights.config["residual_ratio"],
         weight_version=weights.config["weight_version"],
@@ -978,6 +996,7 @@ def _quads_block(weights: QuantizedModelWeights, include_residual: bool) -> dict
         input_scales=weights.input_scales,
         num_quantized_modules=len(weights.quantized),
         num_unquantized_tensors=len(weights.unquantized),
+        precision=None if recorded is None else str(recorded),
     )
 
 
@@ -990,6 +1009,7 @@ def save_quantized_weights(
     model_config: Mapping[str, Any] | None = None,
     overwrite: bool = False,
     finish: Callable[[Path], object] | None = None,
+    precision: Precision | None = None,
 ) -> Path:
     """Write ``weights`` as a safetensors checkpoint directory, atomically; return its path.
 
@@ -998,10 +1018,11 @@ def save_quantized_weights(
     with a ``quantization_config`` block) when ``model_config`` is given. ``include_residual=False``
     writes only the ModelOpt-named tensors: a plain ModelOpt NVFP4 checkpoint. ``finish(tmp)`` runs
     on the complete temporary directory before it is renamed into place (more files, a manifest).
+    ``precision``: the rollout precision the ``quads`` block records (default: the weights' own, if any).
     """
     if not isinstance(weights, QuantizedModelWeights):
         raise TypeError(f"save_quantized_weights expects QuantizedModelWeights, got {type(weights).__name__}")
-    quads = _quads_block(weights, include_residual)
+    quads = _quads_block(weights, include_residual, precision)
     exclude = weights.config["exclude_modules"]
     files: dict[str, Any] = {fmt.QUANT_CONFIG_FILE: fmt.hf_quant_config(exclude, quads)}
     if model_config is not None:
@@ -1087,7 +1108,7 @@ def load_quantized_weights(
     exclude, quads = fmt.parse_hf_quant_config(fmt.read_json_file(root, fmt.QUANT_CONFIG_FILE), source)
     fmt.check_quant_configs_agree(root)
     tensors = fmt.read_checkpoint_tensors(root, device)
-    config = make_quant_config(quads["residual_ratio"], exclude, quads["weight_version"])
+    config = make_quant_config(quads["residual_ratio"], exclude, quads["weight_version"], quads.get("precision"))
     weights = QuantizedModelWeights.from_state_dict(tensors, config, quads["residual_tensors"], quads["input_scales"])
     _require_finite_unquantized(weights.unquantized, root)
     for key, found in (("num_quantized_modules", len(weights.quantized)), ("num_unquantized_tensors", len(weights.unquantized))):

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from megatron_quads.precision import Precision
 from megatron_quads.rollout.expert_stacks import (
     DeferredChecks,
     StackedLinearWeight,
@@ -138,11 +139,12 @@ def _layer_stack(parts: list[tuple[int, int, dict[str, torch.Tensor]]], module: 
 
 
 def decode_wire(
-    tensors: Mapping[str, torch.Tensor], quantized: bool, weight_version: int, ratio: float = 0.0
+    tensors: Mapping[str, torch.Tensor], quantized: bool, weight_version: int, precision: Precision | None = None
 ) -> QuantizedModelWeights | dict[str, torch.Tensor]:
     """The union of every sender's payload as engines load it: BF16 tensors by HF name, or (``quantized``)
     a QuantizedModelWeights whose expert linears view each layer's stacks (kept in its
-    ``expert_stacks``, with ``W_S`` re-blocked here from ``q(W)`` and the channels). A stack whose
+    ``expert_stacks``, with ``W_S`` re-blocked here from ``q(W)`` and the channels), whose config
+    records ``precision`` (the rollout precision they are for, and its RAC ratio). A stack whose
     fields do not fit, or hold values NVFP4 cannot (checked once for the whole payload), and experts
     that arrive twice or not at all raise ValueError naming them."""
     dense: dict[str, torch.Tensor] = {}
@@ -189,7 +191,8 @@ def decode_wire(
                 for name, lin in zip(names, parts, strict=True)}
 
     linears = LazyLinears([name for per_expert in modules.values() for names in per_expert for name in names], expert_linears)
-    config = make_quant_config(ratio, excluded_modules(linears, dense), weight_version)
+    ratio = precision.ratio if precision is not None else 0.0
+    config = make_quant_config(ratio, excluded_modules(linears, dense), weight_version, precision)
     return QuantizedModelWeights.from_checked_linears(linears, dense, config, expert_stacks=layer_stacks)
 
 

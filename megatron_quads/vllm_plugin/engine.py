@@ -6,7 +6,8 @@ served by vLLM itself). Given no directory, the first :meth:`VllmRolloutEngine.l
 one (a temporary directory, removed by :meth:`close`) and builds the engine from it; every later
 call updates the weights in place through vLLM's layer-wise reload, without restarting the engine,
 and resets the prefix cache. In quads mode :meth:`calibrate` chooses the RAC channels inside the
-engine from its experts' inputs on calibration prompts (the built-in engine's rule).
+engine from its experts' inputs on calibration prompts (the built-in engine's rule). The precision
+reaches the plugin through the checkpoint directory the engine writes (its ``quads.precision``).
 
 Log-probs are vLLM's ``processed_logprobs``: ``log_softmax(logits / temperature)`` of each sampled
 token (temperature 1 when greedy), the quantity the trainer recomputes. vLLM's processed log-probs
@@ -23,16 +24,16 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from megatron_quads.precision import Precision
 from megatron_quads.rollout.checkpoint_format import MODEL_CONFIG_FILE, write_checkpoint
-from megatron_quads.rollout.engine import ENGINE_PRECISIONS, Generation, SamplingParams
+from megatron_quads.rollout.engine import Generation, SamplingParams
 from megatron_quads.rollout.rac import ChannelStatistic
 from megatron_quads.rollout.weights import (
     QuantizedModelWeights,
@@ -40,7 +41,6 @@ from megatron_quads.rollout.weights import (
     routed_expert_scope,
     save_quantized_weights,
 )
-from megatron_quads.vllm_plugin.serving import PRECISION_ENV
 from megatron_quads.vllm_plugin.versions import vllm_cudagraph_mode
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -66,20 +66,6 @@ class VllmOptions:
     routed_experts: bool = False  # generate can return each token's experts (router capture; prefix caching off)
 
 
-@contextmanager
-def _environment(name: str, value: str | None) -> Iterator[None]:
-    """``name`` set to ``value`` (unset for None) inside the block, as it was after."""
-    previous = os.environ.pop(name, None)
-    if value is not None:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        os.environ.pop(name, None)
-        if previous is not None:
-            os.environ[name] = previous
-
-
 def _dense_state_dict(weights: QuantizedModelWeights | Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """HF-named high-precision tensors (NVFP4 linears dequantized) for a bf16 engine."""
     if not isinstance(weights, QuantizedModelWeights):
@@ -93,19 +79,19 @@ class VllmRolloutEngine:
     """A rollout engine on vLLM (see module docstring).
 
     ``hf_config``: the model's Hugging Face config (a dict, as config.json holds it); ``precision``:
-    one of ``ENGINE_PRECISIONS``; ``ratio``: the RAC ratio (quads); ``checkpoint``: a directory to
-    build the engine from now (else the first :meth:`load_weights` writes one)."""
+    the run's precision (its rollout kind and RAC ratio are what the engine serves); ``checkpoint``: a
+    directory to build the engine from now (its recorded precision is the one served; else the first
+    :meth:`load_weights` writes one that records ``precision``)."""
 
-    def __init__(self, hf_config: Mapping[str, Any], precision: str = "quads", ratio: float = 0.25,
+    def __init__(self, hf_config: Mapping[str, Any], precision: Precision = Precision("quads", 0.25),
                  dtype: torch.dtype = torch.bfloat16, options: VllmOptions = VllmOptions(), seed: int = 0,
                  checkpoint: str | os.PathLike[str] | None = None) -> None:
-        if precision not in ENGINE_PRECISIONS:
-            raise ValueError(f"unknown precision {precision!r}; the vLLM engine serves {ENGINE_PRECISIONS}")
+        if not isinstance(precision, Precision):
+            raise TypeError(f"precision must be a megatron_quads.precision.Precision, got {precision!r}")
         if dtype not in _DTYPE_NAMES:
             raise ValueError(f"the vLLM engine runs in {sorted(_DTYPE_NAMES.values())}, not {dtype}")
         self.hf_config = dict(hf_config)
         self.precision = precision
-        self.ratio = ratio
         self.dtype = dtype
         self.options = options
         self.seed = seed
@@ -116,9 +102,14 @@ class VllmRolloutEngine:
             self._start(Path(checkpoint))
 
     # ------------------------------------------------------------------ lifecycle
+    @property
+    def ratio(self) -> float:
+        """The RAC ratio (0 unless quads)."""
+        return self.precision.ratio
+
     def _start(self, directory: Path) -> None:
-        """Build ``vllm.LLM`` from a checkpoint directory (the plugin reads the precision from the
-        environment while the engine is built; the variable is restored after)."""
+        """Build ``vllm.LLM`` from a checkpoint directory (the plugin reads the precision from its
+        ``quads`` block)."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.options.multiprocess else "0"
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.options.cpu_kv_cache_gb))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", self.options.cpu_threads_bind)
@@ -128,21 +119,32 @@ class VllmRolloutEngine:
             raise ValueError("routed experts from vLLM are captured in the routers' hooks: they need the in-process "
                              "engine (rollout.vllm.multiprocess=false, tensor_parallel_size=1) and enforce_eager=true")
         max_len = self.options.max_model_len or int(self.hf_config.get("max_position_embeddings", 2048))
-        served = None if self.precision == "bf16" else f"quads@{self.ratio}" if self.precision == "quads" else self.precision
         graphs = {} if self.options.enforce_eager else {"compilation_config": {
             "mode": self.options.compilation_mode, "cudagraph_mode": self.options.cudagraph_mode}}
-        with _environment(PRECISION_ENV, served):
-            self.llm = LLM(
-                model=str(directory), skip_tokenizer_init=True, dtype=_DTYPE_NAMES[self.dtype], max_model_len=max_len,
-                max_num_seqs=self.options.max_num_seqs, enforce_eager=self.options.enforce_eager,
-                gpu_memory_utilization=self.options.gpu_memory_utilization,
-                enable_sleep_mode=self.options.enable_sleep_mode, logprobs_mode="processed_logprobs", seed=self.seed,
-                worker_extension_cls=WORKER_EXTENSION, tensor_parallel_size=self.options.tensor_parallel_size,
-                enable_expert_parallel=self.options.enable_expert_parallel,
-                # a cached prefix is not computed, so its tokens' routing could not be captured
-                enable_prefix_caching=not self.options.routed_experts, **graphs,
-            )
+        self.llm = LLM(
+            model=str(directory), skip_tokenizer_init=True, dtype=_DTYPE_NAMES[self.dtype], max_model_len=max_len,
+            max_num_seqs=self.options.max_num_seqs, enforce_eager=self.options.enforce_eager,
+            gpu_memory_utilization=self.options.gpu_memory_utilization,
+            enable_sleep_mode=self.options.enable_sleep_mode, logprobs_mode="processed_logprobs", seed=self.seed,
+            worker_extension_cls=WORKER_EXTENSION, tensor_parallel_size=self.options.tensor_parallel_size,
+            enable_expert_parallel=self.options.enable_expert_parallel,
+            # a cached prefix is not computed, so its tokens' routing could not be captured
+            enable_prefix_caching=not self.options.routed_experts, **graphs, **self._precision_override(directory),
+        )
         self.weight_version = self._version_of(directory)
+
+    def _precision_override(self, directory: Path) -> dict[str, Any]:
+        """``LLM`` arguments that make the plugin serve this engine's precision from a QUADS checkpoint
+        that records another one, or none (a checkpoint given to the constructor): its ``quads`` block
+        with the engine's ``precision``, as vLLM's ``hf_overrides``; nothing where they agree."""
+        if not self.precision.quantized_rollout:
+            return {}
+        quant = json.loads((directory / "config.json").read_text()).get("quantization_config")
+        quads = quant.get("quads") if isinstance(quant, dict) else None
+        wanted = str(self.precision.rollout())
+        if not isinstance(quads, dict) or quads.get("precision") == wanted:
+            return {}
+        return {"hf_overrides": {"quantization_config": {**quant, "quads": {**quads, "precision": wanted}}}}
 
     def cudagraph_mode(self) -> str:
         """The CUDA-graph mode vLLM runs with after start-up (``NONE`` when eager): vLLM may lower the
@@ -177,7 +179,7 @@ class VllmRolloutEngine:
     # ------------------------------------------------------------------ weights
     def _served(self, weights: QuantizedModelWeights | Mapping[str, torch.Tensor], version: int):
         """What the engine takes for its precision: BF16 tensors (bf16) or QuantizedModelWeights."""
-        if self.precision == "bf16":
+        if not self.precision.quantized_rollout:
             return _dense_state_dict(weights, self.dtype)
         if isinstance(weights, QuantizedModelWeights):
             return weights
@@ -193,7 +195,7 @@ class VllmRolloutEngine:
             self._owned_dir = Path(tempfile.mkdtemp(prefix="quads-vllm-"))
             directory = self._owned_dir / "checkpoint"
             if isinstance(served, QuantizedModelWeights):
-                save_quantized_weights(served, directory, model_config=self.hf_config)
+                save_quantized_weights(served, directory, model_config=self.hf_config, precision=self.precision.rollout())
             else:
                 write_checkpoint(directory, served, {MODEL_CONFIG_FILE: self.hf_config})
             self._start(directory)
@@ -230,8 +232,8 @@ class VllmRolloutEngine:
         """Choose RAC channels (quads) from the experts' inputs on ``prompts``: one prefill of every
         prompt under W4A16 records them, then each layer selects and writes its channels and ``W_S``;
         returns the routed tokens seen."""
-        if self.precision != "quads":
-            raise ValueError(f"RAC calibration is for the quads precision; this engine serves {self.precision!r}")
+        if not self.precision.uses_rac:
+            raise ValueError(f"RAC calibration is for the quads precision; this engine serves {self.precision}")
         if self.llm is None:
             raise RuntimeError("no weights loaded: call load_weights first")
         self._check_prompts(prompts)

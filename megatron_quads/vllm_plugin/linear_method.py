@@ -6,7 +6,7 @@ stores them (ModelOpt's names, plus the residual fields), each with a loader tha
 checkpoint tensor into its shard's slice; :meth:`~QuadsLinearMethod.process_weights_after_loading`
 checks what was loaded; :meth:`~QuadsLinearMethod.apply` builds a
 :class:`~megatron_quads.rollout.precision.LinearState` of views of the parameters and computes
-``linear_output`` under ``serving.linear_precision``, so vLLM and the built-in engine run the same
+``linear_output`` under ``serving.precision``, so vLLM and the built-in engine run the same
 arithmetic (the reference on CPU, the Triton kernels on CUDA sm_90; on sm_100 W4A4 and quads run
 through vLLM's FP4 GEMM over the augmented K, :mod:`.fp4_gemm`). The plugin has no numerics of its own.
 
@@ -50,8 +50,9 @@ from vllm.model_executor.layers.linear import LinearMethodBase
 from vllm.model_executor.utils import set_weight_attrs
 
 from megatron_quads.nvfp4 import BLOCK_SIZE, NVFP4Tensor
+from megatron_quads.precision import Precision
 from megatron_quads.rollout.calibration import ChannelStats, select_from_stats
-from megatron_quads.rollout.precision import LinearState, Precision, linear_output
+from megatron_quads.rollout.precision import LinearState, linear_output
 from megatron_quads.rollout.rac import ChannelStatistic, reblock_columns, validate_channels
 from megatron_quads.vllm_plugin.fp4_gemm import AugmentedWeight, fp4_gemm_supported, fp4_linear
 from megatron_quads.vllm_plugin.scale_checks import ScaleChecks
@@ -64,7 +65,7 @@ _FUSED_MEMBERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("
 _PER_SHARD = ("weight_scale_2", "input_scale", "residual_channels")
 """Parameters with one slot per shard (the others are row-sharded)."""
 _RESIDUAL = ("residual_channels", "residual_weight", "residual_weight_scale")
-_W4A16 = Precision("aqat")
+_W4A16 = Precision("w4a16")
 """What the layer computes while calibration records its inputs (the AQAT trainer's forward)."""
 
 
@@ -74,7 +75,7 @@ class QuadsLinearMethod(LinearMethodBase):
     def __init__(self, serving: ServingConfig) -> None:
         super().__init__()
         self.serving = serving
-        self.precision = serving.linear_precision
+        self.precision = serving.precision
 
     # ------------------------------------------------------------------ weights
     def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
@@ -87,7 +88,7 @@ class QuadsLinearMethod(LinearMethodBase):
         if K % BLOCK_SIZE:
             raise ValueError(f"{layer.prefix}: NVFP4 linears need in_features to be a multiple of {BLOCK_SIZE}, got {K}")
         N, P, C = sum(sizes), len(sizes), self.serving.residual_channels(K)
-        quads = self.precision.kind == "quads"
+        quads = self.precision.uses_rac
         layer.quads_dtype = params_dtype
         layer.quads_in_features = K
         layer.quads_shards = sizes
@@ -142,7 +143,7 @@ class QuadsLinearMethod(LinearMethodBase):
         keep their storage (vLLM's reload copies the results into the original tensors)."""
         loaded, layer.quads_loaded = layer.quads_loaded, set()
         empty, layer.quads_empty_tails = layer.quads_empty_tails, set()
-        quads = self.precision.kind == "quads"
+        quads = self.precision.uses_rac
         if loaded:
             _check_loaded(layer, loaded, quads)
             if quads:
@@ -157,7 +158,7 @@ class QuadsLinearMethod(LinearMethodBase):
         if quads:
             _check_channels(layer)
         layer.quads_fp4_weight = None
-        if self.precision.kind in ("w4a4", "quads") and fp4_gemm_supported(layer.weight.device):
+        if self.precision.quantized_activations and fp4_gemm_supported(layer.weight.device):
             state = self._state(layer)
             channels = state.channels.get(self.precision.ratio)
             layer.quads_fp4_weight = AugmentedWeight.prepare(state.quantized, channels, state.residual.get(self.precision.ratio))
@@ -172,7 +173,7 @@ class QuadsLinearMethod(LinearMethodBase):
     def _state(self, layer: torch.nn.Module) -> LinearState:
         """The layer as the project computes it: ``q(W)`` and, in quads, its channels and ``W_S``."""
         weight = self._weight(layer)
-        if self.precision.kind != "quads":
+        if not self.precision.uses_rac:
             return LinearState(weight)
         channels = layer.residual_channels[0]
         residual = None
@@ -184,7 +185,7 @@ class QuadsLinearMethod(LinearMethodBase):
         return LinearState(weight, channels={ratio: channels}, residual={ratio: residual})
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``linear_output(x, state, serving.linear_precision)`` (+ bias); while calibrating, W4A16
+        """``linear_output(x, state, serving.precision)`` (+ bias); while calibrating, W4A16
         with ``x`` recorded."""
         if layer.quads_calibration is not None:
             layer.quads_calibration.update(x)
@@ -198,7 +199,7 @@ class QuadsLinearMethod(LinearMethodBase):
     # ------------------------------------------------------------------ RAC calibration
     def begin_calibration(self, layer: torch.nn.Module) -> None:
         """Record the layer's inputs from now on (forwards compute W4A16)."""
-        if self.precision.kind != "quads":
+        if not self.precision.uses_rac:
             raise ValueError(f"{layer.prefix}: RAC calibration is for the quads precision, this layer serves {self.serving.precision!r}")
         layer.quads_calibration = ChannelStats(layer.quads_in_features)
 

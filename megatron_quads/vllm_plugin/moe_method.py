@@ -43,17 +43,18 @@ from vllm.model_executor.utils import set_weight_attrs
 from megatron_quads.nvfp4 import BLOCK_SIZE, NVFP4Tensor
 from megatron_quads.nvfp4.backend import use_kernels
 from megatron_quads.nvfp4.stacked import expert_weight
+from megatron_quads.precision import Precision
 from megatron_quads.rollout.calibration import ChannelStats, select_from_stats
 from megatron_quads.rollout.grouped import combine_routed_rows, route_by_expert
 from megatron_quads.rollout.grouped_experts import GroupedExperts, GroupedProjection
-from megatron_quads.rollout.precision import LinearState, Precision, linear_output
+from megatron_quads.rollout.precision import LinearState, linear_output
 from megatron_quads.rollout.rac import ChannelStatistic, reblock_columns, validate_channels
 from megatron_quads.vllm_plugin.fp4_gemm import AugmentedWeight, fp4_gemm_supported, fp4_linear
 from megatron_quads.vllm_plugin.serving import ServingConfig
 
 _SHARD = {"w1": 0, "w3": 1}
 """Gate (w1) and up (w3): their half of w13 and their slot of the per-shard parameters."""
-_W4A16 = Precision("aqat")
+_W4A16 = Precision("w4a16")
 """What the experts compute while calibration records their inputs (the AQAT trainer's forward)."""
 
 
@@ -70,7 +71,7 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
     def __init__(self, serving: ServingConfig, moe) -> None:
         super().__init__(moe)
         self.serving = serving
-        self.precision = serving.linear_precision
+        self.precision = serving.precision
 
     # ------------------------------------------------------------------ weights
     def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int,
@@ -100,7 +101,7 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
         }
         if self.serving.input_scales:
             shapes |= {"w13_input_scale": ((E, 2), torch.float32), "w2_input_scale": ((E,), torch.float32)}
-        if self.precision.kind == "quads":
+        if self.precision.uses_rac:
             shapes |= {
                 "w13_residual_channels": ((E, 2, c13), torch.int32), "w2_residual_channels": ((E, c2), torch.int32),
                 "w13_residual_weight": ((E, 2 * I, c13 // 2), torch.uint8), "w2_residual_weight": ((E, H, c2 // 2), torch.uint8),
@@ -112,13 +113,13 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
                        (("channels", torch.int32), ("weight", torch.uint8), ("weight_scale", torch.float8_e4m3fn))}
         for name, (shape, dtype) in shapes.items():
             _parameter(layer, name, torch.zeros(shape, dtype=dtype), attrs, self._loader(layer, name))
-        if self.precision.kind == "quads":
+        if self.precision.uses_rac:
             _placeholder_channels(layer)
 
     def _loader(self, layer: torch.nn.Module, name: str) -> Callable:
         """The weight loader of parameter ``name``: one checkpoint tensor into its expert's slice."""
         projection, _, leaf = name.partition("_")
-        sink = name.startswith(("w13_residual", "w2_residual")) and self.precision.kind != "quads"
+        sink = name.startswith(("w13_residual", "w2_residual")) and not self.precision.uses_rac
 
         def weight_loader(param: torch.nn.Parameter, loaded_weight: torch.Tensor, weight_name: str,
                           shard_id: str, expert_id: int, return_success: bool = False) -> bool | None:
@@ -139,9 +140,9 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
         loaded into (vLLM's dummy load format) is set to zero weights."""
         loaded, layer.quads_loaded = layer.quads_loaded, set()
         if loaded:
-            _check_loaded(layer, loaded, self.precision.kind == "quads")
+            _check_loaded(layer, loaded, self.precision.uses_rac)
         elif not getattr(layer, "quads_prepared", False):
-            _zero_weights(layer, self.precision.kind == "quads")
+            _zero_weights(layer, self.precision.uses_rac)
         scale_2 = layer.w13_weight_scale_2
         if loaded and not torch.equal(scale_2[:, 0], scale_2[:, 1]):
             bad = torch.nonzero(scale_2[:, 0] != scale_2[:, 1]).flatten().tolist()
@@ -158,7 +159,7 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
         held keep their storage (new values are copied into them), so CUDA graphs captured over them
         replay the new weights."""
         held, layer.quads_kernel_forms, layer.quads_fp4_experts = getattr(layer, "quads_kernel_forms", None), None, None
-        if self.precision.kind in ("w4a4", "quads") and fp4_gemm_supported(layer.w13_weight.device):
+        if self.precision.quantized_activations and fp4_gemm_supported(layer.w13_weight.device):
             layer.quads_fp4_experts = {projection: self._fp4_weights(layer, projection) for projection in ("w13", "w2")}
             return
         if not use_kernels(layer.w13_weight):
@@ -168,7 +169,7 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
             weight = self._stack(layer, projection)
             weight = replace(weight, weight_scale_2=weight.weight_scale_2.contiguous())
             channels = residual = None
-            if self.precision.kind == "quads" and _channels(layer, projection).shape[1]:
+            if self.precision.uses_rac and _channels(layer, projection).shape[1]:
                 channels = _channels(layer, projection).contiguous()
                 residual = replace(self._stack(layer, projection, residual=True), weight_scale_2=weight.weight_scale_2)
             forms[projection] = GroupedProjection(self.precision, weight, channels, residual)
@@ -178,7 +179,7 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
     def _fp4_weights(self, layer: torch.nn.Module, projection: str) -> list[AugmentedWeight]:
         """Each expert's ``[q(W), W_S]`` as vLLM's FP4 GEMM takes it (sm_100)."""
         weight = self._stack(layer, projection)
-        quads = self.precision.kind == "quads" and _channels(layer, projection).shape[1]
+        quads = self.precision.uses_rac and _channels(layer, projection).shape[1]
         residual = self._stack(layer, projection, residual=True) if quads else None
         channels = _channels(layer, projection) if quads else None
         return [AugmentedWeight.prepare(expert_weight(weight, e), None if channels is None else channels[e].contiguous(),
@@ -213,7 +214,7 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
         if layer.quads_kernel_forms is not None:
             return layer.quads_kernel_forms[projection]
         weight, channels, residual = self._stack(layer, projection), None, None
-        if self.precision.kind == "quads" and _channels(layer, projection).shape[1]:
+        if self.precision.uses_rac and _channels(layer, projection).shape[1]:
             channels, residual = _channels(layer, projection), self._stack(layer, projection, residual=True)
         return GroupedProjection(self.precision, weight, channels, residual)
 
@@ -231,7 +232,7 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
     # ------------------------------------------------------------------ RAC calibration
     def begin_calibration(self, layer: torch.nn.Module) -> None:
         """Record every local expert's inputs from now on (forwards compute W4A16, expert by expert)."""
-        if self.precision.kind != "quads":
+        if not self.precision.uses_rac:
             raise ValueError(f"{layer.layer_name}: RAC calibration is for the quads precision, this layer serves {self.serving.precision!r}")
         experts = layer.w13_weight.shape[0]
         layer.quads_calibration = {p: [ChannelStats(layer.quads_sizes[p][1]) for _ in range(experts)] for p in ("w13", "w2")}
