@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_quads.nvfp4 import quantize
+from megatron_quads.nvfp4.reblock import reblock_columns
 from megatron_quads.rollout.calibration import RacCalibrator
 from megatron_quads.rollout.precision import (
     LinearState,
@@ -40,7 +41,7 @@ from megatron_quads.rollout.precision import (
     linear_output,
     replace_output,
 )
-from megatron_quads.rollout.rac import ChannelStatistic, reblock_columns
+from megatron_quads.rollout.rac import ChannelStatistic
 
 
 class QuantAnalysis:

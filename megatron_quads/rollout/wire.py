@@ -32,13 +32,10 @@ from megatron_quads.rollout.expert_stacks import (
     rebuild_residual,
 )
 from megatron_quads.rollout.stored_scales import invalid_block_scales, invalid_decode_scales
-from megatron_quads.rollout.weights import (
-    LazyLinears,
-    QuantizedLinearWeight,
-    QuantizedModelWeights,
-    excluded_modules,
-    make_quant_config,
-)
+from megatron_quads.rollout.model_weights import LazyLinears, QuantizedModelWeights
+from megatron_quads.rollout.quant_config import make_quant_config
+from megatron_quads.rollout.quantized_linear import QuantizedLinearWeight
+from megatron_quads.rollout.scopes import excluded_modules
 
 PROJECTIONS = ("gate_up_proj", "down_proj")
 _LINEARS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
