@@ -39,8 +39,8 @@ from results_io import load_records, save_record, write_text_atomic
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from vllm_support import RATIO, calibrated_weights, embedded_hf_weights, perturbed, task_prompts  # noqa: E402
 
-from megatron_quads.rollout.engine import ENGINE_PRECISIONS, SamplingParams  # noqa: E402
 from megatron_quads.rollout.checkpoint_format import MODEL_CONFIG_FILE, write_checkpoint  # noqa: E402
+from megatron_quads.rollout.engine import ENGINE_PRECISIONS, SamplingParams  # noqa: E402
 from megatron_quads.rollout.quantized_checkpoint import save_quantized_weights  # noqa: E402
 from megatron_quads.vllm_plugin.engine import VllmRolloutEngine  # noqa: E402
 

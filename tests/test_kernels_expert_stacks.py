@@ -7,15 +7,15 @@ import torch
 
 pytest.importorskip("triton")
 
+from megatron_quads.nvfp4 import quantize
+from megatron_quads.nvfp4.backend import reference_path
 from megatron_quads.nvfp4.global_scale import global_amax_from_decode_scale
 from megatron_quads.nvfp4.quantize_kernel import leading_amax_kernel
 from megatron_quads.nvfp4.reblock import reblock_columns, reblock_columns_deferred
 from megatron_quads.nvfp4.reblock_kernel import reblock_columns_kernel
-from megatron_quads.nvfp4 import quantize
-from megatron_quads.nvfp4.backend import reference_path
-from megatron_quads.rollout.expert_stacks import expert_amax
-from megatron_quads.nvfp4.tensor import NVFP4Tensor
 from megatron_quads.nvfp4.stacked import expert_weight
+from megatron_quads.nvfp4.tensor import NVFP4Tensor
+from megatron_quads.rollout.expert_stacks import expert_amax
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore::RuntimeWarning")]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: under TRITON_INTERPRET=1

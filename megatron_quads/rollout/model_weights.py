@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from megatron_quads.rollout import checkpoint_format as fmt
+from megatron_quads.rollout.expert_stacks import StackedLinearWeight
 from megatron_quads.rollout.quant_config import make_quant_config, validate_quant_config
 from megatron_quads.rollout.quantized_linear import (
     FIELD_SPECS,
@@ -82,7 +83,7 @@ class QuantizedModelWeights:
         config: ``quant_algo`` ("NVFP4"), ``group_size`` (16), ``residual_ratio`` (the RAC ratio),
             ``exclude_modules`` (ModelOpt's list of modules left unquantized), ``weight_version``.
         expert_stacks: each MoE layer's projection (``model.layers.L.mlp.experts.gate_up_proj`` or
-            ``...down_proj``) as one ``expert_stacks.StackedLinearWeight`` when the weights arrived
+            ``...down_proj``) as one :class:`StackedLinearWeight` when the weights arrived
             stacked (the weight sync): the expert linears in ``quantized`` view them. Empty otherwise;
             not part of the checkpoint, and dropped by every method that returns new weights.
     """
@@ -90,7 +91,7 @@ class QuantizedModelWeights:
     quantized: Mapping[str, QuantizedLinearWeight]
     unquantized: dict[str, torch.Tensor] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=make_quant_config)
-    expert_stacks: dict[str, Any] = field(default_factory=dict)
+    expert_stacks: dict[str, StackedLinearWeight] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         """Validate the config, names, dtypes and cross-module rules."""
@@ -99,7 +100,7 @@ class QuantizedModelWeights:
     @classmethod
     def from_checked_linears(
         cls, quantized: dict[str, QuantizedLinearWeight], unquantized: dict[str, torch.Tensor], config: dict[str, Any],
-        expert_stacks: dict[str, Any] | None = None,
+        expert_stacks: dict[str, StackedLinearWeight] | None = None,
     ) -> QuantizedModelWeights:
         """Build from linears whose fused siblings already share one ``weight_scale_2`` tensor (views
         of the checked ``expert_stacks``): every rule but that value comparison is checked. For

@@ -33,10 +33,10 @@ import torch
 
 from megatron_quads.rollout.checkpoint_format import MODEL_CONFIG_FILE, write_checkpoint
 from megatron_quads.rollout.engine import ENGINE_PRECISIONS, Generation, SamplingParams
-from megatron_quads.rollout.rac import ChannelStatistic
 from megatron_quads.rollout.model_weights import QuantizedModelWeights
 from megatron_quads.rollout.quantize_model import quantize_hf_weights
 from megatron_quads.rollout.quantized_checkpoint import save_quantized_weights
+from megatron_quads.rollout.rac import ChannelStatistic
 from megatron_quads.rollout.scopes import routed_expert_scope
 from megatron_quads.vllm_plugin.serving import PRECISION_ENV
 from megatron_quads.vllm_plugin.versions import vllm_cudagraph_mode
