@@ -85,7 +85,7 @@ def _check_scalar(t: torch.Tensor, leaf: str, prefix: str, positive: bool) -> No
         raise ValueError(f"{prefix}{leaf} is {value}; expected a finite value {bound}")
 
 
-def check_linear_fields(
+def _check_linear_fields(
     weight: Any,
     weight_scale: Any,
     weight_scale_2: Any,
@@ -199,7 +199,7 @@ class QuantizedLinearWeight:
 
     def validate(self, prefix: str = "") -> None:
         """Raise ValueError naming ``<prefix><field>`` and the shapes if any field is inconsistent."""
-        check_linear_fields(
+        _check_linear_fields(
             self.weight,
             self.weight_scale,
             self.weight_scale_2,
@@ -338,7 +338,7 @@ class QuantizedLinearWeight:
         if any(t is None for t in residual) and not all(t is None for t in residual):
             leaf = fmt.RESIDUAL_LEAVES[[t is None for t in residual].index(True)]
             raise ValueError(f"missing tensor '{module}.{leaf}' ({FIELD_SPECS[leaf]}); the residual tensors come as three")
-        check_linear_fields(
+        _check_linear_fields(
             *(get[leaf] for leaf in fmt.MODELOPT_LEAVES),
             *(residual if residual[0] is not None else _empty_residual(get[fmt.WEIGHT])),
             prefix=f"{module}.",
