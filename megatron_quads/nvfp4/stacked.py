@@ -13,7 +13,8 @@ import torch
 
 from megatron_quads.nvfp4.backend import use_kernels
 from megatron_quads.nvfp4.format import BLOCK_SIZE
-from megatron_quads.nvfp4.quantize import decode_scale_from_amax, quantize
+from megatron_quads.nvfp4.global_scale import decode_scale_from_amax
+from megatron_quads.nvfp4.quantize import quantize
 from megatron_quads.nvfp4.tensor import NVFP4Tensor
 
 _REFERENCE_CHUNK = 1 << 20  # elements the reference quantizes at once
