@@ -52,10 +52,10 @@ import torch
 from results_io import load_records, save_record, write_text_atomic
 
 from megatron_quads.nvfp4 import quantize
+from megatron_quads.nvfp4.reblock import reblock_columns
 from megatron_quads.rollout.grouped import expert_offsets_from_counts, expert_weight
 from megatron_quads.rollout.rac import (
     num_residual_channels,
-    reblock_columns,
     select_channels,
 )
 

@@ -21,10 +21,10 @@ from results_io import load_records, save_record, write_text_atomic
 from torch.utils.benchmark import Timer
 
 from megatron_quads.nvfp4 import quantize
+from megatron_quads.nvfp4.reblock import reblock_columns
 from megatron_quads.rollout.rac import (
     num_residual_channels,
     rac_linear,
-    reblock_columns,
     select_channels,
 )
 from megatron_quads.rollout.w4a4 import w4a4_linear

@@ -110,8 +110,10 @@ def _nbytes(tensors) -> int:
 
 def measure(p: dict, ratio: float) -> dict:
     """Seconds of each way over the whole expert set, and its bytes."""
-    from megatron_quads.rollout.expert_stacks import StackQuantizer, _quantize_rows, expert_amax
-    from megatron_quads.rollout.weights import quantize_hf_weights, routed_expert_scope
+    from megatron_quads.nvfp4.stacked import quantize_experts
+    from megatron_quads.rollout.expert_stacks import StackQuantizer, expert_amax
+    from megatron_quads.rollout.quantize_model import quantize_hf_weights
+    from megatron_quads.rollout.scopes import routed_expert_scope
     from megatron_quads.rollout.wire import decode_wire, encode_wire
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -139,8 +141,8 @@ def measure(p: dict, ratio: float) -> dict:
     weights = [w for pair in experts for w in pair]
     amaxes = [expert_amax(w) for w in weights]
     out["amax_s"] = _best_seconds(lambda: [expert_amax(w) for w in weights], p["repeats"])
-    out["quantize_s"] = _best_seconds(lambda: [_quantize_rows(w, a) for w, a in zip(weights, amaxes)], p["repeats"])
-    out["amax_then_quantize_s"] = _best_seconds(lambda: [_quantize_rows(w, expert_amax(w)) for w in weights], p["repeats"])
+    out["quantize_s"] = _best_seconds(lambda: [quantize_experts(w, a) for w, a in zip(weights, amaxes)], p["repeats"])
+    out["amax_then_quantize_s"] = _best_seconds(lambda: [quantize_experts(w, expert_amax(w)) for w in weights], p["repeats"])
 
     def quantize_in_order() -> None:
         quantizer = StackQuantizer()

@@ -18,11 +18,11 @@ import torch
 from results_io import write_text_atomic
 
 from megatron_quads.nvfp4 import quantize
+from megatron_quads.nvfp4.reblock import reblock_columns
 from megatron_quads.rollout.calibration import ChannelStats
 from megatron_quads.rollout.rac import (
     ChannelStatistic,
     rac_linear,
-    reblock_columns,
     select_channels,
 )
 

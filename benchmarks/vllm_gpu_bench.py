@@ -82,12 +82,9 @@ def prepare_checkpoints(work: Path, layers: int, needed: set[str]) -> dict:
     import torch
 
     from megatron_quads.rollout.checkpoint_format import MODEL_CONFIG_FILE, write_checkpoint
-    from megatron_quads.rollout.weights import (
-        experts_and_attention_scope,
-        quantize_hf_weights,
-        routed_expert_scope,
-        save_quantized_weights,
-    )
+    from megatron_quads.rollout.quantize_model import quantize_hf_weights
+    from megatron_quads.rollout.quantized_checkpoint import save_quantized_weights
+    from megatron_quads.rollout.scopes import experts_and_attention_scope, routed_expert_scope
     from random_moe import random_weights
 
     shape = bench_shape(layers)

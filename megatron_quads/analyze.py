@@ -100,7 +100,7 @@ def load_quads_model(path: str) -> torch.nn.Module:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from megatron_quads.rollout.hf_experts import load_checkpoint_weights
-    from megatron_quads.rollout.weights import load_quantized_weights
+    from megatron_quads.rollout.quantized_checkpoint import load_quantized_weights
 
     doc = json.loads(Path(path, "config.json").read_text())
     doc.pop("quantization_config", None)

@@ -544,7 +544,7 @@ def test_weight_buckets_are_bounded_and_round_trip() -> None:
         from_buckets,
         to_buckets,
     )
-    from megatron_quads.rollout.weights import quantize_hf_weights
+    from megatron_quads.rollout.quantize_model import quantize_hf_weights
 
     named = {f"model.layers.0.mlp.experts.{e}.{p}.weight": torch.randn(32, 64) for e in range(4) for p in ("gate_proj", "up_proj")}
     named["model.norm.weight"] = torch.ones(64)

@@ -26,8 +26,9 @@ from megatron_quads.convert.to_quads import to_quads
 from megatron_quads.manifest import MANIFEST, verify_manifest
 from megatron_quads.nvfp4 import NVFP4Tensor, dequantize
 from megatron_quads.rollout import checkpoint_format as fmt
+from megatron_quads.rollout.quantized_checkpoint import load_quantized_weights
+from megatron_quads.rollout.quantized_linear import input_scale_from_amax
 from megatron_quads.rollout.rac import num_residual_channels
-from megatron_quads.rollout.weights import input_scale_from_amax, load_quantized_weights
 from megatron_quads.tasks import encode_prompt
 
 RATIO = 0.25

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from megatron_quads.nvfp4 import quantize
-from megatron_quads.nvfp4.fused import fake_quant_values
 from megatron_quads.nvfp4.backend import reference_path, use_kernels
-from megatron_quads.rollout.rac import rac_linear, reblock_columns, select_channels
+from megatron_quads.nvfp4.fused import fake_quant_values
+from megatron_quads.nvfp4.reblock import reblock_columns
+from megatron_quads.rollout.rac import rac_linear, select_channels
 from megatron_quads.rollout.w4a4 import w4a16_linear
 
 pytestmark = pytest.mark.gpu

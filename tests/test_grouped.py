@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megatron_quads.nvfp4 import NVFP4Tensor, quantize
+from megatron_quads.nvfp4.reblock import reblock_columns
 from megatron_quads.rollout.grouped import (
     combine_routed_rows,
     expert_offsets_from_counts,
@@ -14,7 +15,7 @@ from megatron_quads.rollout.grouped import (
     grouped_w4a16_linear,
     kernel_x_order,
 )
-from megatron_quads.rollout.rac import rac_linear, reblock_columns, select_channels
+from megatron_quads.rollout.rac import rac_linear, select_channels
 
 E, N, K = 4, 24, 64
 

@@ -7,14 +7,15 @@ import torch
 
 pytest.importorskip("triton")
 
-from megatron_quads.kernels.reblock import reblock_residual_kernel
-from megatron_quads.nvfp4.quantize_kernel import leading_amax_kernel
 from megatron_quads.nvfp4 import quantize
 from megatron_quads.nvfp4.backend import reference_path
-from megatron_quads.rollout.expert_stacks import amax_for_decode_scale, expert_amax, reblock_residual_stack
-from megatron_quads.rollout.weights import reblock_residual
-from megatron_quads.nvfp4.tensor import NVFP4Tensor
+from megatron_quads.nvfp4.global_scale import global_amax_from_decode_scale
+from megatron_quads.nvfp4.quantize_kernel import leading_amax_kernel
+from megatron_quads.nvfp4.reblock import reblock_columns, reblock_columns_deferred
+from megatron_quads.nvfp4.reblock_kernel import reblock_columns_kernel
 from megatron_quads.nvfp4.stacked import expert_weight
+from megatron_quads.nvfp4.tensor import NVFP4Tensor
+from megatron_quads.rollout.expert_stacks import expert_amax
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore::RuntimeWarning")]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: under TRITON_INTERPRET=1
@@ -50,13 +51,16 @@ def test_reblock_kernel_equals_the_reference_byte_for_byte(shape: tuple[int, int
     q = _stacked(n, rows, k)
     channels = _channels(n, k, count)
     with reference_path():
-        ref_codes, ref_scales = reblock_residual_stack(q, channels)
-    for e in range(n):  # the stacked reference is the per-linear one
-        codes, scales = reblock_residual(expert_weight(q, e), channels[e])
-        assert torch.equal(codes, ref_codes[e]) and torch.equal(scales.view(torch.uint8), ref_scales[e].view(torch.uint8))
-    amax, missing = amax_for_decode_scale(q.weight_scale_2)
+        reference, no_amax = reblock_columns_deferred(q, channels)
+        ref_codes, ref_scales = reference.codes, reference.scales
+        assert not no_amax.any()
+        for e in range(n):  # the stacked reference is the per-linear one
+            single = reblock_columns(expert_weight(q, e), channels[e])
+            assert torch.equal(single.codes, ref_codes[e])
+            assert torch.equal(single.scales.view(torch.uint8), ref_scales[e].view(torch.uint8))
+    amax, missing = global_amax_from_decode_scale(q.weight_scale_2)
     assert not missing.any()
-    got_codes, got_scales = reblock_residual_kernel(q.codes.to(DEVICE), q.scales.to(DEVICE), q.weight_scale_2.to(DEVICE),
+    got_codes, got_scales = reblock_columns_kernel(q.codes.to(DEVICE), q.scales.to(DEVICE), q.weight_scale_2.to(DEVICE),
                                                     amax.to(DEVICE), channels.to(DEVICE))
     assert torch.equal(got_codes.cpu(), ref_codes)
     assert torch.equal(got_scales.cpu().view(torch.uint8), ref_scales.view(torch.uint8))
@@ -77,7 +81,8 @@ def test_leading_amax_is_each_experts_max_and_shows_nan() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the export's kernels dispatch on CUDA tensors only")
 def test_the_export_on_the_gpu_equals_quantize_hf_weights_on_the_cpu() -> None:
-    from megatron_quads.rollout.weights import quantize_hf_weights, routed_expert_scope
+    from megatron_quads.rollout.quantize_model import quantize_hf_weights
+    from megatron_quads.rollout.scopes import routed_expert_scope
     from megatron_quads.rollout.wire import channels_key, decode_wire, encode_wire, stack_module
 
     gen = torch.Generator().manual_seed(3)

@@ -13,7 +13,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from megatron_quads.nvfp4 import NVFP4Tensor, quantize
+from megatron_quads.kernels.w4a16 import X_ORDER_BLOCK_K, mma_k_order_rows
 from megatron_quads.kernels.w4a4 import (
     GemmConfig,
     gemm_config,
@@ -23,13 +23,14 @@ from megatron_quads.kernels.w4a4 import (
     quantize_activations_kernel,
     rac_linear_kernel,
 )
-from megatron_quads.kernels.w4a16 import X_ORDER_BLOCK_K, mma_k_order_rows
+from megatron_quads.nvfp4 import NVFP4Tensor, quantize
+from megatron_quads.nvfp4.reblock import reblock_columns
 from megatron_quads.rollout.grouped import (
     expert_offsets_from_counts,
     expert_weight,
     grouped_rac_linear,
 )
-from megatron_quads.rollout.rac import rac_operands, reblock_columns, select_channels
+from megatron_quads.rollout.rac import rac_operands, select_channels
 from megatron_quads.rollout.w4a4 import ActivationScale, activation_amax, block_values
 
 # div_rn(1, 0) = inf (then clamped, as in the reference) makes numpy warn under the interpreter

@@ -153,7 +153,8 @@ def _rollout_payload_check(worker, full: dict[str, torch.Tensor]) -> dict:
     import re
 
     from megatron_quads.controller.rollout_export import export_rollout_tensors
-    from megatron_quads.rollout.weights import quantize_hf_weights, routed_expert_scope
+    from megatron_quads.rollout.quantize_model import quantize_hf_weights
+    from megatron_quads.rollout.scopes import routed_expert_scope
     from megatron_quads.trainer.hf_export import weight_sender
 
     payload = export_rollout_tensors(worker.model, "nvfp4", torch.float32)

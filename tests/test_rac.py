@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from megatron_quads.nvfp4 import quantize
+from megatron_quads.nvfp4.reblock import reblock_columns
 from megatron_quads.rollout.calibration import ChannelStats, RacCalibrator, pool_stats
 from megatron_quads.rollout.rac import (
     ChannelStatistic,
     num_residual_channels,
     rac_linear,
     rac_operands,
-    reblock_columns,
     select_channels,
     validate_channels,
 )

@@ -13,11 +13,12 @@ import torch
 
 pytest.importorskip("triton")
 
-from megatron_quads.nvfp4 import NVFP4Tensor, quantize
 from megatron_quads.kernels import dispatch
 from megatron_quads.kernels.w4a4 import TAIL_PAD_MAX_GROWTH, padded_tail, prepare_rac_tail
+from megatron_quads.nvfp4 import NVFP4Tensor, quantize
+from megatron_quads.nvfp4.reblock import reblock_columns
 from megatron_quads.rollout.grouped import expert_offsets_from_counts, expert_weight, grouped_rac_linear
-from megatron_quads.rollout.rac import rac_linear, reblock_columns
+from megatron_quads.rollout.rac import rac_linear
 
 _GLUON_WS = dispatch.gluon_module("w4a16_ws")
 

@@ -17,17 +17,16 @@ from megatron_quads.nvfp4 import (
     quantize,
 )
 from megatron_quads.rollout import checkpoint_format as fmt
-from megatron_quads.rollout.weights import (
-    QuantizedLinearWeight,
-    QuantizedModelWeights,
+from megatron_quads.rollout.model_weights import QuantizedModelWeights
+from megatron_quads.rollout.quant_config import make_quant_config
+from megatron_quads.rollout.quantize_model import quantize_hf_weights
+from megatron_quads.rollout.quantized_checkpoint import (
     load_quantized_weights,
-    make_quant_config,
-    quantize_hf_weights,
-    reblocking_error,
     require_finite_unquantized_files,
-    routed_expert_scope,
     save_quantized_weights,
 )
+from megatron_quads.rollout.quantized_linear import QuantizedLinearWeight, reblocking_error
+from megatron_quads.rollout.scopes import routed_expert_scope
 
 H, I, E, LAYERS = 64, 32, 3, 3  # hidden, expert ffn, experts per layer, layers (layer 0 stays bf16)
 

@@ -9,8 +9,8 @@ import torch
 
 from megatron_quads.precision import Precision
 from megatron_quads.rollout.engine import SamplingParams
+from megatron_quads.rollout.quantize_model import quantize_hf_weights
 from megatron_quads.rollout.torch_engine import TorchRolloutEngine
-from megatron_quads.rollout.weights import quantize_hf_weights
 from megatron_quads.trainer.hf_export import export_hf_weights, qwen3_moe_config
 from megatron_quads.trainer.model import (
     ParallelConfig,

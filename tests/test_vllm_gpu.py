@@ -36,12 +36,9 @@ vllm = pytest.importorskip("vllm")
 
 from megatron_quads.precision import Precision
 from megatron_quads.rollout.engine import Generation, SamplingParams  # noqa: E402
+from megatron_quads.rollout.quantize_model import quantize_hf_weights  # noqa: E402
+from megatron_quads.rollout.scopes import experts_and_attention_scope, routed_expert_scope  # noqa: E402
 from megatron_quads.rollout.torch_engine import TorchRolloutEngine  # noqa: E402
-from megatron_quads.rollout.weights import (  # noqa: E402
-    experts_and_attention_scope,
-    quantize_hf_weights,
-    routed_expert_scope,
-)
 from megatron_quads.vllm_plugin.engine import VllmOptions, VllmRolloutEngine  # noqa: E402
 from random_moe import MoeShape, random_prompts, random_weights  # noqa: E402
 

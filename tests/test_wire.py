@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_quads.rollout.weights import quantize_hf_weights, routed_expert_scope
+from megatron_quads.rollout.quantize_model import quantize_hf_weights
+from megatron_quads.rollout.scopes import routed_expert_scope
 from megatron_quads.rollout.wire import WIRE_FIELDS, channels_key, decode_wire, encode_wire, stack_module
 
 EXPERTS, HIDDEN, FFN = 4, 64, 32

@@ -6,8 +6,10 @@ import torch
 
 from megatron_quads import embedded
 from megatron_quads.rollout.engine import Generation
+from megatron_quads.rollout.model_weights import QuantizedModelWeights
+from megatron_quads.rollout.quantize_model import quantize_hf_weights
+from megatron_quads.rollout.scopes import routed_expert_scope
 from megatron_quads.rollout.weight_calibration import calibrate_weights
-from megatron_quads.rollout.weights import QuantizedModelWeights, quantize_hf_weights, routed_expert_scope
 from megatron_quads.tasks import encode_prompt
 
 RATIO = 0.25

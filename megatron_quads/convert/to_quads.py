@@ -33,14 +33,11 @@ from megatron_quads.convert.progress import progress_bar
 from megatron_quads.manifest import write_manifest
 from megatron_quads.megatron_lm.checkpoint import recorded_rac_ratio
 from megatron_quads.rollout import checkpoint_format as fmt
+from megatron_quads.rollout.model_weights import QuantizedModelWeights
+from megatron_quads.rollout.quantize_model import quantize_hf_weights
+from megatron_quads.rollout.quantized_checkpoint import save_quantized_weights
+from megatron_quads.rollout.scopes import experts_and_attention_scope, routed_expert_scope
 from megatron_quads.rollout.weight_calibration import WeightCalibration, calibrate_weights
-from megatron_quads.rollout.weights import (
-    QuantizedModelWeights,
-    experts_and_attention_scope,
-    quantize_hf_weights,
-    routed_expert_scope,
-    save_quantized_weights,
-)
 from megatron_quads.tasks import encode_prompt, load_tokenizer
 from megatron_quads.trainer.hf_config import UnsupportedModelError, hf_config_from_policy
 from megatron_quads.trainer.hf_export import qwen3_moe_config

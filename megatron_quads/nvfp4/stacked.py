@@ -11,7 +11,13 @@ from collections.abc import Sequence
 
 import torch
 
+from megatron_quads.nvfp4.backend import use_kernels
+from megatron_quads.nvfp4.format import BLOCK_SIZE
+from megatron_quads.nvfp4.global_scale import decode_scale_from_amax
+from megatron_quads.nvfp4.quantize import quantize
 from megatron_quads.nvfp4.tensor import NVFP4Tensor
+
+_REFERENCE_CHUNK = 1 << 20  # elements the reference quantizes at once
 
 
 def stack_experts(parts: Sequence[NVFP4Tensor]) -> NVFP4Tensor:
@@ -50,6 +56,25 @@ def expert_weights(weight: NVFP4Tensor) -> list[NVFP4Tensor]:
     shape = torch.Size(weight.shape[1:])
     return [NVFP4Tensor(codes=c, scales=s, weight_scale_2=d, shape=shape, dtype=weight.dtype)
             for c, s, d in zip(weight.codes.unbind(0), weight.scales.unbind(0), decodes, strict=True)]
+
+
+def quantize_experts(x: torch.Tensor, amax: torch.Tensor) -> NVFP4Tensor:
+    """``quantize`` of a ``[n, N, K]`` stack with one global amax per expert (``amax`` ``[n]``),
+    ``weight_scale_2`` ``[n, 1]``: one Triton call on CUDA (no host-side NaN scan); the reference
+    elsewhere, a few experts at a time so that its temporaries stay in cache (rows are quantized
+    independently: the bytes are the same)."""
+    if use_kernels(x):
+        from megatron_quads.nvfp4.quantize_kernel import quantize_kernel
+
+        return quantize_kernel(x, amax[:, None], validate=False)
+    n, rows, k = x.shape
+    codes = torch.empty(n, rows, k // 2, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(n, rows, k // BLOCK_SIZE, dtype=torch.float8_e4m3fn, device=x.device)
+    step = max(1, _REFERENCE_CHUNK // max(1, rows * k))
+    for first in range(0, n, step):
+        part = quantize(x[first : first + step], global_amax=amax[first : first + step, None])
+        codes[first : first + step], scales[first : first + step] = part.codes, part.scales
+    return NVFP4Tensor(codes, scales, decode_scale_from_amax(amax[:, None]), x.shape, x.dtype)
 
 
 def check_grouped_shapes(x: torch.Tensor, weight: NVFP4Tensor, expert_offsets: torch.Tensor) -> None:

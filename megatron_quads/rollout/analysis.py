@@ -34,10 +34,11 @@ from dataclasses import dataclass
 import torch
 
 from megatron_quads.nvfp4 import quantize
+from megatron_quads.nvfp4.reblock import reblock_columns
 from megatron_quads.precision import TRAINER_FAKE_QUANT, Precision
 from megatron_quads.rollout.calibration import RacCalibrator
 from megatron_quads.rollout.precision import LinearState, linear_output, replace_output
-from megatron_quads.rollout.rac import ChannelStatistic, reblock_columns
+from megatron_quads.rollout.rac import ChannelStatistic
 
 
 _W4A16 = Precision("w4a16")

@@ -3,8 +3,9 @@
 This module knows files and names, not NVFP4 arithmetic: it turns a flat ``{name: tensor}`` dict
 plus a config into a Hugging Face style directory (``model.safetensors`` or
 ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``, ``hf_quant_config.json``
-and optionally ``config.json``) and back, atomically. ``megatron_quads.rollout.weights`` maps its
-in-memory weights to and from the flat dict and checks every tensor; docs/format.md is the schema.
+and optionally ``config.json``) and back, atomically. ``megatron_quads.rollout.quantized_checkpoint``
+maps the in-memory weights to and from the flat dict and checks every tensor; docs/format.md is the
+schema.
 """
 
 from __future__ import annotations

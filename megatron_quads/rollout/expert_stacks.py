@@ -3,8 +3,8 @@
 A stack holds experts ``[first, first + n)`` of one layer's projection in high precision:
 ``gate_up [n, 2I, H]`` (each expert's gate rows, then its up rows) or ``down [n, H, I]``.
 :func:`quantize_stack` turns one into a :class:`StackedLinearWeight`: the fields
-of :class:`~megatron_quads.rollout.weights.QuantizedLinearWeight` with a leading expert dimension.
-It is byte for byte what :func:`~megatron_quads.rollout.weights.quantize_hf_weights` makes expert by
+of :class:`~megatron_quads.rollout.quantized_linear.QuantizedLinearWeight` with a leading expert dimension.
+It is byte for byte what :func:`~megatron_quads.rollout.quantize_model.quantize_hf_weights` makes expert by
 expert (one global amax per expert, gate and up sharing it; ``W_S`` re-blocked from ``q(W)``), but
 every step is a batched tensor operation on the device: no host synchronisation per expert.
 Problems that need a value look (non-finite weights) are gathered in a :class:`DeferredChecks` and
@@ -17,15 +17,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_quads.nvfp4 import BLOCK_SIZE, GLOBAL_SCALE_DIVISOR, NVFP4Tensor, decode_scale_from_amax, quantize
-from megatron_quads.nvfp4.format import e2m1_lut
-from megatron_quads.rollout.weights import QuantizedLinearWeight
+from megatron_quads.nvfp4 import BLOCK_SIZE, NVFP4Tensor
+from megatron_quads.nvfp4.reblock import reblock_columns_deferred
+from megatron_quads.nvfp4.stacked import quantize_experts
+from megatron_quads.rollout.quantized_linear import QuantizedLinearWeight
 
 _FP8 = torch.float8_e4m3fn
 _PACKED_BLOCK = BLOCK_SIZE // 2
-_AMAX_CANDIDATES = 4  # ulps searched each way for an amax with amax / 2688 == weight_scale_2
-_SMALL_FLAGS = 4096
-_REFERENCE_CHUNK = 1 << 20  # elements the CPU reference quantizes at once  # flags up to this many elements are kept whole until the one read-back
+_SMALL_FLAGS = 4096  # flags up to this many elements are kept whole until the one read-back
 
 
 @dataclass
@@ -176,94 +175,16 @@ def expert_amax(weight: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(weight.reshape(weight.shape[0], -1), ord=float("inf"), dim=1).to(torch.float32)
 
 
-def _quantize_rows(x: torch.Tensor, amax: torch.Tensor) -> NVFP4Tensor:
-    """``quantize`` of a ``[n, N, K]`` stack with one amax per expert: one Triton call on CUDA (no
-    host-side NaN scan); the reference elsewhere, a few experts at a time so that its temporaries
-    stay in cache (rows are quantized independently: the bytes are the same)."""
-    from megatron_quads.nvfp4.backend import use_kernels
-
-    if use_kernels(x):
-        from megatron_quads.nvfp4.quantize_kernel import quantize_kernel
-
-        return quantize_kernel(x, amax[:, None], validate=False)
-    n, rows, k = x.shape
-    codes = torch.empty(n, rows, k // 2, dtype=torch.uint8, device=x.device)
-    scales = torch.empty(n, rows, k // BLOCK_SIZE, dtype=_FP8, device=x.device)
-    step = max(1, _REFERENCE_CHUNK // max(1, rows * k))
-    for first in range(0, n, step):
-        part = quantize(x[first : first + step], global_amax=amax[first : first + step, None])
-        codes[first : first + step], scales[first : first + step] = part.codes, part.scales
-    return NVFP4Tensor(codes, scales, decode_scale_from_amax(amax[:, None]), x.shape, x.dtype)
-
-
-def amax_for_decode_scale(weight_scale_2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per expert, the fp32 amax :func:`~megatron_quads.rollout.weights.amax_from_weight_scale_2`
-    picks (the same candidates in the same order), and a flag that is True where none exists."""
-    ws2 = weight_scale_2.to(torch.float32).reshape(-1)
-    guess = ws2 * torch.tensor(GLOBAL_SCALE_DIVISOR, dtype=torch.float32, device=ws2.device)
-    candidates, up, down = [guess], guess, guess
-    for _ in range(_AMAX_CANDIDATES):
-        up = torch.nextafter(up, torch.full_like(up, float("inf")))
-        down = torch.nextafter(down, torch.full_like(down, float("-inf")))
-        candidates += [up, down]
-    stacked = torch.stack(candidates, dim=1)  # [n, 9] in the reference's order
-    ok = torch.isfinite(stacked) & (stacked >= 0) & (decode_scale_from_amax(stacked) == ws2[:, None])
-    first = ok.to(torch.int8).argmax(dim=1)
-    return stacked.gather(1, first[:, None]).squeeze(1), ~ok.any(dim=1)
-
-
-def reblock_residual_stack(
-    weight: NVFP4Tensor, channels: torch.Tensor, checks: DeferredChecks | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``W_S`` of every expert of a stacked ``[n, N, K]`` NVFP4 weight for channels ``[n, |S|]``:
-    ``(codes uint8 [n, N, |S|/2], scales e4m3 [n, N, |S|/16])``, equal byte for byte to
-    :func:`~megatron_quads.rollout.weights.reblock_residual` expert by expert.
-
-    A block of 16 gathered channels that is one block of ``weight`` is copied; the others are the
-    NVFP4 quantization of the gathered columns of ``dequantize(weight)`` with the amax recovered
-    from the expert's ``weight_scale_2``. Channels must be sorted and unique per expert (the stack's
-    producer guarantees it; nothing here reads them on the host). On CUDA one Triton kernel
-    (``kernels.reblock``) does it all.
-    """
-    n, rows, k = weight.shape
-    s = channels.shape[1]
-    device = weight.codes.device
-    if s == 0:
-        return (torch.zeros(n, rows, 0, dtype=torch.uint8, device=device), torch.zeros(n, rows, 0, dtype=_FP8, device=device))
-    amax, no_amax = amax_for_decode_scale(weight.weight_scale_2)
-    if checks is not None:
+def reblock_stack(weight: NVFP4Tensor, channels: torch.Tensor,
+                  checks: DeferredChecks | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``W_S`` ``(codes uint8 [n, N, |S|/2], scales e4m3 [n, N, |S|/16])`` of every expert of a stacked
+    ``[n, N, K]`` NVFP4 weight for channels ``[n, |S|]`` (sorted and unique per expert: the stack's
+    producer guarantees it), by :func:`megatron_quads.nvfp4.reblock.reblock_columns_deferred`; a
+    ``weight_scale_2`` without an fp32 amax is recorded in ``checks`` (no host read here)."""
+    residual, no_amax = reblock_columns_deferred(weight, channels)
+    if checks is not None and channels.shape[1]:
         checks.add("a weight_scale_2 that is not amax / 2688 for any fp32 amax", no_amax)
-    from megatron_quads.nvfp4.backend import use_kernels
-
-    if use_kernels(weight.codes):
-        from megatron_quads.kernels.reblock import reblock_residual_kernel
-
-        return reblock_residual_kernel(weight.codes, weight.scales, weight.weight_scale_2, amax, channels)
-    ch = channels.to(device=device, dtype=torch.int64)
-    blocks = ch.view(n, s // BLOCK_SIZE, BLOCK_SIZE)
-    first = blocks[..., 0]
-    aligned = (first % BLOCK_SIZE == 0) & (blocks[..., -1] - first == BLOCK_SIZE - 1)  # [n, S/16]
-    # the copied blocks
-    source = (first // BLOCK_SIZE)[:, None, :].expand(n, rows, -1)
-    code_blocks = weight.codes.view(n, rows, k // BLOCK_SIZE, _PACKED_BLOCK)
-    copied_codes = code_blocks.gather(2, source[..., None].expand(-1, -1, -1, _PACKED_BLOCK))
-    scale_bytes = weight.scales.view(torch.uint8)
-    copied_scales = scale_bytes.gather(2, source)
-    # the re-quantized blocks: dequantize(weight)[..., ch] exactly as dequantize computes it
-    # (indices are broadcast views over the rows: nothing [n, N, |S|]-sized is built for them)
-    def over_rows(index: torch.Tensor) -> torch.Tensor:
-        return index[:, None, :].expand(n, rows, s)
-
-    packed = weight.codes.gather(2, over_rows(ch // 2))
-    nibbles = torch.where(over_rows(ch % 2 == 1), packed >> 4, packed & 0xF)
-    values = e2m1_lut(device)[nibbles.to(torch.int32)]
-    block_values = values * weight.scales.to(torch.float32).gather(2, over_rows(ch // BLOCK_SIZE))
-    gathered = block_values * weight.weight_scale_2.to(torch.float32).reshape(n, 1, 1)
-    requant = _quantize_rows(gathered, amax)
-    keep = aligned[:, None, :]
-    codes = torch.where(keep[..., None], copied_codes, requant.codes.view(n, rows, -1, _PACKED_BLOCK))
-    scales = torch.where(keep, copied_scales, requant.scales.view(torch.uint8))
-    return codes.reshape(n, rows, s // 2), scales.view(_FP8)
+    return residual.codes, residual.scales
 
 
 def _check_stack(weight: torch.Tensor, what: str) -> None:
@@ -285,7 +206,7 @@ def _stack_weight(weight: torch.Tensor, q: NVFP4Tensor, amax: torch.Tensor, chan
         raise ValueError(f"{what}: residual channels must be [experts={n}, |S|], got {tuple(channels.shape)}")
     stacked = NVFP4Tensor(codes=q.codes, scales=q.scales, weight_scale_2=ws2, shape=torch.Size((n, rows, k)),
                           dtype=torch.float32)
-    residual, residual_scales = reblock_residual_stack(stacked, channels, checks)
+    residual, residual_scales = reblock_stack(stacked, channels, checks)
     return StackedLinearWeight(q.codes, q.scales.view(_FP8), ws2, channels.to(device=weight.device, dtype=torch.int32),
                                residual, residual_scales)
 
@@ -301,7 +222,7 @@ def _quantize_with_next_amax(weight: torch.Tensor, amax: torch.Tensor, following
 
         return quantize_stack_and_amax(weight, amax, following)
     try:
-        q = _quantize_rows(weight, amax)
+        q = quantize_experts(weight, amax)
     except ValueError as err:  # the reference path checks values itself
         raise ValueError(f"{what}: {err}") from err
     return q, None if following is None else expert_amax(following)
@@ -366,5 +287,5 @@ def rebuild_residual(weight: torch.Tensor, weight_scale: torch.Tensor, weight_sc
     stacked = NVFP4Tensor(codes=weight, scales=weight_scale, weight_scale_2=weight_scale_2,
                           shape=torch.Size((n, rows, 2 * kh)), dtype=torch.float32)
     channels = residual_channels.to(device=weight.device, dtype=torch.int32)
-    residual, residual_scales = reblock_residual_stack(stacked, channels, checks)
+    residual, residual_scales = reblock_stack(stacked, channels, checks)
     return StackedLinearWeight(weight, weight_scale, weight_scale_2, channels, residual, residual_scales)

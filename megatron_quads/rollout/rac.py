@@ -13,9 +13,10 @@ the GEMM has one ``alpha`` (per token with per-token activation scales), as a re
 
 ``W_S`` are the columns S of the same quantized weight the trainer's fake quant produces, gathered
 in ascending channel order and re-blocked into 1x16 NVFP4 blocks along the gathered dimension with
-the weight's global scale (:func:`reblock_columns`). Whole aligned blocks of 16 are copied exactly
-(so S = all channels gives W_S = q(W) byte for byte); other gathered columns share a new block scale,
-which rounds some of them (docs/format.md quantifies it; it only touches the small residual term).
+the weight's global scale (:func:`megatron_quads.nvfp4.reblock.reblock_columns`). Whole aligned
+blocks of 16 are copied exactly (so S = all channels gives W_S = q(W) byte for byte); other gathered
+columns share a new block scale, which rounds some of them (docs/format.md quantifies it; it only
+touches the small residual term).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 
 from megatron_quads.nvfp4 import BLOCK_SIZE, NVFP4Tensor, quantize
 from megatron_quads.nvfp4.backend import use_kernels
+from megatron_quads.rollout.quantized_linear import as_residual_channels
 from megatron_quads.rollout.w4a4 import (
     ActivationScale,
     activation_amax,
@@ -33,7 +35,6 @@ from megatron_quads.rollout.w4a4 import (
     block_values,
     nvfp4_gemm,
 )
-from megatron_quads.rollout.weights import as_residual_channels, reblock_residual
 
 DEFAULT_RATIO = 0.125
 """Default fraction of input channels given a residual pass (12.5%: ~12.5% more FLOPs and bytes)."""
@@ -69,22 +70,6 @@ def select_channels(scores: torch.Tensor, ratio: float = DEFAULT_RATIO) -> torch
 def validate_channels(channels: torch.Tensor, in_features: int) -> None:
     """Raise a clear error unless ``channels`` is a valid residual channel set for K = in_features."""
     as_residual_channels(channels, in_features)
-
-
-def reblock_columns(weight: NVFP4Tensor, channels: torch.Tensor) -> NVFP4Tensor:
-    """``W_S`` for ``channels`` as an NVFP4 tensor sharing ``weight``'s ``weight_scale_2``.
-
-    Built by :func:`megatron_quads.rollout.weights.reblock_residual` from the stored fields only:
-    whole aligned blocks are copied, the rest re-quantized with the weight's global scale.
-    """
-    codes, scales = reblock_residual(weight, channels)
-    return NVFP4Tensor(
-        codes=codes,
-        scales=scales,
-        weight_scale_2=weight.weight_scale_2,
-        shape=torch.Size((weight.shape[0], channels.numel())),
-        dtype=weight.dtype,
-    )
 
 
 def rac_operands(

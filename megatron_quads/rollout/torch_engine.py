@@ -21,15 +21,16 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from megatron_quads.nvfp4 import NVFP4Tensor, quantize
+from megatron_quads.nvfp4.reblock import reblock_columns
 from megatron_quads.precision import Precision
 from megatron_quads.rollout.calibration import ChannelStats, RacCalibrator
 from megatron_quads.rollout.engine import Generation, SamplingParams
 from megatron_quads.rollout.grouped_experts import GroupedExperts, GroupedProjection
 from megatron_quads.rollout.hf_experts import split_experts
+from megatron_quads.rollout.model_weights import QuantizedModelWeights
 from megatron_quads.rollout.precision import LinearState, QuantizedLinear
-from megatron_quads.rollout.rac import DEFAULT_RATIO, ChannelStatistic, reblock_columns
+from megatron_quads.rollout.rac import DEFAULT_RATIO, ChannelStatistic
 from megatron_quads.rollout.routing import RoutingRecorder, SequenceRouting, recording
-from megatron_quads.rollout.weights import QuantizedModelWeights
 
 _CKPT_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)$")
 _ENGINE_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up|down)\.(\d+)$")

@@ -25,14 +25,10 @@ import torch
 from megatron_quads.precision import Precision
 from megatron_quads.rollout import checkpoint_format as fmt
 from megatron_quads.rollout.calibration import ChannelStats, RacCalibrator, pool_stats
+from megatron_quads.rollout.model_weights import QuantizedModelWeights
+from megatron_quads.rollout.quantized_linear import QuantizedLinearWeight
 from megatron_quads.rollout.rac import ChannelStatistic, select_channels
-from megatron_quads.rollout.weights import (
-    QuantizedLinearWeight,
-    QuantizedModelWeights,
-    is_attention_linear,
-    routed_expert_scope,
-    shared_scale_group,
-)
+from megatron_quads.rollout.scopes import is_attention_linear, routed_expert_scope, shared_scale_group
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,9 @@ A sender's payload is one ``{name: tensor}`` dict:
 
 :func:`encode_wire` builds a payload from the trainer's export; :func:`decode_wire` turns the union
 of every sender's payloads into what engines load (BF16 tensors by HF name, or a
-:class:`~megatron_quads.rollout.weights.QuantizedModelWeights` whose expert linears are views of the
-stacks, which it keeps as ``expert_stacks`` for engines that hold experts stacked). Neither reads a value on the host per tensor: each checks its values once per payload.
+:class:`~megatron_quads.rollout.model_weights.QuantizedModelWeights` whose expert linears are views
+of the stacks, which it keeps as ``expert_stacks`` for engines that hold experts stacked). Neither
+reads a value on the host per tensor: each checks its values once per payload.
 """
 
 from __future__ import annotations
@@ -32,14 +33,11 @@ from megatron_quads.rollout.expert_stacks import (
     check_stack_fields,
     rebuild_residual,
 )
+from megatron_quads.rollout.model_weights import LazyLinears, QuantizedModelWeights
+from megatron_quads.rollout.quant_config import make_quant_config
+from megatron_quads.rollout.quantized_linear import QuantizedLinearWeight
+from megatron_quads.rollout.scopes import excluded_modules
 from megatron_quads.rollout.stored_scales import invalid_block_scales, invalid_decode_scales
-from megatron_quads.rollout.weights import (
-    LazyLinears,
-    QuantizedLinearWeight,
-    QuantizedModelWeights,
-    excluded_modules,
-    make_quant_config,
-)
 
 PROJECTIONS = ("gate_up_proj", "down_proj")
 _LINEARS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}

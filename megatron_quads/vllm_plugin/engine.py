@@ -34,13 +34,11 @@ import torch
 from megatron_quads.precision import Precision
 from megatron_quads.rollout.checkpoint_format import MODEL_CONFIG_FILE, write_checkpoint
 from megatron_quads.rollout.engine import Generation, SamplingParams
+from megatron_quads.rollout.model_weights import QuantizedModelWeights
+from megatron_quads.rollout.quantize_model import quantize_hf_weights
+from megatron_quads.rollout.quantized_checkpoint import save_quantized_weights
 from megatron_quads.rollout.rac import ChannelStatistic
-from megatron_quads.rollout.weights import (
-    QuantizedModelWeights,
-    quantize_hf_weights,
-    routed_expert_scope,
-    save_quantized_weights,
-)
+from megatron_quads.rollout.scopes import routed_expert_scope
 from megatron_quads.vllm_plugin.versions import vllm_cudagraph_mode
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}

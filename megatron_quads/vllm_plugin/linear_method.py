@@ -50,10 +50,11 @@ from vllm.model_executor.layers.linear import LinearMethodBase
 from vllm.model_executor.utils import set_weight_attrs
 
 from megatron_quads.nvfp4 import BLOCK_SIZE, NVFP4Tensor
+from megatron_quads.nvfp4.reblock import reblock_columns
 from megatron_quads.precision import Precision
 from megatron_quads.rollout.calibration import ChannelStats, select_from_stats
 from megatron_quads.rollout.precision import LinearState, linear_output
-from megatron_quads.rollout.rac import ChannelStatistic, reblock_columns, validate_channels
+from megatron_quads.rollout.rac import ChannelStatistic, validate_channels
 from megatron_quads.vllm_plugin.fp4_gemm import AugmentedWeight, fp4_gemm_supported, fp4_linear
 from megatron_quads.vllm_plugin.scale_checks import ScaleChecks
 from megatron_quads.vllm_plugin.serving import ServingConfig

@@ -42,13 +42,14 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from megatron_quads.nvfp4 import BLOCK_SIZE, NVFP4Tensor
 from megatron_quads.nvfp4.backend import use_kernels
+from megatron_quads.nvfp4.reblock import reblock_columns
 from megatron_quads.nvfp4.stacked import expert_weight
 from megatron_quads.precision import Precision
 from megatron_quads.rollout.calibration import ChannelStats, select_from_stats
 from megatron_quads.rollout.grouped import combine_routed_rows, route_by_expert
 from megatron_quads.rollout.grouped_experts import GroupedExperts, GroupedProjection
 from megatron_quads.rollout.precision import LinearState, linear_output
-from megatron_quads.rollout.rac import ChannelStatistic, reblock_columns, validate_channels
+from megatron_quads.rollout.rac import ChannelStatistic, validate_channels
 from megatron_quads.vllm_plugin.fp4_gemm import AugmentedWeight, fp4_gemm_supported, fp4_linear
 from megatron_quads.vllm_plugin.serving import ServingConfig
 

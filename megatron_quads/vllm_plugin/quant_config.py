@@ -31,7 +31,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
 
 from megatron_quads.rollout.checkpoint_format import QUANT_CONFIG_FILE, check_quant_configs_agree
-from megatron_quads.rollout.weights import require_finite_unquantized_files
+from megatron_quads.rollout.quantized_checkpoint import require_finite_unquantized_files
 from megatron_quads.vllm_plugin.serving import QUANT_NAME, ServingConfig, is_modelopt_nvfp4, serving_config
 
 

@@ -1,5 +1,5 @@
 """Triton ``W_S`` re-blocking of stacked expert weights, byte for byte the reference
-(:func:`megatron_quads.rollout.expert_stacks.reblock_residual_stack`).
+(:mod:`megatron_quads.nvfp4.reblock`, which dispatches here on CUDA).
 
 For each expert ``e``, each of its sorted channel sets' 16-channel blocks and a tile of rows, one
 program gathers the channels' codes and block scales from ``q(W)``, rebuilds their fp32 values as
@@ -73,7 +73,7 @@ def _reblock_kernel(codes_ptr, scales_ptr, ws2_ptr, amax_ptr, ch_ptr, out_codes_
              mask=row_mask[:, None] & block_mask[None, :])
 
 
-def reblock_residual_kernel(
+def reblock_columns_kernel(
     codes: torch.Tensor, scales: torch.Tensor, weight_scale_2: torch.Tensor, amax: torch.Tensor, channels: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``W_S`` ``(codes uint8 [n, N, |S|/2], scales e4m3 [n, N, |S|/16])`` of a stacked NVFP4 weight
