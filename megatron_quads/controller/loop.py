@@ -65,11 +65,11 @@ def train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts, stop: StopSign
             mismatch = trainer_logprobs(trainers, batch, reference=kl)               # rollout vs trainer log-probs
             clock.lap("logprobs")
             with stop.deferring():  # from the update on, a stop signal waits for the step's end
-                train = policy_updates(cfg, trainers, batch, step)                   # policy update(s)
+                updates = policy_updates(cfg, trainers, batch, step)                 # policy update(s)
                 clock.lap("train")
                 record = records.log_step(step_record(
                     step, rewards=rewards, mask=batch["mask"], skipped_prompts=drawn.skipped, mismatch=mismatch,
-                    train=train, clock=clock, calibration=calibration, sync=sync, restarts=rollouts.restarts,
+                    train=updates, clock=clock, calibration=calibration, sync=sync, restarts=rollouts.restarts,
                     freed_bytes=freed))                                              # metrics, collapse warning
                 checkpoints.finished(step + 1, stream)
                 if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0:
