@@ -148,7 +148,7 @@ def main() -> None:
             write_text_atomic(profile_markdown_path(args.out, profile), markdown(record))
         return
 
-    from megatron_quads.trainer.cpu_compat import find_free_port
+    from megatron_quads.trainer.rendezvous import find_free_port
     from megatron_quads.trainer.distributed import init_trainer_distributed
     from megatron_quads.trainer.model import ParallelConfig
 

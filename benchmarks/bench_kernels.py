@@ -359,7 +359,9 @@ def _routed_cases(quick: bool):
     for proj, (n, k) in QWEN3_EXPERT_SHAPES.items():
         w, qw = _weight(n, k, experts)
         w_t = w.transpose(1, 2)  # [E, K, N] column-major view, what grouped_mm's B expects
-        for tokens in (64, 512) if quick else (64, 128, 256, 512):
+        from megatron_quads.kernels.dispatch import X_ORDER_MIN_ROWS_PER_EXPERT
+
+    for tokens in (64, 512) if quick else (8, 32, 64, 128, 256, 512):
             counts = _routing(tokens, experts, topk)
             offsets = expert_offsets_from_counts(counts)
             yield proj, w_t, qw, tokens, counts, offsets, torch.randn(tokens * topk, k, device=DEV, dtype=torch.bfloat16)
@@ -557,7 +559,9 @@ def bench_moe_layer(bandwidth: float, quick: bool) -> list[dict]:
     layer = GroupedExperts(GroupedProjection(Precision("aqat"), _weight(2 * ffn, hidden, experts)[1]),
                            GroupedProjection(Precision("aqat"), _weight(hidden, ffn, experts)[1]))
     silu = torch.nn.functional.silu
-    for tokens in (64, 512) if quick else (64, 128, 256, 512):
+    from megatron_quads.kernels.dispatch import X_ORDER_MIN_ROWS_PER_EXPERT
+
+    for tokens in (64, 512) if quick else (8, 32, 64, 128, 256, 512):
         x = torch.randn(tokens, hidden, device=DEV, dtype=torch.bfloat16)
         top_k_index = torch.rand(tokens, experts, device=DEV).topk(topk, dim=1).indices
         top_k_weights = torch.rand(tokens, topk, device=DEV)
@@ -570,6 +574,9 @@ def bench_moe_layer(bandwidth: float, quick: bool) -> list[dict]:
         ordered = time_graph(lambda: layer(x, top_k_index, top_k_weights, silu))
         natural = time_graph(lambda: spelled_out(False, False, None))
         triton_only = time_graph(lambda: spelled_out(x_order, down_order, "triton"))
+        # K order forced whatever the rows per expert: what the layer would cost below its threshold
+        forced_down = layer._down_input_in_kernel_order(x, X_ORDER_MIN_ROWS_PER_EXPERT)
+        kernel_order = time_graph(lambda: spelled_out(True, forced_down, None))
         active = int(torch.unique(top_k_index).numel())
         # the active experts' FP4 weights and scales; bf16 activations of both GEMMs: gate/up reads
         # hidden and writes 2 ffn values a routed row, down reads ffn and writes hidden
@@ -577,6 +584,7 @@ def bench_moe_layer(bandwidth: float, quick: bool) -> list[dict]:
         rows.append(row(f"moe layer aqat tokens={tokens} (gate/up + down, {active} experts)", ordered, nbytes,
                         2 * routed * 3 * hidden * ffn, bandwidth, natural_order_us=round(natural, 2),
                         triton_grouped_us=round(triton_only, 2), kernel_order_gain=round(natural / ordered - 1, 3),
+                        kernel_order_forced_us=round(kernel_order, 2),
                         down_in_kernel_order=down_order))
     return rows
 

@@ -21,12 +21,14 @@ its own ``--out`` and ``--results``; they are recorded in ``<results>/grid.json`
 ``analyze`` runs ``megatron-quads analyze`` on runs' final checkpoints over the task's held-out
 problems with their answers (the gap split into weight and activation error per layer, and AQAT
 against W4A4 + RAC at each ratio) into
-``benchmarks/results/study/analysis/``.
+``benchmarks/results/study/analysis/<run>.{json,png}``.
 
 ``report`` writes ``benchmarks/results/<results folder>.md`` (``study.md`` by default: per mode and
 correction, means over seeds: reward, held-out pass@1, max and mean |Δlogp| and k3 KL over the last
 steps; whether and when the reward collapsed; the early warning's lead and false alarms; the RAC
-ratio sweep of the max gap; the grid's overrides) and ``<results folder>_curves.png`` beside it.
+ratio sweep of the max gap; the grid's overrides) and ``<results folder>_curves.png`` beside it, and
+draws each analysis's plot ``analysis/<run>.png`` from its ``analysis/<run>.json`` (git keeps the
+JSON only).
 """
 
 from __future__ import annotations
@@ -436,6 +438,21 @@ def report(args: argparse.Namespace) -> None:
     write_text_atomic(report_path, text)
     plot_curves(runs, curves_path)
     print(f"wrote {report_path} and {curves_path}")
+    for plot_path in plot_analyses(args.results):
+        print(f"wrote {plot_path}")
+
+
+def plot_analyses(results: Path) -> list[Path]:
+    """Draw ``analysis/<run>.png`` from each ``analysis/<run>.json`` of ``results`` (what
+    ``megatron-quads analyze`` plots beside its JSON); returns the plots written."""
+    documents = sorted((results / "analysis").glob("*.json"))
+    if not documents:
+        return []
+    from megatron_quads.analyze import plot
+
+    for document in documents:
+        plot(json.loads(document.read_text()), document.with_suffix(".png"))
+    return [document.with_suffix(".png") for document in documents]
 
 
 def main() -> None:

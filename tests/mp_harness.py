@@ -43,7 +43,7 @@ def spawn(job: Callable, nprocs: int, out_dir: Path, timeout_s: float) -> dict:
     """Run ``job`` on ``nprocs`` spawned ranks; returns every rank's results and any error."""
     import torch.multiprocessing as mp
 
-    from megatron_quads.trainer.cpu_compat import find_free_port
+    from megatron_quads.trainer.rendezvous import find_free_port
 
     port = find_free_port()
     error = None

@@ -97,6 +97,10 @@ def test_hf_to_megatron_tp2_ep2_and_back_is_bit_identical(converted: dict[str, P
                 "num_experts", "num_experts_per_tok", "moe_intermediate_size", "vocab_size"):
         assert getattr(reloaded, key) == getattr(original, key), key
     assert reloaded.rope_parameters["rope_theta"] == original.rope_parameters["rope_theta"]
+    # config.json comes back in the source's (transformers 5) form, key for key
+    written, source_config = (json.loads((d / "config.json").read_text()) for d in (out, converted[shape]))
+    assert "num_local_experts" in source_config and "rope_parameters" in source_config
+    assert written == source_config and list(written) == list(source_config)
     verify_manifest(out)
 
 

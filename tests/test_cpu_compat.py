@@ -710,23 +710,3 @@ def test_parallel_layout_matches_reference_bf16(two_proc, check):
         assert r["params_changed"] == r["params"]
         assert r["loss_max_diff"] <= BF16_LOSS_TOL
         assert r["grad_norm_rel_diff"] <= BF16_GNORM_RTOL
-
-
-def test_free_ports_come_from_below_the_ephemeral_range(monkeypatch):
-    """A rendezvous port is picked where outgoing connections cannot take it meanwhile, and is free;
-    with no room below the range the kernel picks one."""
-    import socket
-
-    monkeypatch.setattr(cpu_compat, "_ephemeral_port_range", lambda: (40000, 60999))
-    ports = {cpu_compat.find_free_port() for _ in range(8)}
-    assert all(10000 <= p < 40000 for p in ports) and len(ports) > 1
-    for port in ports:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("127.0.0.1", port))
-    monkeypatch.setattr(cpu_compat, "_ephemeral_port_range", lambda: (1024, 60999))
-    assert cpu_compat.find_free_port() >= 1024
-
-
-def test_the_ephemeral_range_is_read():
-    low, high = cpu_compat._ephemeral_port_range()
-    assert 1024 <= low < high <= 65535

@@ -1,5 +1,6 @@
 """The package's layer rule (docs/architecture.md), read from the source: every ``import`` of every
-module, those inside functions included, is checked against the layers it may reach."""
+module, those inside functions included, is checked against the layers it may reach, and the modules'
+imports form no cycle."""
 
 from __future__ import annotations
 
@@ -53,13 +54,28 @@ def _layer(module: str) -> str:
     return parts[1] if len(parts) > 1 else "<package>"
 
 
-def _imports(path: Path, module: str) -> list[tuple[str, int, bool]]:
-    """``(imported module, line, at module level)`` for every import in ``path``."""
+def _type_checking_nodes(tree: ast.Module) -> set[int]:
+    """Ids of the nodes under ``if TYPE_CHECKING:`` (never run, so no import there can close a cycle)."""
+    inside = set()
+    for node in ast.walk(tree):
+        test = getattr(node, "test", None) if isinstance(node, ast.If) else None
+        if (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+                isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"):
+            inside.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return inside
+
+
+def _imports(path: Path, module: str, runtime_only: bool = False) -> list[tuple[str, int, bool]]:
+    """``(imported module, line, at module level)`` for every import in ``path`` (with
+    ``runtime_only``, those under ``if TYPE_CHECKING:`` left out)."""
     tree = ast.parse(path.read_text(), str(path))
     top_level = {id(node) for node in tree.body}
+    skipped = _type_checking_nodes(tree) if runtime_only else set()
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found = []
     for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -104,10 +120,22 @@ def test_no_module_imports_a_layer_above_it() -> None:
     assert not broken, "layer rule broken:\n" + "\n".join(broken)
 
 
-def test_module_level_imports_have_no_cycle() -> None:
-    modules = _modules()
-    graph = {m: {t for n, _, top in _imports(p, m) if top and (t := _resolve(n, modules)) and t != m}
-             for m, p in modules.items()}
+def _import_graph(modules: dict[str, Path], module_level_only: bool) -> dict[str, dict[str, int]]:
+    """Module -> {package module it imports: the line of the first such import}; function-level
+    imports included unless ``module_level_only``, those under ``if TYPE_CHECKING:`` never."""
+    graph: dict[str, dict[str, int]] = {}
+    for module, path in modules.items():
+        edges: dict[str, int] = {}
+        for name, line, top in _imports(path, module, runtime_only=True):
+            target = _resolve(name, modules)
+            if target and target != module and (top or not module_level_only):
+                edges.setdefault(target, line)
+        graph[module] = edges
+    return graph
+
+
+def _find_cycle(graph: dict[str, dict[str, int]]) -> list[str] | None:
+    """One cycle of ``graph`` as ``[m0, m1, ..., m0]``, or None (depth-first, in sorted order)."""
     state: dict[str, int] = {}
     stack: list[str] = []
 
@@ -125,7 +153,43 @@ def test_module_level_imports_have_no_cycle() -> None:
 
     for m in sorted(graph):
         if m not in state and (cycle := visit(m)):
-            pytest.fail("import cycle: " + " -> ".join(cycle))
+            return cycle
+    return None
+
+
+def _describe_cycle(cycle: list[str], graph: dict[str, dict[str, int]]) -> str:
+    return " -> ".join(f"{a} (line {graph[a][b]})" for a, b in zip(cycle, cycle[1:])) + f" -> {cycle[-1]}"
+
+
+def test_module_level_imports_have_no_cycle() -> None:
+    graph = _import_graph(_modules(), module_level_only=True)
+    if cycle := _find_cycle(graph):
+        pytest.fail("import cycle: " + _describe_cycle(cycle, graph))
+
+
+def test_imports_have_no_cycle_counting_those_inside_functions() -> None:
+    """A lazy import (kept for start-up cost: torch, Triton, vLLM, Megatron) must not close a cycle
+    either: the piece two modules share belongs in a module both import."""
+    graph = _import_graph(_modules(), module_level_only=False)
+    if cycle := _find_cycle(graph):
+        pytest.fail("import cycle (function-level imports included): " + _describe_cycle(cycle, graph))
+
+
+def test_the_checker_sees_a_cycle_closed_inside_a_function(tmp_path: Path) -> None:
+    """A cycle closed by a function-level import is found; one closed under TYPE_CHECKING is not."""
+    layer = tmp_path / "megatron_quads" / "nvfp4"
+    layer.mkdir(parents=True)
+    (layer / "a.py").write_text("from megatron_quads.nvfp4.b import g\n")
+    (layer / "b.py").write_text("def g():\n    from megatron_quads.nvfp4 import a\n")
+    (layer / "c.py").write_text("from megatron_quads.nvfp4.d import h\n")
+    (layer / "d.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                "    from megatron_quads.nvfp4.c import k\n")
+    modules = {f"megatron_quads.nvfp4.{p.stem}": p for p in layer.glob("*.py")}
+    graph = _import_graph(modules, module_level_only=False)
+    assert _find_cycle(graph) == ["megatron_quads.nvfp4.a", "megatron_quads.nvfp4.b", "megatron_quads.nvfp4.a"]
+    assert _find_cycle(_import_graph(modules, module_level_only=True)) is None
+    del modules["megatron_quads.nvfp4.b"], modules["megatron_quads.nvfp4.a"]
+    assert _find_cycle(_import_graph(modules, module_level_only=False)) is None
 
 
 def test_the_checker_sees_a_broken_rule(tmp_path: Path) -> None:

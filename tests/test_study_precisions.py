@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -95,6 +96,20 @@ def test_the_analysis_section_lists_each_layers_errors_and_the_rac_pairs(tmp_pat
     assert "| aqat vs quads@0.5 (output_error) | 1.800 | 0.1800 | 1.80e-02 |" in text and "activation_magnitude" not in text
     # the summary row: layer means, weights alone (bf16 vs w4a16), activations alone (aqat vs w4a4), RAC by ratio
     assert "| naive-nvfp4.seed0.none | 0.0450 | 0.0250 | 0.3000 | 0.3500 | 0.1800 |" in text
+
+
+def test_the_report_draws_each_analysis_plot_from_its_kept_json(tmp_path: Path) -> None:
+    """The analysis plots are not kept in git: ``report`` draws them from the JSON that is."""
+    from study_precisions import plot_analyses
+
+    kept = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "study" / "analysis"
+    (tmp_path / "analysis").mkdir()
+    for name in ("aqat.seed0.none.json", "quads-0.25.seed0.none.json"):
+        shutil.copy(kept / name, tmp_path / "analysis" / name)
+    written = plot_analyses(tmp_path)
+    assert sorted(p.name for p in written) == ["aqat.seed0.none.png", "quads-0.25.seed0.none.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 10_000 for p in written)
+    assert plot_analyses(tmp_path / "no_such_grid") == []
 
 
 def test_the_warning_sweep_counts_warnings_before_collapses_and_false_alarms() -> None:

@@ -60,7 +60,7 @@ class TrainerWorker:
         """(this node's IP address, a free TCP port on it) for the process group's rendezvous."""
         import ray
 
-        from megatron_quads.trainer.cpu_compat import find_free_port
+        from megatron_quads.trainer.rendezvous import find_free_port
 
         address = ray.util.get_node_ip_address()
         return address, find_free_port(address)

@@ -29,6 +29,7 @@ from megatron_quads.manifest import write_manifest
 from megatron_quads.rollout import checkpoint_format as fmt
 from megatron_quads.trainer.hf_config import hf_config_from_policy
 from megatron_quads.trainer.model import ParallelConfig, PolicyModelConfig, save_model_config
+from megatron_quads.trainer.rendezvous import find_free_port
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +67,6 @@ def hf_to_megatron(
     """A Megatron dist checkpoint of the HF model in ``hf_dir``, saved in layout ``parallel``, with
     ``model_config.json`` (what training reads) and the source's config and tokenizer in ``hf_base/``.
     A source tensor holding NaN or Inf stops it, naming the tensor, unless ``allow_nonfinite``."""
-    from megatron_quads.trainer.cpu_compat import find_free_port
-
     hf_dir = Path(hf_dir)
     with HfCheckpoint(hf_dir) as hf:
         hf.check()
@@ -94,8 +93,6 @@ def reshard(
     """The model weights of dist checkpoint ``checkpoint`` saved again in layout ``parallel``
     (optimizer and RNG state are not carried over). A tensor holding NaN or Inf stops it, naming the
     tensor, unless ``allow_nonfinite``."""
-    from megatron_quads.trainer.cpu_compat import find_free_port
-
     source = MegatronCheckpoint(checkpoint, model)
     check_layout(source.model, parallel)
     with atomic_directory(out, overwrite) as tmp:

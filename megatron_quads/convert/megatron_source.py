@@ -29,6 +29,7 @@ from megatron_quads.convert.names import (
 from megatron_quads.megatron_lm.checkpoint import megatron_lm_model_config
 from megatron_quads.trainer.checkpoint_audit import audit_dist_checkpoint, load_dist_checkpoint, load_dist_tensors_metadata
 from megatron_quads.trainer.model import PolicyModelConfig, load_model_config
+from megatron_quads.trainer.rendezvous import find_free_port
 from megatron_quads.trainer.settings import DIST_METADATA, dist_checkpoint_dir
 
 
@@ -38,8 +39,6 @@ def single_process_group() -> Iterator[None]:
     if dist.is_initialized():
         yield
         return
-    from megatron_quads.trainer.cpu_compat import find_free_port
-
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{find_free_port()}", world_size=1, rank=0,
         timeout=datetime.timedelta(seconds=600),

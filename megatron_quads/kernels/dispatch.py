@@ -64,6 +64,10 @@ X_ORDER_MIN_ROWS_PER_EXPERT = 16
 the reordering of the tokens' rows costs less than the kernel saves; at a few rows an expert it is a
 loss (``benchmarks/bench_kernels.py --only grouped``)."""
 
+X_ORDER_BLOCK_K = 128
+"""BLOCK_K of the grouped kernels' ``x_mma_order`` path (the K order depends on it), and the block of
+their ``y_mma_order`` output: the layout :func:`x_order_block` hands out and the kernels take."""
+
 _WS_DENSE_STEP = 256
 """K step of the warp-specialized dense kernel (two 128-column K-order blocks)."""
 
@@ -200,6 +204,4 @@ def x_order_block(kernels_run: bool, dtype: torch.dtype, rows_per_expert: float,
     :data:`X_ORDER_MIN_ROWS_PER_EXPERT` mean routed rows per expert and ``k`` a multiple of the block."""
     if not kernels_run or dtype != torch.bfloat16 or rows_per_expert < X_ORDER_MIN_ROWS_PER_EXPERT:
         return None
-    from megatron_quads.kernels.w4a16 import X_ORDER_BLOCK_K
-
     return X_ORDER_BLOCK_K if k % X_ORDER_BLOCK_K == 0 else None

@@ -32,7 +32,12 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_quads.kernels.dispatch import gluon_module, resolve_dense_w4a16, resolve_grouped_w4a16
+from megatron_quads.kernels.dispatch import (
+    X_ORDER_BLOCK_K,
+    gluon_module,
+    resolve_dense_w4a16,
+    resolve_grouped_w4a16,
+)
 from megatron_quads.nvfp4.tensor import NVFP4Tensor
 from megatron_quads.nvfp4.triton_codec import INTERPRET, e2m1_to_f32, e4m3_to_f32, round_f32_to
 
@@ -197,9 +202,6 @@ def mma_k_order_x(xt):
     return tl.reshape(xt, (BK, BM))
 
 
-X_ORDER_BLOCK_K = 128
-"""BLOCK_K of the grouped kernel's ``x_mma_order`` path (the K order depends on it), and the block of
-its ``y_mma_order`` output."""
 _X_ORDER_BLOCK = tl.constexpr(X_ORDER_BLOCK_K)
 
 

@@ -44,13 +44,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from megatron_quads.kernels.dispatch import X_ORDER_BLOCK_K
 from megatron_quads.kernels.w4a16 import (
     _DEQUANT_WORD_PTX,
     _OUT_DTYPES,
     _SCALE_HALF_PTX,
     _X_ORDER_BLOCK,
     OPERAND_LOG2_SCALE,
-    X_ORDER_BLOCK_K,
     _grouped_block_m,
     _operands,
     _sm_count,

@@ -39,8 +39,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from megatron_quads.kernels import w4a16 as _triton_w4a16
+from megatron_quads.kernels.dispatch import X_ORDER_BLOCK_K
 from megatron_quads.kernels.w4a16 import (
-    X_ORDER_BLOCK_K,
     _check_out,
     _check_weight_parts,
     _operands,

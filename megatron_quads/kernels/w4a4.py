@@ -44,11 +44,8 @@ from megatron_quads.nvfp4.triton_codec import (
     round_f32_to,
     unpack_e2m1,
 )
-from megatron_quads.kernels.w4a16 import (
-    _X_ORDER_BLOCK,
-    X_ORDER_BLOCK_K,
-    mma_k_order_position,
-)
+from megatron_quads.kernels.dispatch import X_ORDER_BLOCK_K
+from megatron_quads.kernels.w4a16 import _X_ORDER_BLOCK, mma_k_order_position
 from megatron_quads.nvfp4.activation import ActivationScale
 
 # ----------------------------------------------------------------------------------------------
@@ -88,7 +85,7 @@ def _residual_at(x_row, channel, mask, encode_div6, decode, ws2):
 
     Recomputes the scale of the 16-block holding each channel from a gather of that block (cache
     hits), so no program has to read back what it wrote. ``dq = (e2m1 * scale) * ws2``, as in
-    :func:`megatron_quads.nvfp4.quantize.dequantize`; the caller compiles without FMA contraction.
+    :func:`megatron_quads.nvfp4.tensor.dequantize`; the caller compiles without FMA contraction.
     """
     x = tl.load(x_row + channel, mask=mask, other=0.0).to(tl.float32)
     first = (channel // 16) * 16

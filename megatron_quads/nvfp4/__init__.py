@@ -18,20 +18,14 @@ from megatron_quads.nvfp4.format import (
     unpack_codes,
 )
 from megatron_quads.nvfp4.metrics import per_channel_mse, relative_error, sqnr_db
-from megatron_quads.nvfp4.quantize import (
-    compute_global_amax,
-    decode_scale_from_amax,
-    dequantize,
-    global_encode_scale,
-    quantize,
-    quantize_dequantize,
-)
+from megatron_quads.nvfp4.global_scale import compute_global_amax, decode_scale_from_amax, global_encode_scale
+from megatron_quads.nvfp4.quantize import quantize, quantize_dequantize
 from megatron_quads.nvfp4.swizzle import (
     swizzle_scales,
     swizzled_shape,
     unswizzle_scales,
 )
-from megatron_quads.nvfp4.tensor import NVFP4Tensor
+from megatron_quads.nvfp4.tensor import NVFP4Tensor, dequantize
 
 __all__ = [
     "BLOCK_SIZE",

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_quads.nvfp4.quantize import AmaxLike, quantize_dequantize
+from megatron_quads.nvfp4.global_scale import AmaxLike
+from megatron_quads.nvfp4.quantize import quantize_dequantize
 
 
 class _FakeQuantSTE(torch.autograd.Function):

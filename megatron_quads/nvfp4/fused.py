@@ -21,7 +21,7 @@ from megatron_quads.nvfp4.format import (
     magnitude_index,
 )
 from megatron_quads.nvfp4.backend import use_kernels
-from megatron_quads.nvfp4.quantize import decode_scale_from_amax
+from megatron_quads.nvfp4.global_scale import decode_scale_from_amax
 
 
 def _round_to_e2m1_values(v: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Reference NVFP4 quantize / dequantize in plain PyTorch (CPU and CUDA).
+"""Reference NVFP4 quantize in plain PyTorch (CPU and CUDA); decoding is :func:`~megatron_quads.nvfp4.tensor.dequantize`.
 
 The arithmetic follows Transformer Engine's NVFP4 quantizer operation for operation, so codes and
 scale bytes are identical to TE's for every input, rounding ties included (tests/test_nvfp4_golden.py
@@ -9,97 +9,23 @@ from __future__ import annotations
 
 import torch
 
+from megatron_quads.nvfp4.backend import use_kernels
 from megatron_quads.nvfp4.format import (
     BLOCK_SIZE,
     FLOAT32_MAX,
     FP4_MAX,
     FP8_E4M3_MAX,
-    GLOBAL_SCALE_DIVISOR,
-    SUPPORTED_DTYPES,
-    codes_to_values,
     pack_codes,
     round_to_e2m1_codes,
-    unpack_codes,
 )
-from megatron_quads.nvfp4.backend import use_kernels
-from megatron_quads.nvfp4.tensor import NVFP4Tensor
-
-AmaxLike = float | torch.Tensor | None
-
-
-def _shape_str(x: torch.Tensor) -> str:
-    return f"tensor of shape {tuple(x.shape)} and dtype {x.dtype}"
-
-
-def validate_input(x: torch.Tensor, block_size: int = BLOCK_SIZE, block_2d: bool = False) -> None:
-    """Raise a clear error if ``x`` cannot be quantized to NVFP4."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"NVFP4 quantize expects a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(
-            f"NVFP4 quantize got a {_shape_str(x)}; supported dtypes are bfloat16, float16 and "
-            "float32: cast the tensor first"
-        )
-    if block_size != BLOCK_SIZE:
-        raise ValueError(f"NVFP4 uses blocks of {BLOCK_SIZE} elements; block_size={block_size} is not supported")
-    if x.ndim == 0 or x.shape[-1] % block_size:
-        raise ValueError(
-            f"NVFP4 quantize got a {_shape_str(x)}: the last dimension must be a non-zero multiple of "
-            f"the block size {block_size}; pad it or quantize a reshaped view"
-        )
-    if block_2d and x.ndim < 2:
-        raise ValueError(f"2D (16x16) block scaling needs at least 2 dimensions, got a {_shape_str(x)}")
-    if x.numel() and not bool(torch.isfinite(x).all()):
-        n_nan = int(torch.isnan(x).sum())
-        n_inf = int(torch.isinf(x).sum())
-        raise ValueError(
-            f"NVFP4 quantize got a {_shape_str(x)} with {n_nan} NaN and {n_inf} Inf values; "
-            "NVFP4 has no encoding for them: find where they come from upstream"
-        )
-
-
-def compute_global_amax(x: torch.Tensor) -> torch.Tensor:
-    """Per-tensor amax, fp32 0-dim: ``max(|x|)`` over every element."""
-    if x.numel() == 0:
-        return torch.zeros((), dtype=torch.float32, device=x.device)
-    return x.abs().amax().to(torch.float32)
-
-
-def _as_amax_tensor(global_amax: AmaxLike, x: torch.Tensor) -> torch.Tensor:
-    if global_amax is None:
-        return compute_global_amax(x)
-    amax = torch.as_tensor(global_amax, dtype=torch.float32, device=x.device)
-    if not bool(torch.isfinite(amax).all()) or bool((amax < 0).any()):
-        raise ValueError(f"global_amax must be finite and >= 0, got {amax} for a {_shape_str(x)}")
-    try:
-        torch.broadcast_shapes(amax.shape, x.shape[:-1])
-    except RuntimeError as err:
-        raise ValueError(
-            f"global_amax of shape {tuple(amax.shape)} does not broadcast against the leading dims "
-            f"{tuple(x.shape[:-1])} of a {_shape_str(x)}: pass a scalar, or one amax per leading index"
-        ) from err
-    return amax
-
-
-def global_encode_scale(global_amax: torch.Tensor) -> torch.Tensor:
-    """``S_enc = 2688 / amax`` in fp32, capped at FLT_MAX (so amax 0 gives FLT_MAX); 1 where it is 0.
-
-    As in TE, only a zero quotient (amax = inf, which validation rejects) falls back to 1; a zero
-    amax gives FLT_MAX, harmless because every block scale and code of such a tensor is 0.
-    """
-    divisor = torch.tensor(GLOBAL_SCALE_DIVISOR, dtype=torch.float32, device=global_amax.device)
-    encode = torch.clamp(torch.div(divisor, global_amax), max=FLOAT32_MAX)
-    return torch.where(encode == 0, torch.ones_like(encode), encode)
-
-
-def decode_scale_from_amax(global_amax: torch.Tensor) -> torch.Tensor:
-    """``weight_scale_2 = amax / 2688`` in fp32 (the per-tensor decode scale stored in checkpoints).
-
-    A tensor divisor on purpose: CUDA turns division by a Python scalar into multiplication by its
-    rounded reciprocal, which rounds differently from the true quotient that CPU computes.
-    """
-    amax = global_amax.to(torch.float32)
-    return torch.div(amax, torch.full_like(amax, GLOBAL_SCALE_DIVISOR))
+from megatron_quads.nvfp4.global_scale import (
+    AmaxLike,
+    decode_scale_from_amax,
+    global_amax_tensor,
+    global_encode_scale,
+)
+from megatron_quads.nvfp4.tensor import NVFP4Tensor, dequantize
+from megatron_quads.nvfp4.validation import validate_input
 
 
 def _tile_amax_2d(x: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -129,7 +55,7 @@ def quantize(
 
         return quantize_kernel(x, global_amax, block_2d)
     validate_input(x, block_size, block_2d)
-    amax = _as_amax_tensor(global_amax, x)
+    amax = global_amax_tensor(global_amax, x)
     blocks = x.unflatten(-1, (-1, block_size))  # [..., K/16, 16]
 
     if block_2d:
@@ -157,20 +83,6 @@ def quantize(
         global_amax=amax,
         block_2d=block_2d,
     )
-
-
-def dequantize(t: NVFP4Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Dequantize: ``dtype((e2m1 * e4m3_scale) * weight_scale_2)``.
-
-    ``e2m1 * e4m3_scale`` is exact in fp32, so the only roundings are the product with the fp32
-    decode scale and the final cast: the value an FP4 GEMM with fp32 accumulation multiplies with.
-    """
-    out_dtype = t.dtype if dtype is None else dtype
-    values = codes_to_values(unpack_codes(t.codes)).unflatten(-1, (-1, BLOCK_SIZE))
-    block_values = values * t.scales.to(torch.float32).unsqueeze(-1)
-    decode = t.weight_scale_2.to(torch.float32)
-    out = block_values * decode.reshape(decode.shape + (1, 1))
-    return out.flatten(-2).reshape(t.shape).to(out_dtype)
 
 
 def quantize_dequantize(

@@ -28,12 +28,7 @@ import triton
 import triton.language as tl
 
 from megatron_quads.nvfp4.format import BLOCK_SIZE, SUPPORTED_DTYPES
-from megatron_quads.nvfp4.quantize import (
-    AmaxLike,
-    _as_amax_tensor,
-    decode_scale_from_amax,
-    validate_input,
-)
+from megatron_quads.nvfp4.global_scale import AmaxLike, decode_scale_from_amax, global_amax_tensor
 from megatron_quads.nvfp4.tensor import NVFP4Tensor
 from megatron_quads.nvfp4.triton_codec import (
     INTERPRET,
@@ -45,6 +40,7 @@ from megatron_quads.nvfp4.triton_codec import (
     global_scales,
     round_f32_to,
 )
+from megatron_quads.nvfp4.validation import validate_input
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _AMAX_BLOCK = 4096
@@ -834,7 +830,7 @@ def quantize_kernel(
         amax_rows = (amax.reshape(1), 0)
     else:
         if validate:
-            amax = _as_amax_tensor(global_amax, x)
+            amax = global_amax_tensor(global_amax, x)
         else:
             amax = torch.as_tensor(global_amax, dtype=torch.float32, device=x.device)
         amax_rows = _amax_rows(amax, lead)

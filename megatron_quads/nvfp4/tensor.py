@@ -1,10 +1,12 @@
-"""``NVFP4Tensor``: packed E2M1 codes, E4M3 block scales and a per-tensor decode scale."""
+"""``NVFP4Tensor``: packed E2M1 codes, E4M3 block scales and a per-tensor decode scale, and its decoding."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
 import torch
+
+from megatron_quads.nvfp4.format import BLOCK_SIZE, codes_to_values, unpack_codes
 
 
 @dataclass(frozen=True)
@@ -41,8 +43,6 @@ class NVFP4Tensor:
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Dequantize to ``dtype`` (default: the original dtype)."""
-        from megatron_quads.nvfp4.quantize import dequantize
-
         return dequantize(self, dtype)
 
     def to(self, device: torch.device | str) -> NVFP4Tensor:
@@ -59,3 +59,17 @@ class NVFP4Tensor:
     def nbytes(self) -> int:
         """Bytes held by codes, scales and the decode scale."""
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.weight_scale_2))
+
+
+def dequantize(t: NVFP4Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Dequantize: ``dtype((e2m1 * e4m3_scale) * weight_scale_2)``.
+
+    ``e2m1 * e4m3_scale`` is exact in fp32, so the only roundings are the product with the fp32
+    decode scale and the final cast: the value an FP4 GEMM with fp32 accumulation multiplies with.
+    """
+    out_dtype = t.dtype if dtype is None else dtype
+    values = codes_to_values(unpack_codes(t.codes)).unflatten(-1, (-1, BLOCK_SIZE))
+    block_values = values * t.scales.to(torch.float32).unsqueeze(-1)
+    decode = t.weight_scale_2.to(torch.float32)
+    out = block_values * decode.reshape(decode.shape + (1, 1))
+    return out.flatten(-2).reshape(t.shape).to(out_dtype)

@@ -102,13 +102,13 @@ import functools
 import inspect
 import logging
 import os
-import random
-import socket
 import threading
 from typing import Callable, Iterable, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from megatron_quads.trainer.rendezvous import find_free_port
 
 __all__ = [
     "CpuEvent",
@@ -117,7 +117,6 @@ __all__ = [
     "applied_shims",
     "apply_cpu_shims",
     "destroy_distributed_cpu",
-    "find_free_port",
     "init_distributed_cpu",
 ]
 
@@ -373,41 +372,6 @@ def applied_shims() -> list[str]:
 # ----------------------------------------------------------------------------------------------
 # Process groups for tests / CPU runs
 # ----------------------------------------------------------------------------------------------
-_LOWEST_PICKED_PORT = 10000
-
-
-def _ephemeral_port_range() -> tuple[int, int]:
-    """The kernel's range for ports it assigns on its own (Linux; the common default elsewhere)."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low, high = (int(v) for v in f.read().split())
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-def find_free_port(host: str = "127.0.0.1", attempts: int = 64) -> int:
-    """A TCP port that was free on ``host`` a moment ago (for a gloo or NCCL rendezvous).
-
-    Picked at random below the kernel's ephemeral range where there is room: a port from that range
-    can be handed to any outgoing connection (a gloo pair, a Ray worker) between this check and the
-    rendezvous binding it, which failed a CI run with ``EADDRINUSE``. Falls back to a port the
-    kernel assigns."""
-    low, _ = _ephemeral_port_range()
-    rng = random.SystemRandom()
-    for _ in range(attempts if low > _LOWEST_PICKED_PORT else 0):
-        port = rng.randrange(_LOWEST_PICKED_PORT, low)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind((host, port))
-            except OSError:
-                continue
-            return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
 def init_distributed_cpu(
     world_size: int,
     rank: int,

@@ -10,7 +10,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-from megatron_quads.trainer.cpu_compat import find_free_port, init_distributed_cpu
+from megatron_quads.trainer.cpu_compat import init_distributed_cpu
+from megatron_quads.trainer.rendezvous import find_free_port
 from megatron_quads.trainer.model import ParallelConfig
 
 

@@ -7,6 +7,7 @@ no attention bias, no sliding window. Anything else is refused with the field th
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any
 
@@ -97,17 +98,22 @@ def policy_config_from_hf(doc: Mapping[str, Any], max_sequence_length: int | Non
 
 
 def hf_config_from_policy(model: PolicyModelConfig, base: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The ``config.json`` of ``model`` as Qwen3-MoE; ``base`` (e.g. the source model's config) supplies
-    the fields the trainer does not hold (token ids, ...), the architecture fields always come from ``model``."""
+    """The ``config.json`` of ``model`` as Qwen3-MoE.
+
+    With ``base`` (the source model's config), the result is ``base`` in its own form (its key names:
+    ``num_local_experts`` or ``num_experts``, ``rope_parameters`` or ``rope_theta``, ``dtype`` or
+    ``torch_dtype``; its key order; its other fields) with only the architecture fields that read
+    differently from ``model`` rewritten, a missing ``architectures`` added, and ``quantization_config``
+    and a RoPE scaling dropped (the weights written are unquantized, the RoPE is default). Without
+    ``base``, every architecture field is written from ``model``."""
     if model.moe_shared_expert_size:
         raise UnsupportedModelError("Qwen3-MoE has no shared expert: a model with moe_shared_expert_size cannot be exported")
     if not model.qk_layernorm:
         raise UnsupportedModelError("Qwen3-MoE normalises queries and keys: a model without qk_layernorm cannot be exported")
+    if base:
+        return _config_in_base_form(model, base)
     heads = model.num_attention_heads
-    doc = {key: value for key, value in (base or {}).items() if key not in ("quantization_config", "rope_scaling")}
-    doc.pop("num_local_experts", None)
-    doc.pop("torch_dtype", None)
-    doc.update(
+    return dict(
         architectures=list(SUPPORTED_ARCHITECTURES),
         model_type=SUPPORTED_MODEL_TYPES[0],
         vocab_size=model.vocab_size,
@@ -130,7 +136,64 @@ def hf_config_from_policy(model: PolicyModelConfig, base: Mapping[str, Any] | No
         attention_bias=False,
         use_sliding_window=False,
         max_position_embeddings=model.max_sequence_length,
-        dtype="bfloat16" if model.dtype == "bf16" else "float32",
+        dtype=_dtype_name(model),
     )
-    doc.pop("rope_parameters", None)
+
+
+def _dtype_name(model: PolicyModelConfig) -> str:
+    return "bfloat16" if model.dtype == "bf16" else "float32"
+
+
+def _architecture_fields(model: PolicyModelConfig) -> list[tuple[tuple[str, ...], Any, Any]]:
+    """``(the keys that may hold it, first one read first; model's value; what a config without it
+    means)`` for every architecture field but dtype and the RoPE base, as :func:`policy_config_from_hf`
+    reads them."""
+    heads, hidden = model.num_attention_heads, model.hidden_size
+    return [
+        (("architectures",), list(SUPPORTED_ARCHITECTURES), None),
+        (("model_type",), SUPPORTED_MODEL_TYPES[0], None),
+        (("vocab_size",), model.vocab_size, None),
+        (("hidden_size",), hidden, None),
+        (("intermediate_size",), model.ffn_hidden_size, 4 * hidden),
+        (("moe_intermediate_size",), model.moe_ffn_hidden_size, None),
+        (("num_hidden_layers",), model.num_layers, None),
+        (("num_attention_heads",), heads, None),
+        (("num_key_value_heads",), model.num_query_groups or heads, heads),
+        (("head_dim",), model.kv_channels or hidden // heads, hidden // heads),
+        (("num_experts", "num_local_experts"), model.num_experts, None),
+        (("num_experts_per_tok",), model.moe_router_topk, None),
+        (("norm_topk_prob",), model.norm_topk_prob, False),
+        (("rms_norm_eps",), model.rms_norm_eps, 1e-6),
+        (("tie_word_embeddings",), not model.untie_embeddings, False),
+        (("decoder_sparse_step",), 1, 1),
+        (("mlp_only_layers",), [], []),
+        (("hidden_act",), "silu", "silu"),
+        (("attention_bias",), False, False),
+        (("use_sliding_window",), False, False),
+        (("max_position_embeddings",), model.max_sequence_length, 4096),
+    ]
+
+
+def _config_in_base_form(model: PolicyModelConfig, base: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with the fields that read differently from ``model`` rewritten under base's own key."""
+    doc = copy.deepcopy(dict(base))
+    doc.pop("quantization_config", None)
+    if doc.get("rope_scaling") is not None:
+        doc.pop("rope_scaling")
+    for keys, value, default in _architecture_fields(model):
+        key = next((k for k in keys if doc.get(k) is not None), keys[0])
+        if (default if doc.get(key) is None else doc[key]) != value:
+            doc[key] = value
+    dtype_key = next((k for k in ("dtype", "torch_dtype") if doc.get(k) is not None), "dtype")
+    if str(doc.get(dtype_key, "bfloat16")).removeprefix("torch.") != _dtype_name(model):
+        doc[dtype_key] = _dtype_name(model)
+    params = doc.get("rope_parameters")
+    if isinstance(params, dict) and params.get("rope_type", params.get("type", "default")) != "default":
+        del doc["rope_parameters"]  # a scaled RoPE is not the model's
+        params = None
+    if rope_theta(doc) != float(model.rotary_base):
+        if isinstance(params, dict) and params.get("rope_theta") is not None:
+            params["rope_theta"] = float(model.rotary_base)
+        else:
+            doc["rope_theta"] = float(model.rotary_base)
     return doc
