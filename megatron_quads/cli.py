@@ -113,10 +113,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _train(cfg, force_config: bool) -> int:
     """Run ``cfg`` (a validated RunConfig) and turn how it ended into the exit code and its message."""
+    from megatron_quads.controller.failures import TrainerFailure
     from megatron_quads.controller.faults import StorageError
     from megatron_quads.controller.placement import PlacementError
     from megatron_quads.controller.preemption import RunStopped
-    from megatron_quads.controller.run import TrainerFailure, run
+    from megatron_quads.controller.run import run
     from megatron_quads.controller.run_dir import RunDirError
     from megatron_quads.trainer.checkpoint_audit import UnsafeCheckpointError
 

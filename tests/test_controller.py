@@ -146,7 +146,7 @@ def test_prompts_too_long_for_the_model_are_skipped_and_counted(tmp_path: Path, 
     data.write_text("".join(json.dumps({"question": q, "answer": "3"}) + "\n" for q in questions))
     task = {"path": str(data), "prompt_template": "{question}", "answer_format": "raw"}
     options = [f"task.{o}.{k}='{v}'" for o in ("options", "eval_options") for k, v in task.items()]
-    with caplog.at_level("WARNING", logger="megatron_quads.controller.run"):
+    with caplog.at_level("WARNING", logger="megatron_quads.controller"):
         records = _run(tmp_path / "run", "task.kind=qa", *options, "rollout.engine=vllm", "precision.mode=quads",
                        "grpo.steps=2", "checkpoint.every=0", "eval.every=2", "eval.prompts=6")
     assert [r["step"] for r in records] == [0, 1]
@@ -175,7 +175,7 @@ def test_kl_penalty_to_the_starting_policy_under_router_replay(tmp_path: Path) -
 
 def test_engines_generate_concurrently() -> None:
     """Every engine's request is in flight at once: the engines' busy intervals overlap."""
-    from megatron_quads.controller.run import Rollouts
+    from megatron_quads.controller.actor_groups import Rollouts
 
     @ray.remote(num_cpus=0)
     class SlowEngine:
@@ -235,7 +235,7 @@ def test_resumed_run_reproduces_the_uninterrupted_metrics(tmp_path: Path) -> Non
     assert kept == ["step_2", "step_3"]  # checkpoint.keep_last: 2
     assert (split / ".lock").read_text() == ""  # released
 
-    from megatron_quads.controller.run import latest_checkpoint
+    from megatron_quads.controller.checkpoints import latest_checkpoint
 
     cfg = load_config(EXAMPLE, [f"run_dir={tmp_path / 'full'}"])
     assert latest_checkpoint(cfg) == tmp_path / "full" / "checkpoints" / "step_3"
@@ -284,7 +284,7 @@ def _fake_checkpoint(root: Path, step: int, manifest: dict | None = None) -> Pat
 def test_corrupt_or_partial_checkpoints_are_skipped(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Each damaged checkpoint is skipped with a warning naming its bad file; the next older one is used,
     also by the resume hint. A manifest without a file list is used with a warning that it is unverified."""
-    from megatron_quads.controller.run import _resume_hint, latest_checkpoint
+    from megatron_quads.controller.checkpoints import latest_checkpoint, resume_hint
 
     cfg = load_config(EXAMPLE, [f"run_dir={tmp_path}"])
     root = tmp_path / "checkpoints"
@@ -313,13 +313,14 @@ def test_corrupt_or_partial_checkpoints_are_skipped(tmp_path: Path, caplog: pyte
         assert why in caplog.text
     assert str(root / "step_4" / shard) in caplog.text and str(root / "step_8" / shard) in caplog.text
     assert "step_14" not in caplog.text
-    assert f"the last complete checkpoint is {good};" in _resume_hint(cfg)
+    assert f"the last complete checkpoint is {good};" in resume_hint(cfg)
     shutil.rmtree(good)
-    assert _resume_hint(cfg).startswith("no checkpoint verifies")
+    assert resume_hint(cfg).startswith("no checkpoint verifies")
 
 
 def test_a_checkpoint_that_fails_to_load_falls_back_to_the_next_older_then_the_start(tmp_path: Path) -> None:
-    from megatron_quads.controller.run import TrainerFailure, resume_checkpoint
+    from megatron_quads.controller.checkpoints import resume_checkpoint
+    from megatron_quads.controller.failures import TrainerFailure
 
     class FakeTrainers:
         def __init__(self, failing: set[str], died: bool = False) -> None:
@@ -359,7 +360,7 @@ def test_a_vllm_rollout_worker_killed_inside_its_weight_load_is_restarted_and_re
     loads it and the sync completes; the new engine generates. (Deaths while generating, idle and
     before a calibration: the collective-transport test below.)"""
     pytest.importorskip("vllm")
-    from megatron_quads.controller.run import Rollouts, Trainers
+    from megatron_quads.controller.actor_groups import Rollouts, Trainers
     from megatron_quads.controller.workers import RolloutWorker
     from megatron_quads.rollout.engine import SamplingParams
 
@@ -438,7 +439,7 @@ def test_settings_without_effect_are_warned_about(caplog: pytest.LogCaptureFixtu
         "precision.rac_ratio=0.5", "rollout.vllm.max_num_seqs", "grpo.loss.eps_high", "grpo.loss.correction.c_high",
         "checkpoint.every=30", "eval.samples"]
     assert "no checkpoint will be written" in warned[4] and all(w in caplog.text for w in warned)
-    from megatron_quads.controller.run import save_config
+    from megatron_quads.controller.saved_config import save_config
 
     save_config(load_config(EXAMPLE, ["precision.mode=bf16"]), tmp_path / "config.yaml")
     assert config_warnings(load_config(tmp_path / "config.yaml")) == []  # a saved config lists every key
@@ -517,6 +518,7 @@ def test_trainer_errors_are_unwrapped_to_the_rank_s_exception() -> None:
 def test_a_trainer_error_a_resume_would_meet_again_gives_no_resume_command(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     from megatron_quads.controller import run as run_module
+    from megatron_quads.controller.failures import NO_RESUME_NOTE, TrainerFailure
 
     class NoEngines:
         def __init__(self, cfg, slots):
@@ -526,15 +528,15 @@ def test_a_trainer_error_a_resume_would_meet_again_gives_no_resume_command(tmp_p
             pass
 
     def failing_trainers(cfg, slots):
-        raise run_module.TrainerFailure("trainer rank 0 failed: FileNotFoundError: no such checkpoint", rank=0,
-                                        error_type="FileNotFoundError", resumable=False)
+        raise TrainerFailure("trainer rank 0 failed: FileNotFoundError: no such checkpoint", rank=0,
+                             error_type="FileNotFoundError", resumable=False)
 
     monkeypatch.setattr(run_module, "Rollouts", NoEngines)
     monkeypatch.setattr(run_module, "Trainers", failing_trainers)
     cfg = load_config(EXAMPLE, [*FAST, f"run_dir={tmp_path}"])
-    with pytest.raises(run_module.TrainerFailure) as failure:
+    with pytest.raises(TrainerFailure) as failure:
         run_module.run(cfg)
-    assert str(failure.value) == f"trainer rank 0 failed: FileNotFoundError: no such checkpoint\n{run_module.NO_RESUME_NOTE}"
+    assert str(failure.value) == f"trainer rank 0 failed: FileNotFoundError: no such checkpoint\n{NO_RESUME_NOTE}"
     assert "resume with" not in str(failure.value) and failure.value.rank == 0
 
 
@@ -602,7 +604,7 @@ def test_weight_buckets_from_several_senders_are_complete_per_sender() -> None:
 
 def test_out_of_vocabulary_ids_decode_to_an_unparsable_response() -> None:
     from megatron_quads import embedded
-    from megatron_quads.controller.run import decode_response
+    from megatron_quads.controller.rewards import decode_response
 
     tok = embedded.tokenizer()
     ids = tok.encode("19;")
@@ -637,9 +639,11 @@ def test_colocated_placement_shares_bundles_and_runs(tmp_path: Path) -> None:
 
 
 def test_a_trainer_failure_stops_the_run_with_a_resume_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from megatron_quads.controller import run as run_module
+    from megatron_quads.controller.actor_groups import Trainers
+    from megatron_quads.controller.failures import TrainerFailure
+    from megatron_quads.controller.run import run
 
-    original = run_module.Trainers.train_step
+    original = Trainers.train_step
     calls = []
 
     def failing_train_step(self, batch):
@@ -648,17 +652,17 @@ def test_a_trainer_failure_stops_the_run_with_a_resume_command(tmp_path: Path, m
             ray.kill(self.actors[0], no_restart=True)
         return original(self, batch)
 
-    monkeypatch.setattr(run_module.Trainers, "train_step", failing_train_step)
-    with pytest.raises(run_module.TrainerFailure) as failure:
+    monkeypatch.setattr(Trainers, "train_step", failing_train_step)
+    with pytest.raises(TrainerFailure) as failure:
         _run(tmp_path, "grpo.steps=4", "checkpoint.every=2", "precision.mode=aqat")
     message = str(failure.value)
     assert message.startswith("trainer rank 0 died (ActorDiedError: The actor died"), message
     assert failure.value.resumable and failure.value.rank == 0
     assert f"the last complete checkpoint is {tmp_path / 'checkpoints' / 'step_2'}" in message
     assert f"resume with: megatron-quads train {tmp_path / 'config.yaml'}" in message
-    monkeypatch.setattr(run_module.Trainers, "train_step", original)
+    monkeypatch.setattr(Trainers, "train_step", original)
     cfg = load_config(tmp_path / "config.yaml")  # the printed command's config, as written
-    records = [json.loads(line) for line in run_module.run(cfg).read_text().splitlines()]
+    records = [json.loads(line) for line in run(cfg).read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2, 3]
 
 
@@ -751,7 +755,7 @@ def test_the_config_reference_is_current() -> None:
 def test_collective_weight_broadcast_survives_an_engine_restart(tmp_path: Path) -> None:
     """An engine killed while generating, idle before a sync, or before a calibration is restarted,
     re-synced (every broadcast group rebuilt) and the call retried (sleep retries the same way)."""
-    from megatron_quads.controller.run import Rollouts, Trainers
+    from megatron_quads.controller.actor_groups import Rollouts, Trainers
     from megatron_quads.rollout.engine import SamplingParams
 
     cfg = load_config(EXAMPLE, [f"run_dir={tmp_path}", "precision.mode=quads", "rollout.num_workers=2", "rollout.engine=torch",
@@ -792,7 +796,7 @@ def test_expert_parallel_ranks_each_broadcast_their_part_over_their_own_group(tm
     """Trainer EP 2, collective transport: both EP ranks send buckets, each over its own group, and
     the engine greedily generates what an engine synced from the same trainer through the object
     store generates."""
-    from megatron_quads.controller.run import Rollouts, Trainers
+    from megatron_quads.controller.actor_groups import Rollouts, Trainers
     from megatron_quads.controller.workers import start_checkpoint
     from megatron_quads.rollout.engine import SamplingParams
 

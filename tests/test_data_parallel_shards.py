@@ -5,9 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("ray")
-
-from megatron_quads.controller.run import data_parallel_shards  # noqa: E402
+from megatron_quads.controller.batch import data_parallel_shards
 
 
 def _batch(sequences: int) -> dict[str, torch.Tensor]:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_quads.controller.batch import build_batch
 from megatron_quads.precision import Precision
-from megatron_quads.controller.run import build_batch
 from megatron_quads.rollout.routing import routing_batch
 from megatron_quads.rollout.engine import Generation, SamplingParams
 from megatron_quads.rollout.routing import recording

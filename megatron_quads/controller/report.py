@@ -1,13 +1,16 @@
-"""Run outputs a person reads: the progress bar, wandb, and the end-of-run plots."""
+"""Run outputs a person reads: the record files, wandb, and the end-of-run plots."""
 
 from __future__ import annotations
 
 import gzip
 import json
+import time
 from pathlib import Path
 
 from megatron_quads.atomic_io import append_whole, save_figure_atomic
 from megatron_quads.controller.config import RunConfig
+from megatron_quads.controller.run_dir import keep_records_before, start_records
+from megatron_quads.rl.gap_monitor import GapMonitor
 
 
 class MetricsSink:
@@ -42,6 +45,48 @@ class MetricsSink:
         """Flush wandb."""
         if self.wandb_run is not None:
             self.wandb_run.finish()
+
+
+class RunRecords:
+    """The run's records in its directory: a line per step in ``metrics.jsonl`` (with the collapse
+    monitor's trend when ``monitor.enabled``) and a line per evaluation in ``eval.jsonl``; the plot of
+    both (``metrics.png``) at the end.
+
+    A fresh run moves an earlier run's record files aside; a run resumed at step ``resumed_at`` moves
+    aside the lines of the steps it does again, and its monitor continues from the lines it keeps.
+    """
+
+    def __init__(self, cfg: RunConfig, resumed_at: int | None) -> None:
+        run_dir = Path(cfg.run_dir)
+        self.metrics_path, self.eval_path = run_dir / "metrics.jsonl", run_dir / "eval.jsonl"
+        self.plot_path = run_dir / "metrics.png"
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())  # names both record files it moves aside
+        for path in (self.metrics_path, self.eval_path):
+            if resumed_at is None:
+                start_records(path, stamp)
+            else:
+                keep_records_before(path, resumed_at, stamp)
+        self._sink = MetricsSink(cfg, self.metrics_path, self.eval_path)
+        self._monitor = GapMonitor(cfg.monitor) if cfg.monitor.enabled else None
+        if self._monitor is not None:
+            self._monitor.replay(read_records(self.metrics_path))
+
+    def log_step(self, record: dict) -> dict:
+        """Append a step's record, with the monitor's trend added (which warns of a collapse); returns it."""
+        if self._monitor is not None:
+            record.update(self._monitor.update(record))
+        self._sink.log(record)
+        return record
+
+    def log_eval(self, record: dict) -> None:
+        """Append an evaluation's record."""
+        self._sink.log_eval(record)
+
+    def close(self) -> Path:
+        """Flush wandb and plot the run; returns the metrics file."""
+        self._sink.close()
+        plot_run(self.metrics_path, self.plot_path, self.eval_path)
+        return self.metrics_path
 
 
 def read_records(path: Path | None) -> list[dict]:

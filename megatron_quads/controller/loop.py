@@ -1,0 +1,82 @@
+"""The GRPO loop: the algorithm box, one named call per phase. Mechanisms live in the actor groups
+and the workers; tensors in ``batch``, timing and records in ``step_metrics`` and ``report``."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from tqdm import tqdm
+
+from megatron_quads.controller.actor_groups import Rollouts, Trainers
+from megatron_quads.controller.batch import build_batch
+from megatron_quads.controller.checkpoints import Checkpoints, load_policy
+from megatron_quads.controller.config import RunConfig
+from megatron_quads.controller.evaluation import eval_task, evaluate
+from megatron_quads.controller.preemption import StopSignals
+from megatron_quads.controller.prompts import draw_prompts, prompt_limit
+from megatron_quads.controller.report import RunRecords
+from megatron_quads.controller.rewards import response_rewards
+from megatron_quads.controller.sampling import rollout_sampling
+from megatron_quads.controller.step_metrics import PhaseClock, step_record
+from megatron_quads.controller.trainer_phases import policy_updates, trainer_logprobs
+from megatron_quads.controller.training_task import task_and_tokenizer
+from megatron_quads.rl.advantages import group_advantages
+
+logger = logging.getLogger(__name__)
+
+
+def train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts, stop: StopSignals, checkpoints: Checkpoints,
+          force_config: bool = False) -> Path:
+    """GRPO from the starting policy, or from the newest checkpoint that loads, to ``grpo.steps``;
+    returns the metrics file. Each step: sync the weights to the engines (quantized once), refresh
+    the RAC channels, evaluate when due, generate, reward, score under the trainer, update the policy,
+    record, checkpoint when due. A stop signal that comes during the update waits for the step's end.
+    With evaluation on, the final weights are evaluated too."""
+    task, tok = task_and_tokenizer(cfg)
+    stream = task.stream(seed=cfg.seed)
+    held_out = eval_task(cfg) if cfg.eval.every else None
+    resumed_at = load_policy(cfg, trainers, stream, force_config)
+    start = resumed_at or 0
+    records = RunRecords(cfg, resumed_at)
+    checkpoints.resumed_at(start, stream)
+    n, limit, kl = cfg.grpo.responses_per_prompt, prompt_limit(cfg), cfg.grpo.loss.kl_beta > 0
+    release_gpu = cfg.placement.mode == "colocated" and cfg.rollout_on_gpu() and cfg.rollout.release_memory_during_training
+    with tqdm(range(start, cfg.grpo.steps), initial=start, total=cfg.grpo.steps, desc="GRPO", unit="step") as progress:
+        for step in progress:
+            clock = PhaseClock()
+            drawn = draw_prompts(stream, tok, cfg.grpo.prompts_per_step, limit)      # too-long prompts skipped
+            if drawn.skipped:
+                logger.warning("step %d: skipped %d prompt(s) longer than %s", step, drawn.skipped, limit)
+            prompt_ids = [ids for ids in drawn.ids for _ in range(n)]
+            sync = rollouts.sync(trainers, step)                                     # weight sync (quantize once)
+            clock.lap("sync")
+            calibration = rollouts.calibrate(drawn.ids)                              # RAC channel refresh (quads)
+            clock.lap("calibrate")
+            if held_out is not None and step % cfg.eval.every == 0:
+                records.log_eval(evaluate(cfg, rollouts, held_out, tok, step))       # evaluation
+            clock.lap(None)
+            generations = rollouts.generate(prompt_ids, rollout_sampling(cfg, tok, step))
+            freed = rollouts.sleep() if release_gpu else 0                           # colocated: free the GPU
+            clock.lap("generate")
+            rewards = response_rewards(task, tok, drawn.prompts, generations, n)     # reward
+            batch = build_batch(prompt_ids, generations, tok.pad_id, group_advantages(rewards, n, cfg.grpo.advantages))
+            clock.lap("reward")
+            mismatch = trainer_logprobs(trainers, batch, reference=kl)               # rollout vs trainer log-probs
+            clock.lap("logprobs")
+            with stop.deferring():  # from the update on, a stop signal waits for the step's end
+                updates = policy_updates(cfg, trainers, batch, step)                 # policy update(s)
+                clock.lap("train")
+                record = records.log_step(step_record(
+                    step, rewards=rewards, mask=batch["mask"], skipped_prompts=drawn.skipped, mismatch=mismatch,
+                    train=updates, clock=clock, calibration=calibration, sync=sync, restarts=rollouts.restarts,
+                    freed_bytes=freed))                                              # metrics, collapse warning
+                checkpoints.finished(step + 1, stream)
+                if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0:
+                    checkpoints.save()                                               # checkpoint
+            progress.set_postfix(reward=f"{record['reward']:.3f}", gap=f"{record['mismatch/gap_max_abs']:.3f}")
+    if held_out is not None and start < cfg.grpo.steps:  # the final weights
+        rollouts.sync(trainers, cfg.grpo.steps)
+        rollouts.calibrate(rollouts.calibration)
+        records.log_eval(evaluate(cfg, rollouts, held_out, tok, cfg.grpo.steps))
+    return records.close()
