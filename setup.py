@@ -10,6 +10,7 @@ INSTALL_REQUIRES = [
     "psutil",  # megatron dist_checkpointing's async writer hangs without it
     "safetensors>=0.4",
     "pydantic>=2",
+    "scipy>=1.11",  # the gap monitor's Theil-Sen slope
     "omegaconf>=2.3",
     "rich",
     "tqdm",
