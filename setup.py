@@ -7,6 +7,7 @@ INSTALL_REQUIRES = [
     "torch>=2.4",
     "numpy",
     "packaging",
+    "filelock>=4.3",  # the run directory's lock (on_acquired records the holder)
     "psutil",  # megatron dist_checkpointing's async writer hangs without it
     "safetensors>=0.4",
     "pydantic>=2",
