@@ -44,8 +44,7 @@ def check_tokenizer_vocab(cfg: RunConfig) -> None:
     try:
         tok = load_tokenizer(cfg.task.tokenizer)
     except (OSError, ValueError, ImportError) as err:
-        raise ConfigError(f"task.tokenizer {cfg.task.tokenizer}: {' '.join(str(err).split())}; give 'char' or a "
-                          "Hugging Face tokenizer directory") from None
+        raise ConfigError(f"task.tokenizer {cfg.task.tokenizer}: {' '.join(str(err).split())}") from None
     if tok.vocab_size > arch.vocab_size:
         raise ConfigError(f"task.tokenizer {cfg.task.tokenizer} has {tok.vocab_size} tokens but the model's vocab_size "
                           f"is {arch.vocab_size}: ids past the model's embedding cannot be trained; use the model's "
