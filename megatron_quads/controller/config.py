@@ -179,7 +179,9 @@ class CheckpointSection(_Strict):
 class LoggingSection(_Strict):
     """Where metrics go."""
 
-    wandb: Literal["disabled", "offline", "online"] = Field("offline", description="metrics also go to wandb")
+    wandb: Literal["disabled", "offline", "online"] = Field(
+        "offline", description="metrics also go to wandb; online needs wandb credentials (WANDB_API_KEY or `wandb "
+        "login`), else the run is refused before it starts")
     project: str = Field("megatron-quads", description="wandb project")
 
 
