@@ -151,3 +151,20 @@ def test_a_run_with_a_reward_file_logs_its_extra_metric(reward_file: Path, tmp_p
         # the engine stops at <eos> or after 5 tokens; the response text has at most 5 characters
         assert 0.0 <= r["reward/response_chars"] <= 5.0
         assert 0.0 <= r["reward"] <= 1.0
+
+
+def test_an_error_inside_the_function_during_a_run_stops_train_with_exit_1_in_one_line(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from megatron_quads.controller import run as run_module
+
+    def failing_run(cfg, force_config=False):
+        raise RewardFunctionError("reward function compute_score in my_reward.py raised KeyError: 'x' (my_reward.py:3) "
+                                  "on row qa.jsonl, line 7 (prompt '1+2='); fix the function, then run the same "
+                                  "command again")
+
+    monkeypatch.setattr(run_module, "run", failing_run)
+    assert main(["train", str(EXAMPLE), f"run_dir={tmp_path / 'run'}", "logging.wandb=disabled"]) == 1
+    err = capsys.readouterr().err
+    assert " ".join(err.split()).startswith("training stopped: reward function compute_score in my_reward.py raised "
+                                            "KeyError: 'x' (my_reward.py:3) on row qa.jsonl, line 7"), err
+    assert "Traceback" not in err

@@ -157,7 +157,8 @@ class CustomReward:
         try:
             value = self.function(prompt.text, response, row_fields(prompt))
         except Exception as err:  # the user's code: whatever it raises is reported with the row
-            raise self._row_error(prompt, f"raised {type(err).__name__}: {_one_line(err)}{_where_in(Path(self.path), err)}") from err
+            where = _where_in(Path(self.path), err)
+            raise self._row_error(prompt, f"raised {type(err).__name__}: {_one_line(err)}{where}") from err
         try:
             return reward_score(value)
         except TypeError as err:

@@ -61,7 +61,7 @@ def train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts, stop: StopSign
             generations = rollouts.generate(prompt_ids, rollout_sampling(cfg, tok, step))
             freed = rollouts.sleep() if release_gpu else 0                           # colocated: free the GPU
             clock.lap("generate")
-            scored = response_rewards(task, tok, drawn.prompts, generations, n, custom)  # reward (task's or reward.path's)
+            scored = response_rewards(task, tok, drawn.prompts, generations, n, custom)  # reward
             rewards = scored.rewards
             batch = build_batch(prompt_ids, generations, tok.pad_id, group_advantages(rewards, n, cfg.grpo.advantages))
             clock.lap("reward")

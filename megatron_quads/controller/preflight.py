@@ -116,7 +116,7 @@ def check_custom_reward(cfg: RunConfig) -> None:
     try:
         sample = next(run_task(cfg).stream(seed=cfg.seed))
     except (OSError, ValueError, TypeError) as err:
-        raise ConfigError(f"task.options: {' '.join(str(err).split())} (reading the sample row reward.path's "
+        raise ConfigError(f"task.options: {' '.join(str(err).split())} (read for the sample row the reward "
                           "function is tried on)") from None
     check_reward_function(cfg.reward.path, cfg.reward.name, sample)
 
