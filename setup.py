@@ -20,6 +20,7 @@ INSTALL_REQUIRES = [
     "wandb>=0.19",
     # the built-in rollout engine's network (Qwen3-MoE) and Hugging Face tokenizers
     "transformers>=4.51",
+    "datasets>=3",  # task data files (JSONL, JSON, Parquet)
 ]
 
 EXTRAS_REQUIRE = {
