@@ -181,8 +181,10 @@ class TaskSection(_Strict):
 
 
 class DataSection(_Strict):
-    """How a data file's records become prompts (task.kind gsm8k / math / qa; the chat template and the
-    length limit also apply to the arithmetic task)."""
+    """How records become prompts: the data file's fields, the chat template, the prompt-length limit.
+
+    The fields are those of a data file (task.kind gsm8k / math / qa); the chat template and the limit
+    apply to every task."""
 
     prompt_key: str | None = Field(None, description="the record field holding the prompt (default: the task kind's, "
                                    "e.g. question)")
