@@ -1,8 +1,8 @@
 """Prompts and verifiable rewards for GRPO: synthetic arithmetic for the tiny model, GSM8K/MATH
 style problems scored with math-verify, and the tokenizers that go with them.
 
-Importing this package needs only the standard library; math-verify, transformers and pyarrow are
-imported when first used. See docs/tasks.md.
+Importing this package needs only the standard library; math-verify, transformers, datasets and
+pyarrow are imported when first used. See docs/tasks.md.
 """
 
 from __future__ import annotations
