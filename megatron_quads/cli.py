@@ -77,7 +77,8 @@ def load_run_config(path: str | None, overrides: list[str]):
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    """``train``: exit 0 when the run ends, 1 when it stops on a failure (a trainer rank, the storage), 2
+    """``train``: exit 0 when the run ends, 1 when it stops on a failure (a trainer rank, the storage, the
+    reward function), 2
     for a config or run directory it cannot take, 128 + the signal's number when SIGTERM / SIGINT
     stopped it (143 / 130); every stop but a config error names the command that resumes."""
     from megatron_quads.controller.config_file import ConfigError
@@ -113,6 +114,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _train(cfg, force_config: bool) -> int:
     """Run ``cfg`` (a validated RunConfig) and turn how it ended into the exit code and its message."""
+    from megatron_quads.controller.custom_reward import RewardFunctionError
     from megatron_quads.controller.failures import TrainerFailure
     from megatron_quads.controller.faults import StorageError
     from megatron_quads.controller.hf_model import HfConversionError
@@ -128,7 +130,7 @@ def _train(cfg, force_config: bool) -> int:
         # unusable or of another config; a small cluster; a model.checkpoint whose pickles could run code; a
         # model.hf_path that does not convert
         return _fail(str(err), 2)
-    except (TrainerFailure, StorageError) as err:
+    except (TrainerFailure, StorageError, RewardFunctionError) as err:  # RewardFunctionError: names the row
         return _fail(f"training stopped: {err}", 1)
     except RunStopped as err:
         return _fail(str(err), err.exit_code, style="yellow")
@@ -142,19 +144,14 @@ def _fail(message: str, code: int, style: str = "red") -> int:
 
 
 def _parse_bytes(text: str) -> int:
-    """``2GB`` / ``500MB`` / ``123`` -> bytes (decimal units, as Hugging Face's shard sizes)."""
-    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
-    upper = text.strip().upper()
-    for suffix, factor in units.items():
-        if upper.endswith(suffix):
-            try:
-                return int(float(upper[: -len(suffix)]) * factor)
-            except ValueError:
-                break
+    """``2GB`` / ``500MB`` / ``1.5GiB`` / ``123`` -> bytes (``pydantic.ByteSize``: KB, MB, GB, TB are
+    decimal, as Hugging Face's shard sizes; KiB, MiB, GiB, TiB binary; any case)."""
+    from pydantic import ByteSize, TypeAdapter, ValidationError
+
     try:
-        return int(upper)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2GB, 500MB)") from None
+        return int(TypeAdapter(ByteSize).validate_python(text.strip()))
+    except ValidationError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2GB, 500MB, 1GiB)") from None
 
 
 def _parallel(args: argparse.Namespace):

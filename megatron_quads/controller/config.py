@@ -221,8 +221,19 @@ class CheckpointSection(_Strict):
 class LoggingSection(_Strict):
     """Where metrics go."""
 
-    wandb: Literal["disabled", "offline", "online"] = Field("offline", description="metrics also go to wandb")
+    wandb: Literal["disabled", "offline", "online"] = Field(
+        "offline", description="metrics also go to wandb; online needs wandb credentials (WANDB_API_KEY or `wandb "
+        "login`), else the run is refused before it starts")
     project: str = Field("megatron-quads", description="wandb project")
+
+
+class RewardSection(_Strict):
+    """A reward function of the user's own, in place of the task's (as verl's ``custom_reward_function``):
+    ``name(prompt, response, row) -> float | {"score": float, other numeric metrics}`` (docs/rewards.md)."""
+
+    path: str | None = Field(None, description="Python file that defines the reward function; None: the task's own "
+                             "reward")
+    name: str = Field("compute_score", description="the function's name in reward.path")
 
 
 def _numeric(annotation: Any) -> bool:
@@ -281,6 +292,7 @@ class RunConfig(_Strict):
     checkpoint: CheckpointSection = CheckpointSection()
     eval: EvalSection = EvalSection()
     logging: LoggingSection = LoggingSection()
+    reward: RewardSection = Field(RewardSection(), description="a reward function of the user's own (docs/rewards.md)")
     monitor: GapMonitorConfig = Field(GapMonitorConfig(), description="the collapse early warning: the trend of the "
                                       "rollout-vs-trainer gap (monitor/gap_trend) and a logged warning when it rises")
 
@@ -492,6 +504,9 @@ def config_warnings(cfg: RunConfig) -> list[str]:
     if cfg.model.embedded_default and cfg.model.architecture is not None:
         out.append("model.architecture has no effect with model.embedded_default=true (the embedded model's "
                    "architecture is used); set model.embedded_default=false to train it")
+    if cfg.reward.path is None and _changed(cfg.reward, "name"):
+        out.append("reward.name has no effect without reward.path (the file that defines it): the task's own reward "
+                   "scores the responses")
     if cfg.logging.wandb == "disabled" and _changed(cfg.logging, "project"):
         out.append("logging.project has no effect with logging.wandb=disabled")
     return out
@@ -504,12 +519,13 @@ def _has_own_checkpoint(run_dir: str) -> bool:
 
 
 def check_runnable(cfg: RunConfig) -> None:
-    """Raise :class:`ConfigError` for a valid config this release cannot run (checked before any worker
-    starts), its data included (:data:`~megatron_quads.controller.data_checks.DATA_CHECKS`)."""
+    """Raise :class:`ConfigError` for a valid config this release or this machine cannot run (checked before any
+    worker starts), the data it reads (:data:`~megatron_quads.controller.data_checks.DATA_CHECKS`) and the files
+    it names (:data:`~megatron_quads.controller.preflight.PREFLIGHT_CHECKS`) included."""
     from megatron_quads.controller.data_checks import DATA_CHECKS
 
-    for check in DATA_CHECKS:
-        problem = check(cfg)
+    for data_check in DATA_CHECKS:
+        problem = data_check(cfg)
         if problem:
             raise ConfigError(problem)
     if cfg.rollout.engine == "vllm":
@@ -532,6 +548,10 @@ def check_runnable(cfg: RunConfig) -> None:
             raise ConfigError(f"model.checkpoint {start} is not a Megatron dist checkpoint (no metadata.json in it): "
                               "give the directory megatron-quads convert hf-to-megatron or a run's "
                               "checkpoints/step_N/trainer wrote")
+    from megatron_quads.controller.preflight import PREFLIGHT_CHECKS
+
+    for check in PREFLIGHT_CHECKS:  # the tokenizer, wandb's credentials, the reward function
+        check(cfg)
 
 
 def _problem(error: dict) -> str:
