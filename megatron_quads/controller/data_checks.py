@@ -21,11 +21,13 @@ CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 def _file_options(cfg: RunConfig) -> list[tuple[str, Mapping[str, Any]]]:
     """``(config key, options)`` of each data file the run reads: the task's, and its held-out one's
-    when evaluation runs."""
+    when evaluation runs and the file is there (a missing one is the preflight's
+    :func:`~megatron_quads.controller.preflight.check_eval_file`, which names eval.every too)."""
     assert cfg.task is not None
     found = [("task.options", cfg.task.options)]
-    if cfg.eval.every and cfg.task.eval_options is not None:
-        found.append(("task.eval_options", cfg.task.eval_options))
+    held_out = cfg.task.eval_options
+    if cfg.eval.every and held_out is not None and Path(str(held_out.get("path", ""))).expanduser().is_file():
+        found.append(("task.eval_options", held_out))
     return found
 
 
