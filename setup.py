@@ -23,6 +23,8 @@ INSTALL_REQUIRES = [
     # the built-in rollout engine's network (Qwen3-MoE) and Hugging Face tokenizers
     "transformers>=4.51",
     "tokenizers>=0.19",  # the embedded model's character tokenizer
+    "datasets>=3",  # task data files (JSONL, JSON, Parquet)
+    "filelock",  # model.hf_path: one conversion at a time per cache entry
 ]
 
 EXTRAS_REQUIRE = {
