@@ -7,7 +7,7 @@ INSTALL_REQUIRES = [
     "torch>=2.4",
     "numpy",
     "packaging",
-    "filelock>=4.3",  # the run directory's lock (on_acquired records the holder)
+    "filelock>=4.3",  # the run directory's lock (on_acquired records the holder); one hf_path conversion at a time
     "psutil",  # megatron dist_checkpointing's async writer hangs without it
     "safetensors>=0.4",
     "pydantic>=2",
@@ -24,7 +24,6 @@ INSTALL_REQUIRES = [
     "transformers>=4.51",
     "tokenizers>=0.19",  # the embedded model's character tokenizer
     "datasets>=3",  # task data files (JSONL, JSON, Parquet)
-    "filelock",  # model.hf_path: one conversion at a time per cache entry
 ]
 
 EXTRAS_REQUIRE = {
