@@ -141,6 +141,20 @@ class GRPOSection(_Strict):
     loss: PolicyLossConfig = PolicyLossConfig()
     advantages: AdvantageConfig = AdvantageConfig()
 
+    @model_validator(mode="after")
+    def _check_lr_schedule(self) -> GRPOSection:
+        optim = self.optim
+        if optim.lr_schedule == "cosine" and optim.lr_decay_steps is None and optim.lr_warmup_steps >= self.steps:
+            raise ValueError(f"grpo.optim.lr_warmup_steps {optim.lr_warmup_steps} >= grpo.steps {self.steps}: the cosine "
+                             "spans grpo.steps; shorten the warm-up or set grpo.optim.lr_decay_steps")
+        return self
+
+    def trainer_optim(self) -> OptimConfig:
+        """The trainer's optimizer settings: ``optim`` with the cosine's span defaulted to ``steps``."""
+        if self.optim.lr_decay_steps is not None:
+            return self.optim
+        return self.optim.model_copy(update={"lr_decay_steps": self.steps})
+
 
 class TaskSection(_Strict):
     """What the policy is rewarded on; unset: the embedded default's arithmetic task and tokenizer."""
@@ -181,6 +195,14 @@ class LoggingSection(_Strict):
 
     wandb: Literal["disabled", "offline", "online"] = Field("offline", description="metrics also go to wandb")
     project: str = Field("megatron-quads", description="wandb project")
+    tensorboard: bool = Field(False, description="metrics (every number of each step's and evaluation's record) "
+                              "also go to TensorBoard event files in RUN_DIR/tensorboard")
+    samples_every: int = Field(10, ge=0, description="every N steps (0: never) a few prompts with a response and its "
+                               "reward go to RUN_DIR/samples.jsonl (and a wandb table, TensorBoard text)")
+    samples_per_step: int = Field(4, ge=1, description="prompts per sample: the first response to each of the "
+                                  "step's first N prompts")
+    plot_every: int = Field(10, ge=0, description="redraw metrics.png every N steps, and after the last (0: after the "
+                            "last only)")
 
 
 def _numeric(annotation: Any) -> bool:
@@ -439,6 +461,8 @@ def config_warnings(cfg: RunConfig) -> list[str]:
                    "architecture is used); set model.embedded_default=false to train it")
     if cfg.logging.wandb == "disabled" and _changed(cfg.logging, "project"):
         out.append("logging.project has no effect with logging.wandb=disabled")
+    if cfg.logging.samples_every == 0 and _changed(cfg.logging, "samples_per_step"):
+        out.append("logging.samples_per_step has no effect with logging.samples_every=0 (no samples)")
     return out
 
 
