@@ -85,6 +85,16 @@ def test_impossible_lr_schedules_are_config_errors(overrides: list[str], pattern
         load_config(EXAMPLE, overrides)
 
 
+def test_decay_settings_under_a_constant_lr_are_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING"):
+        load_config(EXAMPLE, ["grpo.optim.min_lr=1e-5"])
+    assert "grpo.optim.min_lr has no effect with grpo.optim.lr_schedule=constant" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        load_config(EXAMPLE, ["grpo.optim.min_lr=1e-5", "grpo.optim.lr_schedule=cosine"])
+    assert "min_lr" not in caplog.text
+
+
 def test_observed_run_logs_tensorboard_samples_plots_and_lr_and_a_resume_continues_them(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An uninterrupted 3-step run and one stopped after step 0 then resumed: the same lr per step,

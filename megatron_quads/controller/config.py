@@ -461,6 +461,10 @@ def config_warnings(cfg: RunConfig) -> list[str]:
                    "architecture is used); set model.embedded_default=false to train it")
     if cfg.logging.wandb == "disabled" and _changed(cfg.logging, "project"):
         out.append("logging.project has no effect with logging.wandb=disabled")
+    decay = _changed(grpo.optim, "min_lr", "lr_decay_steps") if grpo.optim.lr_schedule == "constant" else []
+    if decay:
+        out.append(f"grpo.optim.{', grpo.optim.'.join(decay)} {'has' if len(decay) == 1 else 'have'} no effect with "
+                   "grpo.optim.lr_schedule=constant (only a cosine decays)")
     if cfg.logging.samples_every == 0 and _changed(cfg.logging, "samples_per_step"):
         out.append("logging.samples_per_step has no effect with logging.samples_every=0 (no samples)")
     return out
