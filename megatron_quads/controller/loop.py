@@ -63,10 +63,11 @@ def train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts, stop: StopSign
             clock.lap("generate")
             rewards = response_rewards(task, tok, drawn.prompts, generations, n)     # reward
             batch = build_batch(prompt_ids, generations, tok.pad_id, group_advantages(rewards, n, cfg.grpo.advantages))
+            clock.lap("reward")
             if records.samples_due(step):                                            # sample generations
                 records.log_samples(step, sample_rows(step, drawn.prompts, generations, rewards, n, tok,
                                                       records.samples_per_step))
-            clock.lap("reward")
+            clock.lap(None)
             mismatch = trainer_logprobs(trainers, batch, reference=kl)               # rollout vs trainer log-probs
             clock.lap("logprobs")
             with stop.deferring():  # from the update on, a stop signal waits for the step's end
