@@ -77,7 +77,8 @@ def load_run_config(path: str | None, overrides: list[str]):
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    """``train``: exit 0 when the run ends, 1 when it stops on a failure (a trainer rank, the storage), 2
+    """``train``: exit 0 when the run ends, 1 when it stops on a failure (a trainer rank, the storage, the
+    reward function), 2
     for a config or run directory it cannot take, 128 + the signal's number when SIGTERM / SIGINT
     stopped it (143 / 130); every stop but a config error names the command that resumes."""
     from megatron_quads.controller.config_file import ConfigError
@@ -113,6 +114,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _train(cfg, force_config: bool) -> int:
     """Run ``cfg`` (a validated RunConfig) and turn how it ended into the exit code and its message."""
+    from megatron_quads.controller.custom_reward import RewardFunctionError
     from megatron_quads.controller.failures import TrainerFailure
     from megatron_quads.controller.faults import StorageError
     from megatron_quads.controller.placement import PlacementError
@@ -126,7 +128,7 @@ def _train(cfg, force_config: bool) -> int:
     except (RunDirError, PlacementError, UnsafeCheckpointError) as err:  # run_dir in use, unusable or of another
         # config; a small cluster; a model.checkpoint whose pickles could run code
         return _fail(str(err), 2)
-    except (TrainerFailure, StorageError) as err:
+    except (TrainerFailure, StorageError, RewardFunctionError) as err:  # RewardFunctionError: names the row
         return _fail(f"training stopped: {err}", 1)
     except RunStopped as err:
         return _fail(str(err), err.exit_code, style="yellow")

@@ -164,3 +164,42 @@ def test_equal_shares_or_one_replica_per_expert_group_pass() -> None:
     # TP 2 x EP 2 at expert-TP 1 on two ranks: each expert group is one replica's TP ranks, which share the batch
     load_config(EXAMPLE, ["trainer_world_size=2", "parallel.tensor_parallel=2", "parallel.expert_parallel=2",
                           "parallel.expert_tensor_parallel=1", "grpo.prompts_per_step=3", "grpo.responses_per_prompt=3"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "pattern"),
+    [
+        (["eval.every=2", "task.kind=qa", "task.options.path=/data/qa.jsonl"],
+         r"eval\.every=2 needs held-out problems, and task kind 'qa' has no held-out split: set task\.eval_options\.path"),
+        (["eval.every=2", "task.kind=gsm8k", "task.options.path=/data/train.jsonl", "task.eval_options.limit=8"],
+         r"task\.eval_options has no path: .* set task\.eval_options\.path"),
+    ],
+)
+def test_evaluation_without_held_out_problems_is_refused(overrides: list[str], pattern: str) -> None:
+    _refused(overrides, pattern)
+
+
+def test_evaluation_with_held_out_problems_passes() -> None:
+    load_config(EXAMPLE, ["eval.every=2"])  # the embedded default's eval split
+    load_config(EXAMPLE, ["eval.every=2", "task.kind=arithmetic"])  # arithmetic's eval split
+    load_config(EXAMPLE, ["eval.every=2", "task.kind=qa", "task.options.path=/data/qa.jsonl",
+                          "task.eval_options.path=/data/test.jsonl"])
+    load_config(EXAMPLE, ["task.kind=qa", "task.options.path=/data/qa.jsonl"])  # no evaluation
+
+
+SMALL_HEADS = ["model.embedded_default=false", "model.architecture.hidden_size=64",
+               "model.architecture.num_attention_heads=4"]  # head dim 16
+
+
+def test_a_head_dim_vllm_on_cpu_cannot_serve_is_refused() -> None:
+    _refused([*SMALL_HEADS, "rollout.engine=vllm"],
+             r"rollout\.engine=vllm on CPU cannot serve the model's head dim 16 \(model\.architecture\): vLLM's CPU "
+             r"attention takes head dims 32, 64, 80, .* use rollout\.engine=torch")
+    _refused(["model.embedded_default=false", "model.architecture.kv_channels=15", "rollout.engine=torch"],
+             r"the model's head dim is 15 \(model\.architecture\): rotary embeddings need an even head dim")
+
+
+def test_head_dims_the_engine_serves_pass() -> None:
+    load_config(EXAMPLE, [*SMALL_HEADS, "rollout.engine=torch"])  # the built-in engine: any even head dim
+    load_config(EXAMPLE, ["model.embedded_default=false", "model.architecture.kv_channels=80", "rollout.engine=vllm"])
+    load_config(EXAMPLE, [*SMALL_HEADS, "rollout.engine=vllm", "rollout.num_gpus_per_worker=1"])  # not vLLM's CPU backend

@@ -29,6 +29,15 @@ ENGINE_PING_S = 10.0
 """How long a ping may take before an engine counts as hung, after a call to the engines timed out."""
 
 
+def engine_error(err: BaseException) -> str:
+    """What went wrong in an engine, in one line: the exception the engine raised (a task error's
+    ``cause``), as ``Type: the last line of its message`` (where a traceback's text ends)."""
+    cause = getattr(err, "cause", None) if isinstance(err, ray.exceptions.RayTaskError) else None
+    error = cause if isinstance(cause, BaseException) else err
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[-1] if lines else ''}"
+
+
 def _sender_actors(actors: list, senders: list[tuple[int, int] | None]) -> list:
     """The sending trainer actors in sender order, from each rank's ``weight_sender()``; the senders
     must be numbered 0..n-1 with one n."""
@@ -214,7 +223,11 @@ class Rollouts:
                 logger.warning("rollout engines %s died or hung during %s (%s); restarting them and retrying", bad, what,
                                type(err).__name__)
                 for index in bad:
-                    self._restart(index)
+                    try:
+                        self._restart(index)
+                    except Exception as restart_error:  # the engine's first error is the cause: it is named first
+                        raise RuntimeError(f"rollout engines {bad} failed during {what}: {engine_error(err)}; restarting "
+                                           f"engine {index} failed too: {engine_error(restart_error)}") from err
         raise AssertionError("unreachable")
 
     def _form_sync_groups(self, trainers: Trainers) -> None:

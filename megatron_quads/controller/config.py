@@ -193,7 +193,9 @@ class CheckpointSection(_Strict):
 class LoggingSection(_Strict):
     """Where metrics go."""
 
-    wandb: Literal["disabled", "offline", "online"] = Field("offline", description="metrics also go to wandb")
+    wandb: Literal["disabled", "offline", "online"] = Field(
+        "offline", description="metrics also go to wandb; online needs wandb credentials (WANDB_API_KEY or `wandb "
+        "login`), else the run is refused before it starts")
     project: str = Field("megatron-quads", description="wandb project")
     tensorboard: bool = Field(False, description="metrics (every number of each step's and evaluation's record) "
                               "also go to TensorBoard event files in RUN_DIR/tensorboard")
@@ -203,6 +205,15 @@ class LoggingSection(_Strict):
                                   "step's first N prompts")
     plot_every: int = Field(10, ge=0, description="redraw metrics.png every N steps, and after the last (0: after the "
                             "last only)")
+
+
+class RewardSection(_Strict):
+    """A reward function of the user's own, in place of the task's (as verl's ``custom_reward_function``):
+    ``name(prompt, response, row) -> float | {"score": float, other numeric metrics}`` (docs/rewards.md)."""
+
+    path: str | None = Field(None, description="Python file that defines the reward function; None: the task's own "
+                             "reward")
+    name: str = Field("compute_score", description="the function's name in reward.path")
 
 
 def _numeric(annotation: Any) -> bool:
@@ -260,6 +271,7 @@ class RunConfig(_Strict):
     checkpoint: CheckpointSection = CheckpointSection()
     eval: EvalSection = EvalSection()
     logging: LoggingSection = LoggingSection()
+    reward: RewardSection = Field(RewardSection(), description="a reward function of the user's own (docs/rewards.md)")
     monitor: GapMonitorConfig = Field(GapMonitorConfig(), description="the collapse early warning: the trend of the "
                                       "rollout-vs-trainer gap (monitor/gap_trend) and a logged warning when it rises")
 
@@ -459,6 +471,9 @@ def config_warnings(cfg: RunConfig) -> list[str]:
     if cfg.model.embedded_default and cfg.model.architecture is not None:
         out.append("model.architecture has no effect with model.embedded_default=true (the embedded model's "
                    "architecture is used); set model.embedded_default=false to train it")
+    if cfg.reward.path is None and _changed(cfg.reward, "name"):
+        out.append("reward.name has no effect without reward.path (the file that defines it): the task's own reward "
+                   "scores the responses")
     if cfg.logging.wandb == "disabled" and _changed(cfg.logging, "project"):
         out.append("logging.project has no effect with logging.wandb=disabled")
     decay = _changed(grpo.optim, "min_lr", "lr_decay_steps") if grpo.optim.lr_schedule == "constant" else []
@@ -477,7 +492,8 @@ def _has_own_checkpoint(run_dir: str) -> bool:
 
 
 def check_runnable(cfg: RunConfig) -> None:
-    """Raise :class:`ConfigError` for a valid config this release cannot run (checked before any worker starts)."""
+    """Raise :class:`ConfigError` for a valid config this release or this machine cannot run (checked before any
+    worker starts), the files it names included (:data:`~megatron_quads.controller.preflight.PREFLIGHT_CHECKS`)."""
     if cfg.rollout.engine == "vllm":
         if cfg.rollout.top_p < 1.0:
             raise ConfigError("rollout.engine=vllm with rollout.top_p < 1: vLLM returns log-probs after top-p truncation, "
@@ -498,6 +514,10 @@ def check_runnable(cfg: RunConfig) -> None:
             raise ConfigError(f"model.checkpoint {start} is not a Megatron dist checkpoint (no metadata.json in it): "
                               "give the directory megatron-quads convert hf-to-megatron or a run's "
                               "checkpoints/step_N/trainer wrote")
+    from megatron_quads.controller.preflight import PREFLIGHT_CHECKS
+
+    for check in PREFLIGHT_CHECKS:  # the tokenizer, wandb's credentials, the reward function
+        check(cfg)
 
 
 def _problem(error: dict) -> str:

@@ -11,6 +11,7 @@ from megatron_quads.trainer.settings import gloo_layout_problem
 
 if TYPE_CHECKING:
     from megatron_quads.controller.config import RunConfig
+    from megatron_quads.trainer.settings import PolicyModelConfig
 
 
 VLLM_TEMPERATURES = (0.01, 2.0)
@@ -190,8 +191,67 @@ def data_parallel_batch_problem(cfg: RunConfig) -> str | None:
             "grpo.mini_batches, or use fewer data-parallel ranks")
 
 
+FILE_TASK_KINDS = ("gsm8k", "math", "qa")
+"""Task kinds whose problems come from a data file (``path``); they have no held-out split of their own."""
+
+
+def eval_split_problem(cfg: RunConfig) -> str | None:
+    """Evaluation (``eval.every`` > 0) needs held-out problems: the embedded default and the arithmetic
+    task have their own eval split; a data-file task needs ``task.eval_options`` with the ``path`` of
+    a held-out file (that it exists is checked before the run starts: ``preflight.check_eval_file``)."""
+    if not cfg.eval.every or cfg.task is None or cfg.task.kind not in FILE_TASK_KINDS:
+        return None
+    options = cfg.task.eval_options
+    if options is None:
+        return (f"eval.every={cfg.eval.every} needs held-out problems, and task kind {cfg.task.kind!r} has no held-out "
+                "split: set task.eval_options.path to a held-out file of the same fields (e.g. "
+                "task.eval_options.path=data/test.jsonl), or eval.every=0")
+    path = options.get("path")
+    if path is None:
+        return (f"task.eval_options has no path: task kind {cfg.task.kind!r} reads its held-out problems from a file; "
+                "set task.eval_options.path (e.g. task.eval_options.path=data/test.jsonl)")
+    return None
+
+
+VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""The attention head dims vLLM's CPU attention backend serves (``CPUAttentionBackend.get_supported_head_sizes``
+in ``vllm/v1/attention/backends/cpu_attn.py``, vLLM 0.32): any other is refused when the engine starts."""
+
+
+def head_dim(arch: PolicyModelConfig) -> int:
+    """An architecture's attention head dim: ``kv_channels``, else hidden_size / num_attention_heads."""
+    return arch.kv_channels or arch.hidden_size // arch.num_attention_heads
+
+
+def head_dim_problem(cfg: RunConfig) -> str | None:
+    """A head dim the run's engines cannot serve. The rule: every engine needs an even head dim (rotary
+    embeddings rotate the two halves of each head); vLLM on CPU (``rollout.engine=vllm`` without GPUs)
+    serves only :data:`VLLM_CPU_HEAD_DIMS`. The built-in engine and the trainer take any even one."""
+    arch = cfg.policy_architecture()
+    if arch is None:
+        return None
+    dim, source = head_dim(arch), _architecture_source(cfg)
+    if dim % 2:
+        return (f"the model's head dim is {dim} ({source}): rotary embeddings need an even head dim; choose "
+                "kv_channels or hidden_size / num_attention_heads even")
+    if cfg.rollout.engine == "vllm" and not cfg.rollout_on_gpu() and dim not in VLLM_CPU_HEAD_DIMS:
+        return (f"rollout.engine=vllm on CPU cannot serve the model's head dim {dim} ({source}): vLLM's CPU attention "
+                f"takes head dims {', '.join(map(str, VLLM_CPU_HEAD_DIMS))}; use rollout.engine=torch (the built-in "
+                "engine takes any even head dim), or a model with one of those head dims")
+    return None
+
+
+def _architecture_source(cfg: RunConfig) -> str:
+    """Where the run's architecture comes from, in words."""
+    if cfg.model.embedded_default:
+        return "the embedded model"
+    if cfg.model.architecture is not None:
+        return "model.architecture"
+    return f"{cfg.model.checkpoint}/model_config.json"
+
+
 RUN_CHECKS = (run_dir_problem, temperature_problem, vllm_max_model_len_problem, response_room_problem, gloo_problem,
-              data_parallel_batch_problem, expert_parallel_batch_problem)
+              data_parallel_batch_problem, expert_parallel_batch_problem, eval_split_problem, head_dim_problem)
 """The checks a validated config passes (each returns what is wrong and the fix, or None), in order."""
 
 

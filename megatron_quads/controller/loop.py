@@ -12,6 +12,7 @@ from megatron_quads.controller.actor_groups import Rollouts, Trainers
 from megatron_quads.controller.batch import build_batch
 from megatron_quads.controller.checkpoints import Checkpoints, load_policy
 from megatron_quads.controller.config import RunConfig
+from megatron_quads.controller.custom_reward import CustomReward
 from megatron_quads.controller.evaluation import eval_task, evaluate
 from megatron_quads.controller.preemption import StopSignals
 from megatron_quads.controller.prompts import draw_prompts, prompt_limit
@@ -36,6 +37,7 @@ def train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts, stop: StopSign
     checkpoint when due. A stop signal that comes during the update waits for the step's end.
     With evaluation on, the final weights are evaluated too."""
     task, tok = task_and_tokenizer(cfg)
+    custom = CustomReward.from_config(cfg.reward.path, cfg.reward.name) if cfg.reward.path else None
     stream = task.stream(seed=cfg.seed)
     held_out = eval_task(cfg) if cfg.eval.every else None
     resumed_at = load_policy(cfg, trainers, stream, force_config)
@@ -61,7 +63,8 @@ def train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts, stop: StopSign
             generations = rollouts.generate(prompt_ids, rollout_sampling(cfg, tok, step))
             freed = rollouts.sleep() if release_gpu else 0                           # colocated: free the GPU
             clock.lap("generate")
-            rewards = response_rewards(task, tok, drawn.prompts, generations, n)     # reward
+            scored = response_rewards(task, tok, drawn.prompts, generations, n, custom)  # reward
+            rewards = scored.rewards
             batch = build_batch(prompt_ids, generations, tok.pad_id, group_advantages(rewards, n, cfg.grpo.advantages))
             clock.lap("reward")
             if records.samples_due(step):                                            # sample generations
@@ -76,7 +79,7 @@ def train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts, stop: StopSign
                 record = records.log_step(step_record(
                     step, rewards=rewards, mask=batch["mask"], skipped_prompts=drawn.skipped, mismatch=mismatch,
                     train=updates, clock=clock, calibration=calibration, sync=sync, restarts=rollouts.restarts,
-                    freed_bytes=freed))                                              # metrics, collapse warning
+                    freed_bytes=freed, reward_metrics=scored.metrics))               # metrics, collapse warning
                 checkpoints.finished(step + 1, stream)
                 if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0:
                     checkpoints.save()                                               # checkpoint

@@ -26,14 +26,16 @@ class PhaseClock:
 
 def step_record(step: int, *, rewards: torch.Tensor, mask: torch.Tensor, skipped_prompts: int,
                 mismatch: dict[str, float], train: dict[str, float], clock: PhaseClock,
-                calibration: dict[str, float], sync: dict[str, float], restarts: int, freed_bytes: int) -> dict:
+                calibration: dict[str, float], sync: dict[str, float], restarts: int, freed_bytes: int,
+                reward_metrics: dict[str, float] | None = None) -> dict:
     """Step ``step``'s record: mean reward and response length (``mask``: the response tokens), prompts
     skipped as too long, the rollout-vs-trainer ``mismatch``, the policy updates' metrics (``train/*``),
     each phase's seconds (``time/*``), the RAC calibration's prompt tokens, the engines restarted so
-    far, the weight sync's figures (``sync/*``) and the GPU bytes the engines released for training."""
+    far, the weight sync's figures (``sync/*``), the GPU bytes the engines released for training and the
+    reward function's extra metrics (``reward/*``, each averaged over the step's responses)."""
     times = clock.seconds
     return {
-        "step": step, "reward": float(rewards.mean()),
+        "step": step, "reward": float(rewards.mean()), **(reward_metrics or {}),
         "response_length": float(mask.sum(1).mean()),
         "prompts/skipped_too_long": float(skipped_prompts),
         **mismatch,

@@ -137,7 +137,8 @@ def load_math_prompts(
                 id=str(record[id_field]) if id_field else f"{stem}/{i}",
                 text=prompt_template.replace("{question}", question),
                 answer=truth,
-                metadata={"source": where, "question": question},
+                metadata={"source": where, "question": question,
+                          "row": {k: v for k, v in record.items() if k != "_where"}},
             )
         )
     return prompts
