@@ -7,9 +7,11 @@ INSTALL_REQUIRES = [
     "torch>=2.4",
     "numpy",
     "packaging",
+    "filelock>=4.3",  # the run directory's lock (on_acquired records the holder)
     "psutil",  # megatron dist_checkpointing's async writer hangs without it
     "safetensors>=0.4",
     "pydantic>=2",
+    "scipy>=1.11",  # the gap monitor's Theil-Sen slope
     "omegaconf>=2.3",
     "rich",
     "tqdm",
@@ -21,6 +23,7 @@ INSTALL_REQUIRES = [
     "tensorboard",  # logging.tensorboard: torch.utils.tensorboard's writer
     # the built-in rollout engine's network (Qwen3-MoE) and Hugging Face tokenizers
     "transformers>=4.51",
+    "tokenizers>=0.19",  # the embedded model's character tokenizer
 ]
 
 EXTRAS_REQUIRE = {
@@ -50,7 +53,8 @@ setup(
     description="QUADS: NVFP4 rollouts for GRPO training of MoE models on Megatron-Core",
     packages=find_packages(include=["megatron_quads", "megatron_quads.*"]),
     # the embedded default checkpoint (Megatron dist checkpoint: note the hidden .metadata file)
-    package_data={"megatron_quads": ["assets/tiny_moe_sft/checkpoint/*", "assets/tiny_moe_sft/checkpoint/.metadata"]},
+    package_data={"megatron_quads": ["assets/tiny_moe_sft/checkpoint/*", "assets/tiny_moe_sft/checkpoint/.metadata",
+                                     "assets/char_tokenizer/*"]},
     python_requires=">=3.11",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,

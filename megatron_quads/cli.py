@@ -142,19 +142,14 @@ def _fail(message: str, code: int, style: str = "red") -> int:
 
 
 def _parse_bytes(text: str) -> int:
-    """``2GB`` / ``500MB`` / ``123`` -> bytes (decimal units, as Hugging Face's shard sizes)."""
-    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
-    upper = text.strip().upper()
-    for suffix, factor in units.items():
-        if upper.endswith(suffix):
-            try:
-                return int(float(upper[: -len(suffix)]) * factor)
-            except ValueError:
-                break
+    """``2GB`` / ``500MB`` / ``1.5GiB`` / ``123`` -> bytes (``pydantic.ByteSize``: KB, MB, GB, TB are
+    decimal, as Hugging Face's shard sizes; KiB, MiB, GiB, TiB binary; any case)."""
+    from pydantic import ByteSize, TypeAdapter, ValidationError
+
     try:
-        return int(upper)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2GB, 500MB)") from None
+        return int(TypeAdapter(ByteSize).validate_python(text.strip()))
+    except ValidationError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2GB, 500MB, 1GiB)") from None
 
 
 def _parallel(args: argparse.Namespace):

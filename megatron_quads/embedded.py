@@ -2,7 +2,8 @@
 
 ``tools/train_tiny_sft.py`` produces it (reproducibly, on CPU) as a model-only Megatron dist
 checkpoint under ``megatron_quads/assets/tiny_moe_sft/`` with a manifest of sizes and sha256 checksums; the
-main job starts GRPO from it without any download.
+main job starts GRPO from it without any download. Its character tokenizer ships beside it as Hugging
+Face tokenizer files (:data:`TOKENIZER_DIR`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ from megatron_quads.precision import Precision
 from megatron_quads.tasks import ArithmeticConfig, ArithmeticTask, CharTokenizer
 
 ASSET_DIR = Path(__file__).parent / "assets" / "tiny_moe_sft"
+TOKENIZER_DIR = Path(__file__).parent / "assets" / "char_tokenizer"
+"""The embedded model's tokenizer as Hugging Face files (``CharTokenizer().save_pretrained``; rewrite
+them with ``tools/write_char_tokenizer.py``): what a converted copy of the model ships for
+``transformers`` and vLLM."""
 MANIFEST = manifest.MANIFEST
 ARITHMETIC_LEVEL = 1  # two operands of 1-2 digits, + and -
 

@@ -17,11 +17,8 @@ MANIFEST = "manifest.json"
 
 def sha256(path: str | os.PathLike[str]) -> str:
     """Hex sha256 of a file."""
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _files(directory: Path) -> list[Path]:

@@ -87,3 +87,18 @@ def test_train_fails_on_a_broken_config_before_importing_torch(broken_configs) -
                             check=False, timeout=120)
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr and "is not valid YAML: line 3" in result.stderr
+
+
+@pytest.mark.parametrize(("text", "size"), [("2GB", 2 * 10**9), ("500MB", 500 * 10**6), ("1.5gb", 1_500_000_000),
+                                            ("123", 123), ("1GiB", 2**30), (" 64KiB ", 65536)])
+def test_shard_sizes_parse_in_decimal_and_binary_units(text: str, size: int) -> None:
+    from megatron_quads.cli import _parse_bytes
+
+    assert _parse_bytes(text) == size
+
+
+def test_a_bad_shard_size_is_a_usage_error_naming_it(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["convert", "megatron-to-hf", "ckpt", "out", "--max-shard-size", "2XB"])
+    assert exit_info.value.code == 2
+    assert "not a size: '2XB'" in capsys.readouterr().err

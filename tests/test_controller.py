@@ -515,6 +515,28 @@ def test_trainer_errors_are_unwrapped_to_the_rank_s_exception() -> None:
     assert (init.error_type, init.message, init.resumable) == ("ImportError", "No module named 'megatron'", False)
 
 
+def test_the_root_cause_is_the_exception_object_ray_carries_not_the_traceback_text() -> None:
+    """RayTaskError.cause decides (type, message, resumable); the text is read only for an unpicklable cause."""
+    import pickle
+
+    from ray.exceptions import RayTaskError
+
+    from megatron_quads.controller.failures import root_cause
+
+    class Unpicklable(ValueError):
+        def __reduce__(self):
+            raise TypeError("cannot pickle")
+
+    misleading = "Traceback (most recent call last):\n  File \"w.py\", line 1, in f\nKeyError: 'not this one'"
+    carried = root_cause(RayTaskError("f", misleading, RuntimeError("NCCL timeout\nwatchdog"), proctitle="ray::T.f"))
+    assert (carried.error_type, carried.message, carried.resumable) == ("RuntimeError", "NCCL timeout", True)
+    with pytest.raises(TypeError):
+        pickle.dumps(Unpicklable("x"))
+    trace = "Traceback (most recent call last):\n  File \"w.py\", line 1, in f\nUnpicklable: bad shape 3"
+    unsent = root_cause(RayTaskError("f", trace, Unpicklable("bad shape 3"), proctitle="ray::T.f"))
+    assert (unsent.error_type, unsent.message) == ("Unpicklable", "bad shape 3")
+
+
 def test_a_trainer_error_a_resume_would_meet_again_gives_no_resume_command(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     from megatron_quads.controller import run as run_module

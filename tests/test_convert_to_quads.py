@@ -6,7 +6,8 @@ channel set and one scale; a Megatron source and its HF export give identical te
 file, or the source's HF tokenizer, gives the same output as the same prompts sampled; long prompts
 are truncated; the manifest lists every file; errors name
 the problem; ModelOpt decodes every NVFP4 tensor to the project's values; vLLM serves the output as
-the built-in engine does; ``analyze`` runs on it.
+the built-in engine does; ``analyze`` runs on it; the exports carry the character tokenizer's files,
+so vLLM tokenizes text prompts and stops on ``<eos>`` by itself.
 """
 
 from __future__ import annotations
@@ -328,6 +329,46 @@ def test_vllm_serves_the_output_as_the_builtin_engine_does(static_out: Path) -> 
         engine.close()
     assert [g.token_ids for g in served] == [g.token_ids for g in expected]
     assert max_logprob_gap(served, expected) < 5e-5  # fp32 both sides; tests/test_vllm_engine.py's tolerance
+
+
+def test_the_embedded_model_s_exports_carry_its_character_tokenizer(hf_dir: Path, static_out: Path) -> None:
+    from megatron_quads.tasks.char_tokenizer import HF_TOKENIZER_FILES
+
+    for out in (hf_dir, static_out):
+        listed = verify_manifest(out)["files"]
+        for name in HF_TOKENIZER_FILES:
+            assert (out / name).read_bytes() == (embedded.TOKENIZER_DIR / name).read_bytes(), (out, name)
+            assert name in listed
+    assert json.loads((static_out / MANIFEST).read_text())["quads"]["calibration"]["tokenizer"] == "char"
+
+
+def test_vllm_stops_on_the_embedded_tokenizer_s_eos_by_itself(static_out: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Text prompts and no stop tokens: vLLM reads the shipped tokenizer files, puts <bos> first and ends
+    each answer at <eos>, as the built-in engine does when told to stop there."""
+    pytest.importorskip("vllm")
+    from vllm import LLM
+    from vllm import SamplingParams as VllmSamplingParams
+
+    from megatron_quads.rollout.engine import SamplingParams
+    from megatron_quads.rollout.torch_engine import TorchRolloutEngine
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    texts, tok = _prompt_texts()[:6], embedded.tokenizer()
+    reference = TorchRolloutEngine(_engine_config(static_out), precision=Precision("quads", RATIO), dtype=torch.float32)
+    reference.load_weights(load_quantized_weights(static_out), version=0)
+    expected = reference.generate([encode_prompt(tok, t) for t in texts],
+                                  SamplingParams(max_new_tokens=16, temperature=0.0, stop_token_ids=(tok.eos_id,)))
+    llm = LLM(model=str(static_out), dtype="float32", enforce_eager=True, max_model_len=64, seed=0)
+    try:
+        served = llm.generate(texts, VllmSamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
+    finally:
+        del llm
+    assert [o.prompt_token_ids for o in served] == [encode_prompt(tok, t) for t in texts]
+    assert all(o.outputs[0].finish_reason == "stop" for o in served)
+    assert [list(o.outputs[0].token_ids) for o in served] == [g.token_ids for g in expected]
+    assert all(g.token_ids[-1] == tok.eos_id for g in expected)
+    assert [o.outputs[0].text for o in served] == [tok.decode(g.token_ids) for g in expected]
 
 
 def test_vllm_calibrating_the_attention_output_again_chooses_the_same_channels(attention_out: Path) -> None:

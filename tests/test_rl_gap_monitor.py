@@ -19,6 +19,13 @@ def test_the_theil_sen_slope_ignores_a_single_spike() -> None:
         theil_sen_slope([1.0])
 
 
+def test_the_theil_sen_slope_is_the_median_of_the_pairwise_slopes() -> None:
+    values = [math.sin(3.7 * i) + 0.05 * i * i for i in range(9)]
+    pairwise = sorted((values[j] - values[i]) / (j - i) for i in range(9) for j in range(i + 1, 9))
+    middle = len(pairwise) // 2  # 36 pairs: the mean of the two middle ones
+    assert theil_sen_slope(values) == pytest.approx((pairwise[middle - 1] + pairwise[middle]) / 2)
+
+
 def _records(values: list[float], metric: str = "mismatch/k3_kl") -> list[dict[str, float]]:
     return [{"step": i, metric: v} for i, v in enumerate(values)]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -60,6 +61,19 @@ def test_the_lock_of_a_process_that_dies_is_released(tmp_path: Path) -> None:
         holder.wait()
     with hold_run_dir(tmp_path):
         pass
+
+
+def test_a_filesystem_without_flock_runs_unlocked_with_a_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    import fcntl
+
+    def no_flock(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    with hold_run_dir(tmp_path), hold_run_dir(tmp_path):  # nothing keeps the second out
+        pass
+    assert "this filesystem has no flock, so nothing keeps a second run out" in caplog.text
 
 
 SAVED = {"run_dir": "runs/a", "seed": 0, "precision": {"mode": "quads", "rac_ratio": 0.25}, "task": None,

@@ -99,3 +99,50 @@ def test_hf_wrapper(hf_dir: Path) -> None:
 def test_hf_wrapper_missing_dir(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="tokenizer directory .*missing.* does not exist"):
         HFTokenizer(tmp_path / "missing")
+
+
+LEGACY_IDS = {"<pad>": 0, "<bos>": 1, "<eos>": 2, **{c: 3 + i for i, c in enumerate("0123456789+-*/=;(). ")}}
+"""The embedded checkpoint's vocabulary, written out: the shipped model's embedding rows mean these."""
+
+
+def test_every_character_keeps_the_embedded_checkpoint_s_token_id() -> None:
+    tok = CharTokenizer()
+    assert tok.backend.get_vocab() == LEGACY_IDS
+    for token, token_id in LEGACY_IDS.items():
+        if token.startswith("<"):
+            assert tok.decode([token_id], skip_special_tokens=False) == token
+            assert tok.decode([token_id]) == ""
+        else:
+            assert tok.encode(token) == [token_id]
+            assert tok.decode([token_id]) == token
+    everything = "".join(t for t in LEGACY_IDS if not t.startswith("<"))
+    assert tok.encode(everything * 2, add_bos=True, add_eos=True) == [1, *range(3, 23), *range(3, 23), 2]
+
+
+def test_the_shipped_tokenizer_files_are_the_built_tokenizer(tmp_path: Path) -> None:
+    from megatron_quads import embedded
+
+    written = CharTokenizer().save_pretrained(tmp_path)
+    shipped = sorted(p.name for p in embedded.TOKENIZER_DIR.iterdir())
+    assert shipped == sorted(p.name for p in written.iterdir())
+    for name in shipped:  # regenerate with tools/write_char_tokenizer.py
+        assert (embedded.TOKENIZER_DIR / name).read_text() == (written / name).read_text(), name
+
+
+def test_transformers_reads_the_shipped_files_with_the_same_ids_and_eos() -> None:
+    pytest.importorskip("transformers")
+    import json
+
+    from megatron_quads import embedded
+
+    hf, char = HFTokenizer(embedded.TOKENIZER_DIR), CharTokenizer()
+    assert (hf.pad_id, hf.bos_id, hf.eos_id, hf.vocab_size) == (0, 1, 2, 23)
+    assert hf.tokenizer.eos_token == "<eos>"
+    assert json.loads((embedded.TOKENIZER_DIR / "tokenizer_config.json").read_text())["eos_token"] == "<eos>"
+    for token, token_id in LEGACY_IDS.items():
+        if not token.startswith("<"):
+            assert hf.encode(token) == [token_id]
+    text = "(12 + 3) * 4 = 60;"
+    assert hf.encode(text, add_bos=True, add_eos=True) == char.encode(text, add_bos=True, add_eos=True)
+    assert hf.tokenizer.encode(text) == encode_prompt(char, text)  # add_special_tokens puts <bos> first
+    assert hf.decode(char.encode(text, add_eos=True)) == text == char.decode(hf.encode(text))

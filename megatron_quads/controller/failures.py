@@ -74,9 +74,11 @@ def _resumable(error_type: str, error: BaseException | None) -> bool:
 
 
 def root_cause(err: BaseException) -> RootCause:
-    """The error behind Ray's wrappers: a RayTaskError is unwrapped (nested ones too) to the exception the
-    rank raised; when that could not be sent back, or an actor failed in ``__init__`` (RayActorError),
-    the last exception of the traceback text is read; any other RayActorError is a lost process. A
+    """The error behind Ray's wrappers: a RayTaskError is unwrapped through ``RayTaskError.cause`` (nested
+    ones too) to the exception object the rank raised. Only where Ray carries no object is the last
+    exception of the traceback text read: a cause that could not be pickled (Ray sends a plain RayError
+    with the text instead) and an actor whose ``__init__`` failed (ActorDiedError keeps the creation
+    task's error as a message only); any other RayActorError is a lost process. A
     storage fault (a checkpoint write refused, a full disk) is told by path, cause and fix, and a
     resume gets past it once it is fixed."""
     for _ in range(16):

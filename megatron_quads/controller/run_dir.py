@@ -1,13 +1,12 @@
 """The run directory's rules: one run at a time, a resume continues the saved config, and nothing a
 user may want (records, configs) is deleted or truncated; earlier files are moved aside instead.
 
-Standard library only at import time (the lock is taken before anything heavy starts).
+Standard library only at import time (the lock, taken before anything heavy starts, imports ``filelock``).
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import logging
 import os
@@ -182,50 +181,62 @@ def _utc() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def _holder(fd: int) -> str:
+def _holder(path: Path) -> str:
     """The lock file's holder as ``pid N@host since T`` (or a note when it is not written yet)."""
     try:
-        info = json.loads(os.pread(fd, 4096, 0).decode() or "null")
+        info = json.loads(path.read_text() or "null")
         return f"pid {info['pid']}@{info['host']} since {info['since']}"
     except (OSError, ValueError, TypeError, KeyError):
         return "a process that has not recorded itself yet"
 
 
+def _record_holder(path: Path) -> Callable[[int], None]:
+    """``on_acquired`` for the lock: write this process (pid, host, start time) into the locked file."""
+
+    def record(fd: int) -> None:
+        holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": _utc()}
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(holder).encode(), 0)
+        except OSError as err:  # a full disk: name the file
+            raise OSError(err.errno, err.strerror, str(path)) from err
+
+    return record
+
+
 @contextmanager
 def hold_run_dir(run_dir: str | Path) -> Iterator[None]:
-    """Hold ``run_dir/.lock`` exclusively (``flock``, non-blocking) for the ``with`` block; the file
-    names the holder (pid, host, start time). A second holder is refused at once with
-    :class:`RunDirBusy` naming the first. The lock ends with the block or with the process (the
-    kernel drops it; on NFS the server's lease does); the file stays, emptied."""
+    """Hold ``run_dir/.lock`` exclusively (``filelock.FileLock``: ``flock``, non-blocking) for the
+    ``with`` block; the file names the holder (pid, host, start time). A second holder is refused at
+    once with :class:`RunDirBusy` naming the first. The lock ends with the block or with the process
+    (the kernel drops it; on NFS the server's lease does); the file stays, emptied."""
+    from filelock import FileLock, Timeout
+
     run_dir = Path(run_dir)
     path = run_dir / LOCK_NAME
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by child processes (PEP 446)
+    lock = FileLock(path, blocking=False, mode=0o644, on_acquired=_record_holder(path))
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            locked = True
-        except BlockingIOError:
-            raise RunDirBusy(
-                f"run_dir {run_dir} is in use by another run: {_holder(fd)} (lock {path}). Wait for that run to end "
-                f"or stop it, or give this run another directory (run_dir=...)") from None
-        except OSError as err:  # a filesystem without flock (e.g. Lustre mounted without -o flock)
-            logger.warning("cannot lock %s (%s): this filesystem has no flock, so nothing keeps a second run out "
-                           "of %s; run one at a time there", path, err, run_dir)
-            locked = False
-        if locked:
-            holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": _utc()}
-            try:
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, json.dumps(holder).encode(), 0)
-            except OSError as err:  # a full disk: name the file
-                raise OSError(err.errno, err.strerror, str(path)) from err
-        try:
-            yield
-        finally:
-            if locked:
-                os.ftruncate(fd, 0)
+        lock.acquire()
+        locked = True
+    except Timeout:
+        raise RunDirBusy(
+            f"run_dir {run_dir} is in use by another run: {_holder(path)} (lock {path}). Wait for that run to end "
+            f"or stop it, or give this run another directory (run_dir=...)") from None
+    except OSError as err:
+        if err.errno not in (errno.ENOSYS, errno.EOPNOTSUPP):
+            raise
+        # a filesystem without flock (e.g. Lustre mounted without -o flock)
+        logger.warning("cannot lock %s (%s): this filesystem has no flock, so nothing keeps a second run out "
+                       "of %s; run one at a time there", path, err, run_dir)
+        locked = False
+    try:
+        yield
     finally:
-        os.close(fd)  # releases the lock
+        if locked:
+            try:
+                os.truncate(path, 0)
+            finally:
+                lock.release()
 
 
 _ABSENT = "(absent)"

@@ -20,6 +20,7 @@ from typing import Any
 
 from safetensors.torch import save_file
 
+from megatron_quads import embedded
 from megatron_quads.atomic_io import atomic_directory
 from megatron_quads.convert.hf_source import TOKENIZER_FILES, HfCheckpoint
 from megatron_quads.convert.megatron_source import MegatronCheckpoint, Unit
@@ -53,6 +54,24 @@ def copy_hf_files(source: Path | None, target: Path, with_config: bool = False) 
             shutil.copy2(source / name, target / name)
             copied.append(name)
     return copied
+
+
+TOKENIZER_DEFINITIONS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""Files whose presence makes a directory a tokenizer directory (the others only accompany one)."""
+
+
+def has_tokenizer(directory: Path | None) -> bool:
+    """Whether ``directory`` holds a tokenizer (one of :data:`TOKENIZER_DEFINITIONS`)."""
+    return directory is not None and any((directory / name).is_file() for name in TOKENIZER_DEFINITIONS)
+
+
+def tokenizer_files_dir(files_dir: Path | None, vocab_size: int) -> Path | None:
+    """Where a converted model's tokenizer files come from: ``files_dir`` when it holds a tokenizer;
+    else, for a model of the embedded model's vocabulary size, the character tokenizer's files
+    (:data:`megatron_quads.embedded.TOKENIZER_DIR`, whose ``<eos>`` vLLM then stops on); else ``files_dir``."""
+    if not has_tokenizer(files_dir) and vocab_size == embedded.model_config_fields()["vocab_size"]:
+        return embedded.TOKENIZER_DIR
+    return files_dir
 
 
 def _layout(parallel: ParallelConfig) -> dict[str, int]:
@@ -135,7 +154,8 @@ def megatron_to_hf(
 ) -> Path:
     """Sharded safetensors + ``config.json`` of dist checkpoint ``checkpoint``, read and written one
     unit (embedding, layer, head) at a time. ``hf_base``: an HF directory whose config fields (token
-    ids, ...) and tokenizer files the output keeps (default: the checkpoint's ``hf_base/``). A tensor
+    ids, ...) and tokenizer files the output keeps (default: the checkpoint's ``hf_base/``; without a
+    tokenizer there, see :func:`tokenizer_files_dir`). A tensor
     holding NaN or Inf stops it, naming the tensor, unless ``allow_nonfinite``."""
     source = MegatronCheckpoint(checkpoint, model, allow_nonfinite=allow_nonfinite)
     base, base_dir = _base_config(source, hf_base)
@@ -159,8 +179,7 @@ def megatron_to_hf(
             index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
             (tmp / fmt.INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         (tmp / fmt.MODEL_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        if base_dir is not None:
-            copy_hf_files(base_dir, tmp, with_config=False)
+        copy_hf_files(tokenizer_files_dir(base_dir, source.model.vocab_size), tmp, with_config=False)
         write_manifest(tmp, {"command": command_line(), "source": str(source.directory.resolve()), "kind": "hf",
                              "producer": fmt.producer_info()})
     logger.info("wrote %s (%d shard(s), %.1f MB) in %.1f s", out, len(shards), sum(sizes.values()) / 1e6,

@@ -25,7 +25,13 @@ from typing import Any
 import torch
 
 from megatron_quads import embedded
-from megatron_quads.convert.commands import HF_BASE_DIR, command_line, copy_hf_files
+from megatron_quads.convert.commands import (
+    HF_BASE_DIR,
+    command_line,
+    copy_hf_files,
+    has_tokenizer,
+    tokenizer_files_dir,
+)
 from megatron_quads.convert.hf_source import HfCheckpoint
 from megatron_quads.convert.megatron_source import MegatronCheckpoint, is_dist_checkpoint
 from megatron_quads.convert.names import hf_tensor_shapes
@@ -51,8 +57,6 @@ _WIDER_SCOPES = {"experts": "routed_experts", "experts_and_attention": "routed_e
 """Scope names that include shared experts, which the converter does not quantize -> its nearest scope."""
 INPUT_SCALES = ("static", "dynamic")
 DEFAULT_CALIBRATION_PROMPTS = 64
-_TOKENIZER_DEFINITIONS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-"""Files whose presence makes a directory a tokenizer directory (the others only accompany one)."""
 
 
 @dataclass
@@ -118,7 +122,7 @@ def to_quads(
         extra = _manifest_extra(src, weights, ratio, scope, input_scales, prompts, calibration)
 
         def finish(tmp: Path) -> None:
-            copy_hf_files(src.files_dir, tmp)
+            copy_hf_files(tokenizer_files_dir(src.files_dir, src.model.vocab_size), tmp)
             write_manifest(tmp, extra)
 
         config = hf_config_from_policy(src.model, src.base_config)
@@ -283,16 +287,25 @@ def _prompts(src: _Source, calibration_file: Any, count: int | None, tokenizer: 
 
 def _tokenizer(src: _Source, spec: Any):
     """The calibration tokenizer and its name: ``spec`` (``"char"``, an HF directory or a saved
-    CharTokenizer), else the source's tokenizer files, else ``char`` for the embedded vocabulary size."""
+    CharTokenizer), else the source's tokenizer files (``char`` when they are the embedded model's
+    character tokenizer), else ``char`` for the embedded vocabulary size."""
     if spec is not None:
         return load_tokenizer(spec), str(spec)
-    if src.files_dir is not None and any((src.files_dir / name).is_file() for name in _TOKENIZER_DEFINITIONS):
-        return load_tokenizer(src.files_dir), str(src.files_dir)
     char_vocab = embedded.model_config_fields()["vocab_size"]
-    if src.model.vocab_size == char_vocab:
+    files = tokenizer_files_dir(src.files_dir, src.model.vocab_size)
+    if files == embedded.TOKENIZER_DIR or _is_char_tokenizer(files):
         return embedded.tokenizer(), "char"
+    if has_tokenizer(files):
+        return load_tokenizer(files), str(files)
     raise ValueError(f"{src.directory} has no tokenizer files and its vocab_size ({src.model.vocab_size}) is not the "
                      f"embedded model's ({char_vocab}, the char tokenizer): pass --tokenizer DIR (or 'char')")
+
+
+def _is_char_tokenizer(directory: Path | None) -> bool:
+    """Whether ``directory`` holds the embedded model's character tokenizer (its shipped ``tokenizer.json``)."""
+    if directory is None or not (directory / "tokenizer.json").is_file():
+        return False
+    return (directory / "tokenizer.json").read_bytes() == (embedded.TOKENIZER_DIR / "tokenizer.json").read_bytes()
 
 
 # ---------------------------------------------------------------------- output

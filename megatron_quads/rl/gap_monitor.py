@@ -6,15 +6,14 @@ default) grows step over step. Each step the monitor fits ``log(metric + floor)`
 step moves it little) and reports the fitted rise over one window,
 ``gap_trend = exp(slope * (window - 1)) - 1`` (1.0: the metric doubled across the window). The
 warning is raised (and logged) when ``gap_trend`` exceeds ``threshold`` for ``patience`` consecutive
-steps, and re-armed once it falls back below. Pure Python: the state is the metric's history, so a resumed run
-rebuilds it from the records it kept.
+steps, and re-armed once it falls back below. The state is the metric's history, so a resumed run
+rebuilds it from the records it kept; the slope is ``scipy.stats.theilslopes``.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import statistics
 from collections import deque
 from collections.abc import Iterable, Mapping
 
@@ -28,10 +27,11 @@ WARNING_KEY = "monitor/gap_warning"
 
 def theil_sen_slope(values: list[float]) -> float:
     """Median of ``(values[j] - values[i]) / (j - i)`` over all pairs ``i < j`` (equally spaced points)."""
-    n = len(values)
-    if n < 2:
-        raise ValueError(f"a slope needs at least 2 points, got {n}")
-    return statistics.median((values[j] - values[i]) / (j - i) for i in range(n) for j in range(i + 1, n))
+    from scipy.stats import theilslopes  # imported when first fitted: scipy.stats takes a while to load
+
+    if len(values) < 2:
+        raise ValueError(f"a slope needs at least 2 points, got {len(values)}")
+    return float(theilslopes(values).slope)
 
 
 class GapMonitor:

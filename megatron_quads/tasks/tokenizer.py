@@ -1,5 +1,6 @@
-"""Tokenizers with one small interface: a fixed character-level one for the tiny model, and a thin
-wrapper around a Hugging Face tokenizer loaded from a local directory.
+"""Tokenizers with one small interface: the character-level one of the tiny model
+(:mod:`megatron_quads.tasks.char_tokenizer`), and a thin wrapper around a Hugging Face tokenizer
+loaded from a local directory.
 
 Both have ``encode(text, add_bos=False, add_eos=False) -> list[int]``,
 ``decode(ids, skip_special_tokens=True) -> str``, ``vocab_size``, ``pad_id``, ``bos_id``,
@@ -10,14 +11,14 @@ and warm-start SFT share (``<bos>`` + prompt, then completion + ``<eos>``).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
-SPECIAL_TOKENS = (PAD, BOS, EOS)  # ids 0, 1, 2
-# ids 3.. in this order; never reorder (checkpoints depend on it), only append
-DEFAULT_ALPHABET = "0123456789+-*/=;(). "
+from megatron_quads.tasks.char_tokenizer import DEFAULT_ALPHABET, CharTokenizer
+
+__all__ = ["DEFAULT_ALPHABET", "CharTokenizer", "HFTokenizer", "Tokenizer", "encode_prompt", "encode_sft_pair",
+           "load_tokenizer"]
 
 
 @runtime_checkable
@@ -39,95 +40,6 @@ class Tokenizer(Protocol):
     def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]: ...
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str: ...
-
-
-class CharTokenizer:
-    """One token per character of a fixed alphabet, after ``<pad>`` = 0, ``<bos>`` = 1, ``<eos>`` = 2.
-
-    The default alphabet ``"0123456789+-*/=;(). "`` gives 23 tokens; digit ``d`` is token ``d + 3``.
-    Characters outside the alphabet raise ``ValueError``.
-    """
-
-    def __init__(self, alphabet: str = DEFAULT_ALPHABET) -> None:
-        if len(set(alphabet)) != len(alphabet):
-            dupes = sorted({c for c in alphabet if alphabet.count(c) > 1})
-            raise ValueError(f"alphabet has repeated characters {dupes}")
-        if not alphabet:
-            raise ValueError("alphabet must not be empty")
-        self.alphabet = alphabet
-        self._tokens = list(SPECIAL_TOKENS) + list(alphabet)
-        self._ids = {c: i + len(SPECIAL_TOKENS) for i, c in enumerate(alphabet)}
-
-    def __repr__(self) -> str:
-        return f"CharTokenizer(alphabet={self.alphabet!r})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, CharTokenizer) and other.alphabet == self.alphabet
-
-    def __hash__(self) -> int:
-        return hash(self.alphabet)
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self._tokens)
-
-    @property
-    def pad_id(self) -> int:
-        return 0
-
-    @property
-    def bos_id(self) -> int:
-        return 1
-
-    @property
-    def eos_id(self) -> int:
-        return 2
-
-    @property
-    def special_ids(self) -> frozenset[int]:
-        return frozenset(range(len(SPECIAL_TOKENS)))
-
-    def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
-        ids = [self.bos_id] if add_bos else []
-        try:
-            ids.extend(self._ids[c] for c in text)
-        except KeyError:
-            pos, ch = next((i, c) for i, c in enumerate(text) if c not in self._ids)
-            raise ValueError(
-                f"character {ch!r} at position {pos} of {text[:64]!r} is not in the tokenizer's alphabet "
-                f"{self.alphabet!r}; remove it from the text or build CharTokenizer with an alphabet that has it"
-            ) from None
-        if add_eos:
-            ids.append(self.eos_id)
-        return ids
-
-    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
-        out = []
-        for i in ids:
-            i = int(i)
-            if not 0 <= i < len(self._tokens):
-                raise ValueError(f"token id {i} is outside this tokenizer's vocabulary (0..{len(self._tokens) - 1})")
-            if i < len(SPECIAL_TOKENS) and skip_special_tokens:
-                continue
-            out.append(self._tokens[i])
-        return "".join(out)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"type": "char", "special_tokens": list(SPECIAL_TOKENS), "alphabet": self.alphabet}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> CharTokenizer:
-        if data.get("type") != "char" or list(data.get("special_tokens", [])) != list(SPECIAL_TOKENS):
-            raise ValueError(f"not a char tokenizer description: {dict(data)!r}")
-        return cls(data["alphabet"])
-
-    def save(self, path: str | Path) -> None:
-        """Write ``{"type": "char", ...}`` JSON to ``path`` (a file)."""
-        Path(path).write_text(json.dumps(self.to_dict()) + "\n", encoding="utf-8")
-
-    @classmethod
-    def load(cls, path: str | Path) -> CharTokenizer:
-        return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
 
 
 class HFTokenizer:
