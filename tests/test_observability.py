@@ -98,7 +98,8 @@ def test_decay_settings_under_a_constant_lr_are_warned_about(caplog: pytest.LogC
 def test_observed_run_logs_tensorboard_samples_plots_and_lr_and_a_resume_continues_them(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An uninterrupted 3-step run and one stopped after step 0 then resumed: the same lr per step,
-    TensorBoard scalars, samples every 2 steps, the plot redrawn every 2 steps, one wandb run id."""
+    TensorBoard scalars (a custom reward's extra metric among them), samples every 2 steps, the plot
+    redrawn every 2 steps, one wandb run id."""
     ray = pytest.importorskip("ray")
     from megatron_quads.controller import report
     from megatron_quads.controller.run import run
@@ -112,14 +113,18 @@ def test_observed_run_logs_tensorboard_samples_plots_and_lr_and_a_resume_continu
         return original_plot(metrics_path, *args, **kwargs)
 
     monkeypatch.setattr(report, "plot_run", counting_plot)
+    reward = tmp_path / "my_reward.py"
+    reward.write_text("def compute_score(prompt, response, row):\n"
+                      "    return {'score': float(response.startswith(row['answer'])), 'chars': float(len(response))}\n")
+    observed = [*FAST, *OBSERVED, f"reward.path={reward}"]
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         full, split = tmp_path / "full", tmp_path / "split"
-        records = read_records(run(load_config(EXAMPLE, [*FAST, *OBSERVED, f"run_dir={full}", "grpo.steps=3"])))
+        records = read_records(run(load_config(EXAMPLE, [*observed, f"run_dir={full}", "grpo.steps=3"])))
         assert plotted == [2, 3]  # after step 1 (every 2 steps) and at the end
-        run(load_config(EXAMPLE, [*FAST, *OBSERVED, f"run_dir={split}", "grpo.steps=1"]))
+        run(load_config(EXAMPLE, [*observed, f"run_dir={split}", "grpo.steps=1"]))
         run_id = (split / RUN_ID_NAME).read_text().strip()
-        resumed = read_records(run(load_config(EXAMPLE, [*FAST, *OBSERVED, f"run_dir={split}", "grpo.steps=3"])))
+        resumed = read_records(run(load_config(EXAMPLE, [*observed, f"run_dir={split}", "grpo.steps=3"])))
     finally:
         ray.shutdown()
 
@@ -128,6 +133,7 @@ def test_observed_run_logs_tensorboard_samples_plots_and_lr_and_a_resume_continu
     scalars = _scalars(full)
     assert [v for _, v in scalars["train/lr"]] == pytest.approx(EXPECTED_LR)
     assert [s for s, _ in scalars["reward"]] == [0, 1, 2]
+    assert [v for _, v in scalars["reward/chars"]] == pytest.approx([r["reward/chars"] for r in records])
     assert [v for _, v in scalars["reward"]] == pytest.approx([r["reward"] for r in records])
     samples = [json.loads(line) for line in (full / "samples.jsonl").read_text().splitlines()]
     assert [s["step"] for s in samples] == [0, 0, 0, 2, 2, 2]
