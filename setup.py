@@ -7,7 +7,7 @@ INSTALL_REQUIRES = [
     "torch>=2.4",
     "numpy",
     "packaging",
-    "filelock>=4.3",  # the run directory's lock (on_acquired records the holder)
+    "filelock>=4.3",  # the run directory's lock (on_acquired records the holder); one hf_path conversion at a time
     "psutil",  # megatron dist_checkpointing's async writer hangs without it
     "safetensors>=0.4",
     "pydantic>=2",
@@ -24,6 +24,7 @@ INSTALL_REQUIRES = [
     # the built-in rollout engine's network (Qwen3-MoE) and Hugging Face tokenizers
     "transformers>=4.51",
     "tokenizers>=0.19",  # the embedded model's character tokenizer
+    "datasets>=3",  # task data files (JSONL, JSON, Parquet)
 ]
 
 EXTRAS_REQUIRE = {

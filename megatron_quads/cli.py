@@ -117,6 +117,7 @@ def _train(cfg, force_config: bool) -> int:
     from megatron_quads.controller.custom_reward import RewardFunctionError
     from megatron_quads.controller.failures import TrainerFailure
     from megatron_quads.controller.faults import StorageError
+    from megatron_quads.controller.hf_model import HfConversionError
     from megatron_quads.controller.placement import PlacementError
     from megatron_quads.controller.preemption import RunStopped
     from megatron_quads.controller.run import run
@@ -125,8 +126,9 @@ def _train(cfg, force_config: bool) -> int:
 
     try:
         metrics = run(cfg, force_config=force_config)
-    except (RunDirError, PlacementError, UnsafeCheckpointError) as err:  # run_dir in use, unusable or of another
-        # config; a small cluster; a model.checkpoint whose pickles could run code
+    except (RunDirError, PlacementError, UnsafeCheckpointError, HfConversionError) as err:  # run_dir in use,
+        # unusable or of another config; a small cluster; a model.checkpoint whose pickles could run code; a
+        # model.hf_path that does not convert
         return _fail(str(err), 2)
     except (TrainerFailure, StorageError, RewardFunctionError) as err:  # RewardFunctionError: names the row
         return _fail(f"training stopped: {err}", 1)

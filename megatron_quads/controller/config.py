@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from megatron_quads.controller.config_file import ConfigError, read_config  # noqa: F401 (re-exported)
 from megatron_quads.controller.config_checks import RUN_CHECKS, learning_signal_warnings
+from megatron_quads.controller.hf_model import hf_architecture, hf_dir_problem
 from megatron_quads.precision import ConfigMode, Precision
 from megatron_quads.rl.settings import AdvantageConfig, GapMonitorConfig, PolicyLossConfig
 from megatron_quads.trainer.quads_config import QuadsTrainerConfig
@@ -51,6 +52,31 @@ class ModelSection(_Strict):
         None, description="Megatron dist checkpoint to start from (model only); its model_config.json, when present, "
         "is the architecture"
     )
+    hf_path: str | None = Field(
+        None, description="a Qwen3-MoE Hugging Face directory (config.json, safetensors, tokenizer) to start from: "
+        "converted once to a Megatron checkpoint in model.hf_cache_dir; its config.json is the architecture, its "
+        "tokenizer, chat template and eos the run's (model.embedded_default is false with it)"
+    )
+    hf_cache_dir: str | None = Field(
+        None, description="where model.hf_path's conversion is kept and reused (default: hf_converted/ beside run_dir)"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _hf_path_is_not_embedded(cls, data: Any) -> Any:
+        """``model.hf_path`` is the policy: model.embedded_default is false with it (a config file's
+        ``embedded_default: true`` gives way to an ``model.hf_path=DIR`` override)."""
+        if isinstance(data, dict) and data.get("hf_path"):
+            return {**data, "embedded_default": False}
+        return data
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSection:
+        if self.hf_path and self.checkpoint:
+            raise ValueError("model.hf_path and model.checkpoint both name the starting weights: set one of them")
+        if self.hf_cache_dir and not self.hf_path:
+            raise ValueError("model.hf_cache_dir is set without model.hf_path: set model.hf_path, or drop it")
+        return self
 
 
 class PrecisionSection(_Strict):
@@ -168,6 +194,22 @@ class TaskSection(_Strict):
     )
 
 
+class DataSection(_Strict):
+    """How records become prompts: the data file's fields, the chat template, the prompt-length limit.
+
+    The fields are those of a data file (task.kind gsm8k / math / qa); the chat template and the limit
+    apply to every task."""
+
+    prompt_key: str | None = Field(None, description="the record field holding the prompt (default: the task kind's, "
+                                   "e.g. question)")
+    answer_key: str | None = Field(None, description="the record field holding the ground truth (default: the task "
+                                   "kind's, e.g. answer)")
+    apply_chat_template: bool = Field(False, description="wrap each prompt in the tokenizer's chat template as a user "
+                                      "turn, ready for the assistant's reply (needs a Hugging Face tokenizer with one)")
+    max_prompt_length: int | None = Field(None, ge=1, description="prompts of more tokens are skipped, counted "
+                                          "(prompts/skipped_too_long) and logged; None: only the model's positions bound them")
+
+
 class EvalSection(_Strict):
     """Held-out evaluation with the rollout engines: pass@1 on the task's eval split."""
 
@@ -268,6 +310,7 @@ class RunConfig(_Strict):
     placement: PlacementSection = PlacementSection()
     grpo: GRPOSection = GRPOSection()
     task: TaskSection | None = Field(None, description="unset: the embedded arithmetic task and character tokenizer")
+    data: DataSection = DataSection()
     checkpoint: CheckpointSection = CheckpointSection()
     eval: EvalSection = EvalSection()
     logging: LoggingSection = LoggingSection()
@@ -326,7 +369,11 @@ class RunConfig(_Strict):
         model = self.model
         if model.embedded_default:
             return
-        recorded = load_model_config(model.checkpoint) if model.checkpoint else None
+        if model.hf_path:
+            problem = hf_dir_problem(model.hf_path)
+            if problem:
+                raise ValueError(problem)
+        recorded = self._recorded_architecture()
         if model.architecture is None and model.checkpoint and not Path(model.checkpoint).exists():
             raise ValueError(f"model.checkpoint {model.checkpoint} does not exist, and without it or "
                              "model.architecture the architecture is unknown: fix the path, or set model.architecture")
@@ -339,10 +386,18 @@ class RunConfig(_Strict):
             differ = [k for k, v in recorded.model_dump().items()
                       if k not in RUN_CHOSEN_FIELDS and getattr(model.architecture, k) != v]
             if differ:
+                where = f"{model.hf_path}/config.json" if model.hf_path else f"{model.checkpoint}/model_config.json"
                 raise ValueError(
-                    f"model.architecture disagrees with {model.checkpoint}/model_config.json on {', '.join(differ)}; "
+                    f"model.architecture disagrees with {where} on {', '.join(differ)}; "
                     "drop model.architecture to use the checkpoint's"
                 )
+
+    def _recorded_architecture(self) -> PolicyModelConfig | None:
+        """The architecture the starting weights record: ``model.hf_path``'s config.json or
+        ``model.checkpoint``'s model_config.json; None when neither gives one."""
+        if self.model.hf_path:
+            return hf_architecture(self.model.hf_path)
+        return load_model_config(self.model.checkpoint) if self.model.checkpoint else None
 
     def _check_placement(self) -> None:
         place, roll = self.placement, self.rollout
@@ -406,7 +461,7 @@ class RunConfig(_Strict):
             return PolicyModelConfig(**embedded.model_config_fields())
         if self.model.architecture is not None:
             return self.model.architecture
-        return load_model_config(self.model.checkpoint) if self.model.checkpoint else None
+        return self._recorded_architecture()
 
 
 def _changed(section: BaseModel, *names: str) -> list[str]:
@@ -493,7 +548,14 @@ def _has_own_checkpoint(run_dir: str) -> bool:
 
 def check_runnable(cfg: RunConfig) -> None:
     """Raise :class:`ConfigError` for a valid config this release or this machine cannot run (checked before any
-    worker starts), the files it names included (:data:`~megatron_quads.controller.preflight.PREFLIGHT_CHECKS`)."""
+    worker starts), the data it reads (:data:`~megatron_quads.controller.data_checks.DATA_CHECKS`) and the files
+    it names (:data:`~megatron_quads.controller.preflight.PREFLIGHT_CHECKS`) included."""
+    from megatron_quads.controller.data_checks import DATA_CHECKS
+
+    for data_check in DATA_CHECKS:
+        problem = data_check(cfg)
+        if problem:
+            raise ConfigError(problem)
     if cfg.rollout.engine == "vllm":
         if cfg.rollout.top_p < 1.0:
             raise ConfigError("rollout.engine=vllm with rollout.top_p < 1: vLLM returns log-probs after top-p truncation, "

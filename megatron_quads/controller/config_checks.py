@@ -64,6 +64,8 @@ def sequence_positions(cfg: RunConfig) -> tuple[int, str] | None:
         source = "the embedded model's max_sequence_length"
     elif cfg.model.architecture is not None:
         source = "model.architecture.max_sequence_length"
+    elif cfg.model.hf_path:
+        source = f"max_position_embeddings in {cfg.model.hf_path}/config.json"
     else:
         source = f"max_sequence_length in {cfg.model.checkpoint}/model_config.json"
     limit = (arch.max_sequence_length, f"{source} = {arch.max_sequence_length}")
@@ -91,6 +93,8 @@ def longest_task_prompt(cfg: RunConfig, evaluation: bool = False) -> int | None:
     from megatron_quads import embedded
     from megatron_quads.tasks import make_task
 
+    if cfg.model.hf_path or cfg.data.apply_chat_template:  # a Hugging Face tokenizer, a chat template: measured at run time
+        return None
     if cfg.task is None:
         return embedded.task(split="eval" if evaluation else "train").config.max_prompt_len + 1
     if cfg.task.kind != "arithmetic" or cfg.task.tokenizer != "char":

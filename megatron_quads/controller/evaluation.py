@@ -10,6 +10,7 @@ from megatron_quads.controller.config import RunConfig
 from megatron_quads.controller.prompts import prompt_limit, select_prompts
 from megatron_quads.controller.rewards import decode_response
 from megatron_quads.controller.sampling import eval_sampling
+from megatron_quads.controller.task_settings import task_options
 from megatron_quads.tasks import Task, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -23,7 +24,7 @@ def eval_task(cfg: RunConfig) -> Task | None:
     if cfg.task is None:
         return embedded.task(split="eval")
     if cfg.task.eval_options is not None:
-        return make_task(cfg.task.kind, **dict(cfg.task.eval_options))
+        return make_task(cfg.task.kind, **task_options(cfg, cfg.task.eval_options))
     if cfg.task.kind == "arithmetic":
         return make_task("arithmetic", **{**dict(cfg.task.options), "split": "eval"})
     if cfg.eval.every:
@@ -37,7 +38,8 @@ def evaluate(cfg: RunConfig, rollouts: Rollouts, task: Task, tok: Tokenizer, ste
     (``eval.samples`` responses each, at ``eval.temperature``): the mean correctness of the responses."""
     start = time.perf_counter()
     limit = prompt_limit(cfg, evaluation=True)
-    held_out = select_prompts(task.sample_prompts(cfg.eval.prompts, seed=cfg.seed), tok, limit)  # too-long ones skipped
+    held_out = select_prompts(task.sample_prompts(cfg.eval.prompts, seed=cfg.seed), tok, limit,
+                              chat=cfg.data.apply_chat_template)  # too-long ones skipped
     if held_out.skipped:
         logger.warning("evaluation: skipped %d of %d held-out problems longer than %s", held_out.skipped,
                        cfg.eval.prompts, limit)

@@ -49,7 +49,8 @@ def train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts, stop: StopSign
     with tqdm(range(start, cfg.grpo.steps), initial=start, total=cfg.grpo.steps, desc="GRPO", unit="step") as progress:
         for step in progress:
             clock = PhaseClock()
-            drawn = draw_prompts(stream, tok, cfg.grpo.prompts_per_step, limit)      # too-long prompts skipped
+            drawn = draw_prompts(stream, tok, cfg.grpo.prompts_per_step, limit,     # too-long prompts skipped
+                                 chat=cfg.data.apply_chat_template)
             if drawn.skipped:
                 logger.warning("step %d: skipped %d prompt(s) longer than %s", step, drawn.skipped, limit)
             prompt_ids = [ids for ids in drawn.ids for _ in range(n)]

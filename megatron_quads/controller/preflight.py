@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from megatron_quads.controller.config_file import ConfigError
+from megatron_quads.controller.task_settings import task_options, tokenizer_source
 
 if TYPE_CHECKING:
     from megatron_quads.controller.config import RunConfig
@@ -24,29 +25,31 @@ WANDB_DEFAULT_BASE_URL = "https://api.wandb.ai"
 
 def run_task(cfg: RunConfig) -> Task:
     """The task the run trains on: the embedded default's arithmetic when ``task`` is unset, else
-    ``make_task(task.kind, **task.options)``."""
+    ``make_task(task.kind, **task.options)`` with the ``data`` section's fields (:func:`task_options`)."""
     from megatron_quads import embedded
     from megatron_quads.tasks import make_task
 
     if cfg.task is None:
         return embedded.task(split="train")
-    return make_task(cfg.task.kind, **dict(cfg.task.options))
+    return make_task(cfg.task.kind, **task_options(cfg, cfg.task.options))
 
 
 def check_tokenizer_vocab(cfg: RunConfig) -> None:
-    """``task.tokenizer`` must load and have no more tokens than the model's vocabulary (a larger id
-    would index past the embedding). The embedded default's tokenizer fits its model."""
-    arch = cfg.policy_architecture()
-    if cfg.task is None or arch is None:
+    """The run's tokenizer (``task.tokenizer``, or ``model.hf_path``'s: :func:`tokenizer_source`) must
+    load and have no more tokens than the model's vocabulary (a larger id would index past the
+    embedding). The embedded default's tokenizer fits its model."""
+    arch, source = cfg.policy_architecture(), tokenizer_source(cfg)
+    if source is None or arch is None:
         return
     from megatron_quads.tasks import load_tokenizer
 
+    key = "model.hf_path" if source == cfg.model.hf_path else "task.tokenizer"
     try:
-        tok = load_tokenizer(cfg.task.tokenizer)
+        tok = load_tokenizer(source)
     except (OSError, ValueError, ImportError) as err:
-        raise ConfigError(f"task.tokenizer {cfg.task.tokenizer}: {' '.join(str(err).split())}") from None
+        raise ConfigError(f"{key} {source}: {' '.join(str(err).split())}") from None
     if tok.vocab_size > arch.vocab_size:
-        raise ConfigError(f"task.tokenizer {cfg.task.tokenizer} has {tok.vocab_size} tokens but the model's vocab_size "
+        raise ConfigError(f"{key} {source} has {tok.vocab_size} tokens but the model's vocab_size "
                           f"is {arch.vocab_size}: ids past the model's embedding cannot be trained; use the model's "
                           f"own tokenizer, or a model with vocab_size >= {tok.vocab_size}")
 

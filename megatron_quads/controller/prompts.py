@@ -1,5 +1,6 @@
-"""The prompts a GRPO step or an evaluation hands the engines: token ids, each prompt too long for the
-run's positions skipped and counted.
+"""The prompts a GRPO step or an evaluation hands the engines: token ids (in the tokenizer's chat
+template with ``data.apply_chat_template``), each prompt too long for the run's positions or over
+``data.max_prompt_length`` skipped and counted.
 
 A prompt of ``n`` tokens leaves ``positions - n`` for its response; a prompt that leaves fewer than
 ``max_new_tokens`` is skipped (the engine would refuse it or cut its response short, and the trainer
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 from megatron_quads.controller.config import RunConfig
 from megatron_quads.controller.config_checks import prompt_token_limit, sequence_positions
-from megatron_quads.tasks import Prompt, PromptStream, Tokenizer
+from megatron_quads.tasks import Prompt, PromptStream, Tokenizer, encode_chat_prompt
 
 GENERATOR_PATIENCE = 10_000
 """Consecutive too-long prompts after which a stream without a fixed size (a generator) counts as having none that fits."""
@@ -45,12 +46,18 @@ class PromptBatch:
 
 
 def prompt_limit(cfg: RunConfig, evaluation: bool = False) -> PromptLimit | None:
-    """The prompt limit of the run's rollouts (``evaluation``: of its evaluation), None when unknown."""
+    """The prompt limit of the run's rollouts (``evaluation``: of its evaluation): the room the
+    positions leave besides ``max_new_tokens``, or ``data.max_prompt_length`` when that is lower;
+    None when neither is known."""
     tokens, positions = prompt_token_limit(cfg, evaluation), sequence_positions(cfg)
-    if tokens is None or positions is None:
-        return None
-    key = "eval.max_new_tokens" if evaluation and cfg.eval.max_new_tokens is not None else "rollout.max_new_tokens"
-    return PromptLimit(tokens, f"{positions[1]}, minus {key} = {positions[0] - tokens}")
+    chosen = cfg.data.max_prompt_length
+    room = None
+    if tokens is not None and positions is not None:
+        key = "eval.max_new_tokens" if evaluation and cfg.eval.max_new_tokens is not None else "rollout.max_new_tokens"
+        room = PromptLimit(tokens, f"{positions[1]}, minus {key} = {positions[0] - tokens}")
+    if chosen is not None and (room is None or chosen < room.tokens):
+        return PromptLimit(chosen, "data.max_prompt_length")
+    return room
 
 
 def _fits(ids: Sequence[int], limit: PromptLimit | None) -> bool:
@@ -64,14 +71,16 @@ def _patience(stream: PromptStream) -> int:
     return 2 * int(size) if size else GENERATOR_PATIENCE
 
 
-def draw_prompts(stream: PromptStream, tok: Tokenizer, n: int, limit: PromptLimit | None) -> PromptBatch:
-    """The next ``n`` prompts of ``stream`` that fit in ``limit``; the ones between them that do not are
-    skipped (the stream moves past them, so a resumed run skips the same ones) and counted. Raises
-    :class:`PromptsTooLong` when so many in a row are too long that none can fit."""
+def draw_prompts(stream: PromptStream, tok: Tokenizer, n: int, limit: PromptLimit | None,
+                 chat: bool = False) -> PromptBatch:
+    """The next ``n`` prompts of ``stream`` that fit in ``limit`` (encoded by :func:`encode_chat_prompt`,
+    in the chat template with ``chat``); the ones between them that do not are skipped (the stream moves
+    past them, so a resumed run skips the same ones) and counted. Raises :class:`PromptsTooLong` when so
+    many in a row are too long that none can fit."""
     prompts, ids, skipped, in_a_row, patience = [], [], 0, 0, _patience(stream)
     while len(prompts) < n:
         prompt = next(stream)
-        encoded = tok.encode(prompt.text, add_bos=True)
+        encoded = encode_chat_prompt(tok, prompt.text, chat)
         if _fits(encoded, limit):
             prompts.append(prompt)
             ids.append(encoded)
@@ -85,10 +94,11 @@ def draw_prompts(stream: PromptStream, tok: Tokenizer, n: int, limit: PromptLimi
     return PromptBatch(prompts, ids, skipped)
 
 
-def select_prompts(prompts: Sequence[Prompt], tok: Tokenizer, limit: PromptLimit | None) -> PromptBatch:
-    """Those of ``prompts`` that fit in ``limit``, with how many did not; raises :class:`PromptsTooLong`
-    when none does."""
-    encoded = [tok.encode(p.text, add_bos=True) for p in prompts]
+def select_prompts(prompts: Sequence[Prompt], tok: Tokenizer, limit: PromptLimit | None,
+                   chat: bool = False) -> PromptBatch:
+    """Those of ``prompts`` that fit in ``limit`` (encoded as :func:`draw_prompts` does), with how many
+    did not; raises :class:`PromptsTooLong` when none does."""
+    encoded = [encode_chat_prompt(tok, p.text, chat) for p in prompts]
     kept = [(p, ids) for p, ids in zip(prompts, encoded, strict=True) if _fits(ids, limit)]
     if prompts and not kept:
         raise PromptsTooLong(f"none of the {len(prompts)} prompts fits: all are longer than {limit}; use shorter "

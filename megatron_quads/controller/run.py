@@ -13,6 +13,7 @@ from megatron_quads.controller.actor_groups import Rollouts, Trainers, record_pl
 from megatron_quads.controller.checkpoints import Checkpoints, resume_command, resume_hint
 from megatron_quads.controller.config import RunConfig, check_runnable
 from megatron_quads.controller.failures import NO_RESUME_NOTE, TrainerFailure
+from megatron_quads.controller.hf_model import ensure_converted
 from megatron_quads.controller.faults import StorageError, is_storage_fault, storage_error
 from megatron_quads.controller.loop import train
 from megatron_quads.controller.placement import Placement
@@ -51,7 +52,9 @@ def run(cfg: RunConfig, force_config: bool = False) -> Path:
     missing permission) :class:`~megatron_quads.controller.faults.StorageError`, and SIGTERM / SIGINT
     :class:`~megatron_quads.controller.preemption.RunStopped`, each naming the last complete
     checkpoint and the command that resumes. A ``model.checkpoint`` whose pickles could run code
-    raises :class:`~megatron_quads.trainer.checkpoint_audit.UnsafeCheckpointError` before anything starts."""
+    raises :class:`~megatron_quads.trainer.checkpoint_audit.UnsafeCheckpointError` before anything starts. A
+    ``model.hf_path`` is converted (or its cached conversion verified) before Ray starts
+    (:func:`~megatron_quads.controller.hf_model.ensure_converted`; :class:`~megatron_quads.controller.hf_model.HfConversionError`)."""
     check_runnable(cfg)
     if cfg.model.checkpoint and Path(cfg.model.checkpoint).is_dir():
         audit_dist_checkpoint(cfg.model.checkpoint)  # here, before Ray; each trainer rank audits what it loads
@@ -62,6 +65,8 @@ def run(cfg: RunConfig, force_config: bool = False) -> Path:
             check_saved_config(run_dir, cfg.model_dump(mode="json"), has_checkpoint=bool(checkpoint_dirs(run_dir)),
                                force=force_config, normalize=with_defaults, recorded=newest_checkpoint_config(run_dir))
             save_config(cfg, run_dir / CONFIG_NAME)  # only once the check passed
+            if cfg.model.hf_path:
+                ensure_converted(cfg)  # before Ray: the conversion's ranks fork from this process
             return _run_held(cfg, run_dir, force_config)
     except OSError as err:
         if not isinstance(err, StorageError) and not is_storage_fault(err, within=run_dir):

@@ -34,6 +34,7 @@ _STEP = re.compile(r"step_(\d+)")
 
 RESUMABLE_KEYS: tuple[str, ...] = (
     "run_dir",                                 # where the run is, not what it computes (a moved or respelled path)
+    "model.hf_cache_dir",                      # where model.hf_path's conversion is kept, not what it holds
     "grpo.steps",                              # how far the run goes: extend or shorten it
     "logging",                                 # where the metrics also go (wandb mode, project)
     "eval",                                    # evaluation reads the weights, never changes them or the prompt stream

@@ -27,11 +27,15 @@ def policy_model_config(cfg: RunConfig):
 
 
 def start_checkpoint(cfg: RunConfig) -> str | None:
-    """The model-only checkpoint a fresh run starts from."""
+    """The model-only checkpoint a fresh run starts from: ``model.checkpoint``, the conversion of
+    ``model.hf_path`` (made before Ray starts), or the embedded default's."""
     from megatron_quads import embedded
+    from megatron_quads.controller.hf_model import converted_checkpoint_dir
 
     if cfg.model.checkpoint:
         return cfg.model.checkpoint
+    if cfg.model.hf_path:
+        return str(converted_checkpoint_dir(cfg))
     if cfg.model.embedded_default:
         embedded.verify(embedded.ASSET_DIR / "checkpoint")
         return str(embedded.ASSET_DIR / "checkpoint")

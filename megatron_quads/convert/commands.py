@@ -14,7 +14,7 @@ import shlex
 import shutil
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -82,10 +82,12 @@ def _layout(parallel: ParallelConfig) -> dict[str, int]:
 def hf_to_megatron(
     hf_dir: str | os.PathLike[str], out: str | os.PathLike[str], parallel: ParallelConfig,
     overwrite: bool = False, progress: bool = True, allow_nonfinite: bool = False,
+    manifest_extra: Mapping[str, Any] | None = None,
 ) -> Path:
     """A Megatron dist checkpoint of the HF model in ``hf_dir``, saved in layout ``parallel``, with
     ``model_config.json`` (what training reads) and the source's config and tokenizer in ``hf_base/``.
-    A source tensor holding NaN or Inf stops it, naming the tensor, unless ``allow_nonfinite``."""
+    A source tensor holding NaN or Inf stops it, naming the tensor, unless ``allow_nonfinite``.
+    ``manifest_extra``: entries added to the output's ``manifest.json``."""
     hf_dir = Path(hf_dir)
     with HfCheckpoint(hf_dir) as hf:
         hf.check()
@@ -98,7 +100,7 @@ def hf_to_megatron(
         save_model_config(model, tmp)
         copy_hf_files(hf_dir, tmp / HF_BASE_DIR, with_config=True)
         write_manifest(tmp, {"command": command_line(), "source": str(hf_dir.resolve()), "kind": "megatron-dist",
-                             "layout": _layout(parallel), "producer": fmt.producer_info()})
+                             "layout": _layout(parallel), "producer": fmt.producer_info(), **(manifest_extra or {})})
     logger.info("wrote %s (TP %d, EP %d) in %.1f s", out, parallel.tensor_parallel, parallel.expert_parallel,
                 time.perf_counter() - start)
     return Path(out)

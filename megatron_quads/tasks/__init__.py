@@ -1,8 +1,8 @@
 """Prompts and verifiable rewards for GRPO: synthetic arithmetic for the tiny model, GSM8K/MATH
 style problems scored with math-verify, and the tokenizers that go with them.
 
-Importing this package needs only the standard library; math-verify, transformers and pyarrow are
-imported when first used. See docs/tasks.md.
+Importing this package needs only the standard library; math-verify, transformers, datasets and
+pyarrow are imported when first used. See docs/tasks.md.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from megatron_quads.tasks.base import (
     TaskDataError,
     TaskDataFileNotFoundError,
 )
-from megatron_quads.tasks.data import read_records
+from megatron_quads.tasks.data import first_record, read_records
 from megatron_quads.tasks.math_task import (
     DEFAULT_PROMPT_TEMPLATE,
     MathTask,
@@ -42,9 +42,12 @@ from megatron_quads.tasks.tokenizer import (
     CharTokenizer,
     HFTokenizer,
     Tokenizer,
+    encode_chat_prompt,
     encode_prompt,
     encode_sft_pair,
+    has_chat_template,
     load_tokenizer,
+    stop_ids,
 )
 
 TASK_KINDS = ("arithmetic", "gsm8k", "math", "qa")
@@ -93,14 +96,18 @@ __all__ = [
     "TaskDataError",
     "TaskDataFileNotFoundError",
     "Tokenizer",
+    "encode_chat_prompt",
     "encode_prompt",
     "encode_sft_pair",
     "evaluate",
     "extract_ground_truth",
+    "first_record",
     "gsm8k_answer",
+    "has_chat_template",
     "last_boxed",
     "load_math_prompts",
     "load_tokenizer",
     "make_task",
     "read_records",
+    "stop_ids",
 ]

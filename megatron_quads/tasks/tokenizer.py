@@ -96,6 +96,17 @@ class HFTokenizer:
     def eos_id(self) -> int:
         return int(self.tokenizer.eos_token_id)
 
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The tokens a response ends at: ``eos_id`` and the ``eos_token_id`` (one or a list) of the
+        directory's ``generation_config.json``, when it has one (Qwen's chat models end turns there)."""
+        ids = [self.eos_id]
+        config = self.path / "generation_config.json" if self.path is not None else None
+        if config is not None and config.is_file():
+            found = json.loads(config.read_text(encoding="utf-8")).get("eos_token_id")
+            ids += [int(i) for i in (found if isinstance(found, list) else [found]) if i is not None]
+        return tuple(dict.fromkeys(ids))
+
     def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
         ids = list(self.tokenizer.encode(text, add_special_tokens=False))
         if add_bos and self.bos_id is not None:
@@ -127,6 +138,27 @@ def load_tokenizer(spec: str | Path) -> CharTokenizer | HFTokenizer:
         if isinstance(data, dict) and data.get("type") == "char":
             return CharTokenizer.from_dict(data)
     return HFTokenizer(path)
+
+
+def stop_ids(tokenizer: Tokenizer) -> tuple[int, ...]:
+    """The tokens a response ends at: an :class:`HFTokenizer`'s ``stop_ids``, else ``(eos_id,)``."""
+    return tokenizer.stop_ids if isinstance(tokenizer, HFTokenizer) else (tokenizer.eos_id,)
+
+
+def has_chat_template(tokenizer: Tokenizer) -> bool:
+    """Whether ``tokenizer`` is an :class:`HFTokenizer` with a chat template."""
+    return isinstance(tokenizer, HFTokenizer) and bool(getattr(tokenizer.tokenizer, "chat_template", None))
+
+
+def encode_chat_prompt(tokenizer: Tokenizer, prompt_text: str, chat: bool) -> list[int]:
+    """What the policy is fed at rollout time: with ``chat``, the prompt as a user turn of the
+    tokenizer's chat template (the template writes any ``<bos>``), else :func:`encode_prompt`."""
+    if not chat:
+        return encode_prompt(tokenizer, prompt_text)
+    if not has_chat_template(tokenizer):
+        raise ValueError(f"{tokenizer!r} has no chat template to apply: set data.apply_chat_template=false, or use a "
+                         "Hugging Face tokenizer with one")
+    return tokenizer.encode(tokenizer.chat_prompt(prompt_text))
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt_text: str) -> list[int]:

@@ -11,7 +11,7 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-from megatron_quads.trainer.model import PolicyModelConfig
+from megatron_quads.trainer.settings import PolicyModelConfig
 
 SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 SUPPORTED_MODEL_TYPES = ("qwen3_moe",)
