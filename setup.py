@@ -20,6 +20,7 @@ INSTALL_REQUIRES = [
     "megatron-core>=0.16; python_version >= '3.12'",
     "ray>=2.40",
     "wandb>=0.19",
+    "tensorboard",  # logging.tensorboard: torch.utils.tensorboard's writer
     # the built-in rollout engine's network (Qwen3-MoE) and Hugging Face tokenizers
     "transformers>=4.51",
     "tokenizers>=0.19",  # the embedded model's character tokenizer

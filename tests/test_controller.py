@@ -668,11 +668,11 @@ def test_a_trainer_failure_stops_the_run_with_a_resume_command(tmp_path: Path, m
     original = Trainers.train_step
     calls = []
 
-    def failing_train_step(self, batch):
+    def failing_train_step(self, batch, step):
         calls.append(1)
         if len(calls) == 3:  # third step, after the checkpoint at step 2: a rank dies
             ray.kill(self.actors[0], no_restart=True)
-        return original(self, batch)
+        return original(self, batch, step)
 
     monkeypatch.setattr(Trainers, "train_step", failing_train_step)
     with pytest.raises(TrainerFailure) as failure:

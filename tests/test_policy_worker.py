@@ -27,10 +27,11 @@ def _megatron() -> None:
     init_trainer_distributed(1, 0, ParallelConfig())
 
 
-def _worker(dtype: str = "fp32", optimizer: str = "sgd", lr: float = 0.5, mbs: int = 2, seed: int = 3) -> PolicyWorker:
+def _worker(dtype: str = "fp32", optimizer: str = "sgd", lr: float = 0.5, mbs: int = 2, seed: int = 3,
+            **schedule) -> PolicyWorker:
     cfg = PolicyWorkerConfig(
         model=PolicyModelConfig(**MODEL, dtype=dtype),
-        optim=OptimConfig(optimizer=optimizer, lr=lr),
+        optim=OptimConfig(optimizer=optimizer, lr=lr, **schedule),
         micro_batch_size=mbs,
         seed=seed,
     )
@@ -179,3 +180,32 @@ def test_a_layout_gloo_cannot_gather_is_refused_before_the_model_is_built() -> N
         PolicyWorker(alltoall)
     allgather = alltoall.model_copy(update={"model": PolicyModelConfig(**MODEL, moe_token_dispatcher="allgather")})
     assert PolicyWorker(allgather).model is not None
+
+
+def test_the_lr_follows_the_warm_up_then_the_cosine_and_a_resume_continues_it(tmp_path) -> None:
+    schedule = dict(lr=0.4, lr_warmup_steps=2, lr_schedule="cosine", min_lr=0.1, lr_decay_steps=5)
+    # step s trains at Megatron's lr after s + 1 steps: warm-up 0.2, 0.4; cosine over steps 2..4 to min_lr
+    expected = [0.2, 0.4, 0.1 + 0.3 * 0.75, 0.1 + 0.3 * 0.25, 0.1, 0.1]
+    worker = _worker(**schedule)
+    tokens = _batch(4)
+    lrs = [worker.train_step({"tokens": tokens}, _nll)["lr"] for _ in range(2)]
+    path = worker.save_checkpoint(tmp_path / "step2")
+    lrs += [worker.train_step({"tokens": tokens}, _nll)["lr"] for _ in range(4)]
+    assert lrs == pytest.approx(expected)
+    assert [g["lr"] for g in worker.optimizer.param_groups] == pytest.approx([0.1] * len(worker.optimizer.param_groups))
+    resumed = _worker(**schedule)
+    resumed.load_checkpoint(path)
+    assert [resumed.train_step({"tokens": tokens}, _nll)["lr"] for _ in range(4)] == pytest.approx(expected[2:])
+    assert worker.train_step({"tokens": tokens}, _nll, schedule_step=1)["lr"] == pytest.approx(0.4)  # a given step
+
+
+def test_the_lr_decays_the_update_sgd_makes() -> None:
+    tokens = _batch(4)
+    moves = []
+    for lr_schedule in ("constant", "cosine"):
+        worker = _worker(lr=0.4, lr_schedule=lr_schedule, min_lr=0.0, lr_decay_steps=2)
+        before = _params(worker)
+        worker.train_step({"tokens": tokens}, _nll, schedule_step=1)  # the cosine's last step: lr 0
+        after = _params(worker)
+        moves.append(max(float((after[k] - before[k]).abs().max()) for k in before))
+    assert moves[0] > 0 and moves[1] == 0.0

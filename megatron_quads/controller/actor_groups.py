@@ -112,9 +112,9 @@ class Trainers:
         """Every rank keeps its current weights as the reference policy; returns rank 0's bytes."""
         return trainer_get([a.keep_reference.remote() for a in self.actors])[0]
 
-    def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
-        """One optimizer step over the whole batch."""
-        return trainer_get([a.train_step.remote(s) for a, s in zip(self.actors, self._shards(batch), strict=True)])[0]
+    def train_step(self, batch: dict[str, torch.Tensor], step: int) -> dict[str, float]:
+        """One optimizer step over the whole batch, at GRPO step ``step``'s lr."""
+        return trainer_get([a.train_step.remote(s, step) for a, s in zip(self.actors, self._shards(batch), strict=True)])[0]
 
     def export_rollout_weights(self, version: int, transport: str) -> RolloutExport:
         """The rollout weights (quantized once, on the trainer side) as bounded buckets for

@@ -167,6 +167,20 @@ class GRPOSection(_Strict):
     loss: PolicyLossConfig = PolicyLossConfig()
     advantages: AdvantageConfig = AdvantageConfig()
 
+    @model_validator(mode="after")
+    def _check_lr_schedule(self) -> GRPOSection:
+        optim = self.optim
+        if optim.lr_schedule == "cosine" and optim.lr_decay_steps is None and optim.lr_warmup_steps >= self.steps:
+            raise ValueError(f"grpo.optim.lr_warmup_steps {optim.lr_warmup_steps} >= grpo.steps {self.steps}: the cosine "
+                             "spans grpo.steps; shorten the warm-up or set grpo.optim.lr_decay_steps")
+        return self
+
+    def trainer_optim(self) -> OptimConfig:
+        """The trainer's optimizer settings: ``optim`` with the cosine's span defaulted to ``steps``."""
+        if self.optim.lr_decay_steps is not None:
+            return self.optim
+        return self.optim.model_copy(update={"lr_decay_steps": self.steps})
+
 
 class TaskSection(_Strict):
     """What the policy is rewarded on; unset: the embedded default's arithmetic task and tokenizer."""
@@ -225,6 +239,14 @@ class LoggingSection(_Strict):
         "offline", description="metrics also go to wandb; online needs wandb credentials (WANDB_API_KEY or `wandb "
         "login`), else the run is refused before it starts")
     project: str = Field("megatron-quads", description="wandb project")
+    tensorboard: bool = Field(False, description="metrics (every number of each step's and evaluation's record) "
+                              "also go to TensorBoard event files in RUN_DIR/tensorboard")
+    samples_every: int = Field(10, ge=0, description="every N steps (0: never) a few prompts with a response and its "
+                               "reward go to RUN_DIR/samples.jsonl (and a wandb table, TensorBoard text)")
+    samples_per_step: int = Field(4, ge=1, description="prompts per sample: the first response to each of the "
+                                  "step's first N prompts")
+    plot_every: int = Field(10, ge=0, description="redraw metrics.png every N steps, and after the last (0: after the "
+                            "last only)")
 
 
 class RewardSection(_Strict):
@@ -509,6 +531,12 @@ def config_warnings(cfg: RunConfig) -> list[str]:
                    "scores the responses")
     if cfg.logging.wandb == "disabled" and _changed(cfg.logging, "project"):
         out.append("logging.project has no effect with logging.wandb=disabled")
+    decay = _changed(grpo.optim, "min_lr", "lr_decay_steps") if grpo.optim.lr_schedule == "constant" else []
+    if decay:
+        out.append(f"grpo.optim.{', grpo.optim.'.join(decay)} {'has' if len(decay) == 1 else 'have'} no effect with "
+                   "grpo.optim.lr_schedule=constant (only a cosine decays)")
+    if cfg.logging.samples_every == 0 and _changed(cfg.logging, "samples_per_step"):
+        out.append("logging.samples_per_step has no effect with logging.samples_every=0 (no samples)")
     return out
 
 

@@ -18,6 +18,7 @@ from megatron_quads.controller.preemption import StopSignals
 from megatron_quads.controller.prompts import draw_prompts, prompt_limit
 from megatron_quads.controller.report import RunRecords
 from megatron_quads.controller.rewards import response_rewards
+from megatron_quads.controller.samples import sample_rows
 from megatron_quads.controller.sampling import rollout_sampling
 from megatron_quads.controller.step_metrics import PhaseClock, step_record
 from megatron_quads.controller.trainer_phases import policy_updates, trainer_logprobs
@@ -31,8 +32,9 @@ def train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts, stop: StopSign
           force_config: bool = False) -> Path:
     """GRPO from the starting policy, or from the newest checkpoint that loads, to ``grpo.steps``;
     returns the metrics file. Each step: sync the weights to the engines (quantized once), refresh
-    the RAC channels, evaluate when due, generate, reward, score under the trainer, update the policy,
-    record, checkpoint when due. A stop signal that comes during the update waits for the step's end.
+    the RAC channels, evaluate when due, generate, reward (a few generations logged when due), score
+    under the trainer, update the policy at the step's lr, record (the plot redrawn when due),
+    checkpoint when due. A stop signal that comes during the update waits for the step's end.
     With evaluation on, the final weights are evaluated too."""
     task, tok = task_and_tokenizer(cfg)
     custom = CustomReward.from_config(cfg.reward.path, cfg.reward.name) if cfg.reward.path else None
@@ -66,6 +68,10 @@ def train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts, stop: StopSign
             rewards = scored.rewards
             batch = build_batch(prompt_ids, generations, tok.pad_id, group_advantages(rewards, n, cfg.grpo.advantages))
             clock.lap("reward")
+            if records.samples_due(step):                                            # sample generations
+                records.log_samples(step, sample_rows(step, drawn.prompts, generations, rewards, n, tok,
+                                                      records.samples_per_step))
+            clock.lap(None)
             mismatch = trainer_logprobs(trainers, batch, reference=kl)               # rollout vs trainer log-probs
             clock.lap("logprobs")
             with stop.deferring():  # from the update on, a stop signal waits for the step's end

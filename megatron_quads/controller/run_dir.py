@@ -27,7 +27,7 @@ from megatron_quads.manifest import MANIFEST, read_manifest, sha256
 logger = logging.getLogger(__name__)
 
 LOCK_NAME = ".lock"
-RECORD_FILES = ("metrics.jsonl", "eval.jsonl")
+RECORD_FILES = ("metrics.jsonl", "eval.jsonl", "samples.jsonl")
 CONFIG_NAME = "config.yaml"
 """The resolved run config, in the run directory and in each checkpoint (the config that made it)."""
 _STEP = re.compile(r"step_(\d+)")
@@ -275,7 +275,7 @@ def mismatch_message(run_dir: Path, refused: list[tuple[str, Any, Any]], source:
 
 
 def has_records(run_dir: Path) -> bool:
-    """Whether ``metrics.jsonl`` or ``eval.jsonl`` in ``run_dir`` holds anything."""
+    """Whether any record file (:data:`RECORD_FILES`) in ``run_dir`` holds anything."""
     return any((run_dir / name).is_file() and (run_dir / name).stat().st_size > 0 for name in RECORD_FILES)
 
 

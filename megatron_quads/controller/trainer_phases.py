@@ -28,10 +28,10 @@ def trainer_logprobs(trainers: Trainers, batch: dict[str, torch.Tensor], referen
 def policy_updates(cfg: RunConfig, trainers: Trainers, batch: dict[str, torch.Tensor], step: int) -> dict[str, float]:
     """``grpo.epochs`` passes over the step's batch, each in ``grpo.mini_batches`` optimizer steps on
     a seeded shuffle of its sequences (PPO style; ``logp_old`` stays the pre-update log-probs, so
-    the ratio and its clipping act from the second update on). Returns each metric's mean over the
-    updates, the last update's under ``last_*`` and their count."""
+    the ratio and its clipping act from the second update on), all at step ``step``'s lr. Returns each
+    metric's mean over the updates (``lr`` among them), the last update's under ``last_*`` and their count."""
     parts = mini_batches(batch, cfg.grpo.epochs, cfg.grpo.mini_batches, seed=cfg.seed * 1_000_003 + step)
-    updates = [trainers.train_step(part) for part in parts]
+    updates = [trainers.train_step(part, step) for part in parts]
     out = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0]}
     if len(updates) > 1:
         out.update({f"last_{k}": v for k, v in updates[-1].items()})

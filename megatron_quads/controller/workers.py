@@ -82,7 +82,7 @@ class TrainerWorker:
                                            master_port=master_port, seed=cfg.seed)
         self.worker = PolicyWorker(PolicyWorkerConfig(
             model=policy_model_config(cfg), parallel=cfg.parallel, quads=cfg.trainer_quads(),
-            optim=cfg.grpo.optim, micro_batch_size=cfg.grpo.micro_batch_size, seed=cfg.seed,
+            optim=cfg.grpo.trainer_optim(), micro_batch_size=cfg.grpo.micro_batch_size, seed=cfg.seed,
             router_replay=cfg.rollout.router_replay == "r3",
         ))
         self.loss = PolicyLoss(cfg.grpo.loss)
@@ -132,9 +132,10 @@ class TrainerWorker:
         return self.worker.compute_reference_logprobs(tokens, logprob_temperature(self.cfg.rollout.temperature),
                                                       routed_experts)
 
-    def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
-        """One optimizer step on this rank's shard with the GRPO policy loss."""
-        return self.worker.train_step(batch, self.loss, temperature=logprob_temperature(self.cfg.rollout.temperature))
+    def train_step(self, batch: dict[str, torch.Tensor], step: int) -> dict[str, float]:
+        """One optimizer step on this rank's shard with the GRPO policy loss, at GRPO step ``step``'s lr."""
+        return self.worker.train_step(batch, self.loss, temperature=logprob_temperature(self.cfg.rollout.temperature),
+                                      schedule_step=step)
 
     def weight_sender(self) -> tuple[int, int] | None:
         """(this rank's sender index, number of senders) if it sends rollout weights, else None."""

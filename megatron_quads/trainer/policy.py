@@ -43,6 +43,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron_quads.trainer.checkpoint_audit import load_dist_checkpoint, load_plain_data
 from megatron_quads.trainer.fake_quant import invalidate_fake_quant_caches
 from megatron_quads.trainer.hf_export import export_hf_weights
+from megatron_quads.trainer.lr_schedule import lr_scheduler, place_at_step
 from megatron_quads.trainer.megatron_fixes import mark_expert_params_for_expert_dp, use_forked_checkpoint_result_queue
 from megatron_quads.trainer.model import build_gpt_model, save_model_config
 from megatron_quads.trainer.settings import gloo_layout_problem
@@ -118,7 +119,7 @@ class PolicyWorker:
             OptimizerConfig(
                 optimizer=o.optimizer,
                 lr=o.lr,
-                min_lr=o.lr,
+                min_lr=o.min_lr,
                 weight_decay=o.weight_decay,
                 adam_beta1=o.adam_beta1,
                 adam_beta2=o.adam_beta2,
@@ -131,6 +132,7 @@ class PolicyWorker:
             ),
             [self.ddp],
         )
+        self.lr_scheduler = lr_scheduler(self.optimizer, o)
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = self.optimizer.scale_loss
         self.steps_done = 0
@@ -227,14 +229,17 @@ class PolicyWorker:
             invalidate_fake_quant_caches(self.model)
 
     def train_step(
-        self, batch: dict[str, torch.Tensor], loss_fn: LossFn, temperature: float = 1.0
+        self, batch: dict[str, torch.Tensor], loss_fn: LossFn, temperature: float = 1.0,
+        schedule_step: int | None = None,
     ) -> dict[str, float]:
         """One optimizer step on this rank's ``batch`` (must hold ``tokens [b, s]``; router_replay
-        workers also ``routed_experts [b, s, layers, k]``).
+        workers also ``routed_experts [b, s, layers, k]``) at the lr schedule's lr of ``schedule_step``
+        (default: this worker's optimizer steps so far).
 
         The gradient is ``sum(loss_sum) / sum(count)`` over all micro-batches and data-parallel
-        ranks. Returns the averaged metrics, ``grad_norm`` and ``update_successful``.
+        ranks. Returns the averaged metrics, ``grad_norm``, ``update_successful`` and ``lr``.
         """
+        lr = place_at_step(self.lr_scheduler, self.steps_done if schedule_step is None else schedule_step)
         self.ddp.train()
         micro_batches = self._micro_batches(batch)
 
@@ -262,7 +267,8 @@ class PolicyWorker:
         update_ok, grad_norm, _ = self.optimizer.step()
         invalidate_fake_quant_caches(self.model)  # the optimizer wrote new weights via param.data
         self.steps_done += 1
-        return {**_average_metrics(reduced), "grad_norm": float(grad_norm or 0.0), "update_successful": float(update_ok)}
+        return {**_average_metrics(reduced), "grad_norm": float(grad_norm or 0.0), "update_successful": float(update_ok),
+                "lr": lr}
 
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full BF16 master weights by Hugging Face name (collective over the model-parallel group)."""

@@ -97,6 +97,23 @@ class OptimConfig(BaseModel):
     adam_eps: float = 1e-8
     clip_grad: float = Field(1.0, ge=0)
     use_distributed_optimizer: bool = False
+    # the learning-rate schedule (Megatron-Core's OptimizerParamScheduler; megatron_quads.trainer.lr_schedule)
+    lr_warmup_steps: int = Field(0, ge=0, description="steps over which the lr rises linearly to lr: step s "
+                                 "(0-based) trains at lr * (s + 1) / lr_warmup_steps")
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="after the warm-up: constant at lr, or cosine down to min_lr at step lr_decay_steps - 1")
+    min_lr: float = Field(0.0, ge=0, description="cosine: the lr the schedule ends at (and keeps after lr_decay_steps)")
+    lr_decay_steps: int | None = Field(None, ge=1, description="cosine: the steps the warm-up and the decay span "
+                                       "together (default: the run's grpo.steps)")
+
+    @model_validator(mode="after")
+    def _check_schedule(self) -> OptimConfig:
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr {self.min_lr} > lr {self.lr}: the schedule decays from lr down to min_lr")
+        if self.lr_decay_steps is not None and self.lr_warmup_steps >= self.lr_decay_steps:
+            raise ValueError(f"lr_warmup_steps {self.lr_warmup_steps} >= lr_decay_steps {self.lr_decay_steps}: the "
+                             "warm-up must end before the decay does")
+        return self
 
 
 class PolicyWorkerConfig(BaseModel):
