@@ -158,13 +158,25 @@ def test_the_conversion_is_cached_beside_the_run_and_redone_when_damaged_or_chan
     assert "changed since it was converted" in cached_conversion_problem(target, source)
 
 
+REWARD_FILE = """
+def compute_score(prompt, response, row):
+    # the row's own fields reach the reward: the answer and the extra 'level' column
+    return {"score": float(row["a"] in response), "easy": float(row["level"] == "easy"), "chars": float(len(response))}
+"""
+
+
 def test_grpo_three_steps_on_own_jsonl_with_hf_model(hf_model: Path, data_file: Path, tmp_path: Path) -> None:
-    """The whole: model.hf_path + a JSONL file of one's own + the chat template, 3 GRPO steps on CPU."""
+    """The whole: model.hf_path + a JSONL file of one's own + the chat template + a reward file of one's
+    own, 3 GRPO steps on CPU; the reward's extra metrics reach metrics.jsonl and TensorBoard, and sample
+    generations are logged."""
     ray = pytest.importorskip("ray")
     run_dir = tmp_path / "runs" / "mine"
+    reward = tmp_path / "my_reward.py"
+    reward.write_text(REWARD_FILE)
     cfg = load_config(EXAMPLE, [*FAST, "grpo.steps=3", "precision.mode=quads", f"run_dir={run_dir}",
                                 f"model.hf_path={hf_model}", *_data_overrides(data_file),
-                                "data.apply_chat_template=true", "data.max_prompt_length=12"])
+                                "data.apply_chat_template=true", "data.max_prompt_length=12",
+                                f"reward.path={reward}", "logging.tensorboard=true", "logging.samples_every=1"])
     from megatron_quads.controller.run import run
 
     try:
@@ -175,6 +187,14 @@ def test_grpo_three_steps_on_own_jsonl_with_hf_model(hf_model: Path, data_file: 
     assert [r["step"] for r in steps] == [0, 1, 2]
     assert all(r["train/update_successful"] == 1.0 and r["mismatch/num_tokens"] > 0 for r in steps)
     assert (run_dir.parent / "hf_converted").is_dir()
+    assert all(r["reward/easy"] == 1.0 and r["reward/chars"] > 0 for r in steps)
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert {s["step"] for s in samples} == {0, 1, 2}
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("reward/easy")] == [0, 1, 2]
 
 
 def _refused(capsys: pytest.CaptureFixture[str], overrides: list[str], pattern: str) -> None:
