@@ -548,14 +548,9 @@ def _has_own_checkpoint(run_dir: str) -> bool:
 
 def check_runnable(cfg: RunConfig) -> None:
     """Raise :class:`ConfigError` for a valid config this release or this machine cannot run (checked before any
-    worker starts), the data it reads (:data:`~megatron_quads.controller.data_checks.DATA_CHECKS`) and the files
-    it names (:data:`~megatron_quads.controller.preflight.PREFLIGHT_CHECKS`) included."""
-    from megatron_quads.controller.data_checks import DATA_CHECKS
-
-    for data_check in DATA_CHECKS:
-        problem = data_check(cfg)
-        if problem:
-            raise ConfigError(problem)
+    worker starts), in order: the rollout engine, the start checkpoint, the data it reads
+    (:data:`~megatron_quads.controller.data_checks.DATA_CHECKS`), the files it names
+    (:data:`~megatron_quads.controller.preflight.PREFLIGHT_CHECKS`)."""
     if cfg.rollout.engine == "vllm":
         if cfg.rollout.top_p < 1.0:
             raise ConfigError("rollout.engine=vllm with rollout.top_p < 1: vLLM returns log-probs after top-p truncation, "
@@ -576,8 +571,13 @@ def check_runnable(cfg: RunConfig) -> None:
             raise ConfigError(f"model.checkpoint {start} is not a Megatron dist checkpoint (no metadata.json in it): "
                               "give the directory megatron-quads convert hf-to-megatron or a run's "
                               "checkpoints/step_N/trainer wrote")
+    from megatron_quads.controller.data_checks import DATA_CHECKS
     from megatron_quads.controller.preflight import PREFLIGHT_CHECKS
 
+    for data_check in DATA_CHECKS:  # after the engine and the start checkpoint: data last, then the files named
+        problem = data_check(cfg)
+        if problem:
+            raise ConfigError(problem)
     for check in PREFLIGHT_CHECKS:  # the tokenizer, wandb's credentials, the reward function
         check(cfg)
 

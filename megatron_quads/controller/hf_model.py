@@ -118,7 +118,8 @@ def ensure_converted(cfg: RunConfig) -> Path:
         logger.info("model.hf_path: converting %s to %s (%s)", hf_dir, target, problem)
         try:
             hf_to_megatron(hf_dir, target, ParallelConfig(), overwrite=True, progress=False,
-                           manifest_extra={SOURCE_KEY: source_files(hf_dir)})
+                           manifest_extra={SOURCE_KEY: source_files(hf_dir)},
+                           fork_ranks=False)  # the driver already runs threads (tokenizers, Ray) a fork would inherit
         except (ValueError, KeyError, ConversionError) as err:
             raise HfConversionError(f"model.hf_path={cfg.model.hf_path} cannot be converted: {err}") from err
     return target

@@ -82,12 +82,13 @@ def _layout(parallel: ParallelConfig) -> dict[str, int]:
 def hf_to_megatron(
     hf_dir: str | os.PathLike[str], out: str | os.PathLike[str], parallel: ParallelConfig,
     overwrite: bool = False, progress: bool = True, allow_nonfinite: bool = False,
-    manifest_extra: Mapping[str, Any] | None = None,
+    manifest_extra: Mapping[str, Any] | None = None, fork_ranks: bool = True,
 ) -> Path:
     """A Megatron dist checkpoint of the HF model in ``hf_dir``, saved in layout ``parallel``, with
     ``model_config.json`` (what training reads) and the source's config and tokenizer in ``hf_base/``.
     A source tensor holding NaN or Inf stops it, naming the tensor, unless ``allow_nonfinite``.
-    ``manifest_extra``: entries added to the output's ``manifest.json``."""
+    ``manifest_extra``: entries added to the output's ``manifest.json``; ``fork_ranks``: see
+    :func:`~megatron_quads.convert.megatron_writer.save_dist_checkpoint` (``fork``)."""
     hf_dir = Path(hf_dir)
     with HfCheckpoint(hf_dir) as hf:
         hf.check()
@@ -96,7 +97,7 @@ def hf_to_megatron(
     start = time.perf_counter()
     with atomic_directory(out, overwrite) as tmp:
         save_dist_checkpoint(SaveJob("hf", str(hf_dir), str(tmp), model, parallel, find_free_port(), progress,
-                                     allow_nonfinite))
+                                     allow_nonfinite), fork=fork_ranks)
         save_model_config(model, tmp)
         copy_hf_files(hf_dir, tmp / HF_BASE_DIR, with_config=True)
         write_manifest(tmp, {"command": command_line(), "source": str(hf_dir.resolve()), "kind": "megatron-dist",

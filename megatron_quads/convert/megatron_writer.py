@@ -158,14 +158,16 @@ def _entry(rank: int, job: SaveJob, world_size: int, errors) -> None:
         raise SystemExit(1) from None
 
 
-def save_dist_checkpoint(job: SaveJob) -> None:
+def save_dist_checkpoint(job: SaveJob, fork: bool = True) -> None:
     """Run ``job`` on ``world_size_for(job.parallel)`` local CPU ranks; :class:`ConversionError` if one fails.
 
-    Without a GPU the ranks are forked (they share the imported modules); on a GPU host they are
-    spawned with no GPU visible (a forked CUDA runtime cannot be used), so both run the CPU path.
+    Without a GPU the ranks are forked (they share the imported modules) unless ``fork`` is False; on
+    a GPU host they are spawned with no GPU visible (a forked CUDA runtime cannot be used), so both run
+    the CPU path. A caller whose process already runs other threads (a training driver) passes
+    ``fork=False``: a forked rank inherits those threads' locks and can crash.
     """
     world_size = world_size_for(job.parallel)
-    fork = sys.platform == "linux" and not torch.cuda.is_available()
+    fork = fork and sys.platform == "linux" and not torch.cuda.is_available()
     method = "fork" if fork else "spawn"
     errors = mp.get_context(method).SimpleQueue()
     Path(job.target).mkdir(parents=True, exist_ok=True)
