@@ -158,3 +158,17 @@ def test_sft_tool_refuses_a_model_too_short_for_the_task(tmp_path) -> None:
     result = subprocess.run(command, capture_output=True, text=True, check=False, timeout=120, env=env)
     assert result.returncode != 0 and "max_sequence_length" in result.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_a_run_config_takes_the_chain_kind_and_bounds_its_prompt() -> None:
+    from megatron_quads.controller.config import ConfigError, load_config
+    from megatron_quads.controller.evaluation import eval_task
+
+    example = ROOT / "examples" / "embedded_default.yaml"
+    # 3 steps of one-digit operands: "9 +9 +9 +9 =" is 12 characters, plus <bos>
+    chain = ["task.kind=chain", "task.options.max_steps=3", "task.options.min_steps=3"]
+    cfg = load_config(example, [*chain, "rollout.max_new_tokens=51"])
+    held_out = eval_task(cfg)
+    assert isinstance(held_out, ChainTask) and held_out.config.split == "eval"
+    with pytest.raises(ConfigError, match=r"longest prompt \(13 tokens\) needs 65 positions"):
+        load_config(example, [*chain, "rollout.max_new_tokens=52"])
