@@ -12,7 +12,7 @@ from pathlib import Path
 
 from megatron_quads import manifest
 from megatron_quads.precision import Precision
-from megatron_quads.tasks import ArithmeticConfig, ArithmeticTask, CharTokenizer
+from megatron_quads.tasks import ArithmeticConfig, ArithmeticTask, CharTokenizer, Task
 
 ASSET_DIR = Path(__file__).parent / "assets" / "tiny_moe_sft"
 TOKENIZER_DIR = Path(__file__).parent / "assets" / "char_tokenizer"
@@ -51,12 +51,14 @@ def verify(directory: Path = ASSET_DIR) -> dict:
     return manifest.verify_manifest(directory, regenerate="regenerate it with tools/train_tiny_sft.py")
 
 
-def greedy_accuracy(weights: dict, hf_config, n: int = 200, seed: int = 1, precision: Precision = Precision("bf16")) -> float:
+def greedy_accuracy(weights: dict, hf_config, n: int = 200, seed: int = 1, precision: Precision = Precision("bf16"),
+                    heldout: Task | None = None, max_new_tokens: int = 8, device: str = "cpu") -> float:
     """Fraction of held-out problems answered right by greedy decoding with the built-in engine.
 
     ``weights``: the model's tensors by Hugging Face name (``PolicyWorker.export_hf_weights``);
     ``hf_config``: its transformers config (``trainer.hf_export.qwen3_moe_config``); ``precision``:
-    the engine's.
+    the engine's; ``heldout``: the problems (default: the embedded task's eval split), written with
+    the character tokenizer.
     """
     import torch
 
@@ -64,12 +66,12 @@ def greedy_accuracy(weights: dict, hf_config, n: int = 200, seed: int = 1, preci
     from megatron_quads.rollout.torch_engine import TorchRolloutEngine
     from megatron_quads.tasks import encode_prompt
 
-    tok, heldout = tokenizer(), task(split="eval")
-    engine = TorchRolloutEngine(hf_config, precision=precision, dtype=torch.float32)
+    tok, heldout = tokenizer(), heldout or task(split="eval")
+    engine = TorchRolloutEngine(hf_config, precision=precision, device=device, dtype=torch.float32)
     engine.load_weights(weights, version=0)
     prompts = heldout.sample_prompts(n, seed=seed)
     outs = engine.generate([encode_prompt(tok, p.text) for p in prompts],
-                           SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=(tok.eos_id,)))
+                           SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=(tok.eos_id,)))
     return sum(heldout.rewards(prompts, [tok.decode(g.token_ids) for g in outs])) / n
 
 

@@ -47,6 +47,21 @@ def masked_nll(logprobs: torch.Tensor, mb: dict) -> tuple:
     return -(logprobs * mask).sum(), mask.sum(), {"nll": -logprobs * mask}
 
 
+def save_model(worker: PolicyWorker, out: Path, extra: dict, files: dict[str, str] | None = None) -> None:
+    """Write ``out/checkpoint`` (model-only dist checkpoint with a manifest holding ``extra``) and
+    ``files`` (name -> text) beside it; ``out`` is replaced whole, never left half-written."""
+    staging = out.with_name(out.name + ".new")
+    shutil.rmtree(staging, ignore_errors=True)
+    worker.save_checkpoint(staging / "checkpoint", with_optimizer=False)
+    for rng_file in (staging / "checkpoint").glob("rng_rank*.pt"):
+        rng_file.unlink()  # RNG state is not part of the shipped model
+    embedded.write_manifest(staging / "checkpoint", extra)
+    for name, text in (files or {}).items():
+        (staging / name).write_text(text)
+    shutil.rmtree(out, ignore_errors=True)
+    staging.rename(out)
+
+
 def main() -> None:
     """Train, evaluate, save."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -75,17 +90,10 @@ def main() -> None:
             logger.info("step %d nll %.3f held-out accuracy %.3f (%.0fs)", step, metrics["nll"], accuracy, time.time() - start)
             if accuracy >= args.target:
                 break
-    staging = args.out.with_name(args.out.name + ".new")
-    shutil.rmtree(staging, ignore_errors=True)
-    worker.save_checkpoint(staging / "checkpoint", with_optimizer=False)
-    for rng_file in (staging / "checkpoint").glob("rng_rank*.pt"):
-        rng_file.unlink()  # RNG state is not part of the shipped model
-    embedded.write_manifest(staging / "checkpoint", {
+    save_model(worker, args.out, {
         "steps": step, "heldout_greedy_accuracy": accuracy, "command": "python tools/train_tiny_sft.py",
         "model": embedded.model_config_fields(), "arithmetic_level": embedded.ARITHMETIC_LEVEL,
     })
-    shutil.rmtree(args.out, ignore_errors=True)
-    staging.rename(args.out)
     logger.info("wrote %s (held-out greedy accuracy %.3f after %d steps)", args.out, accuracy, step)
 
 

@@ -185,12 +185,12 @@ class GRPOSection(_Strict):
 class TaskSection(_Strict):
     """What the policy is rewarded on; unset: the embedded default's arithmetic task and tokenizer."""
 
-    kind: Literal["arithmetic", "gsm8k", "math", "qa"] = "arithmetic"
+    kind: Literal["arithmetic", "chain", "gsm8k", "math", "qa"] = "arithmetic"
     options: dict[str, Any] = Field(default_factory=dict, description="megatron_quads.tasks.make_task options, e.g. path")
     tokenizer: str = Field("char", description="'char' or a Hugging Face tokenizer directory")
     eval_options: dict[str, Any] | None = Field(
-        None, description="make_task options of the held-out problems (default: arithmetic's eval split; a file "
-        "task needs one to evaluate, e.g. the path of its test file)"
+        None, description="make_task options of the held-out problems (default: the eval split of arithmetic or "
+        "chain; a file task needs one to evaluate, e.g. the path of its test file)"
     )
 
 

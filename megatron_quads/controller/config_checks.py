@@ -88,7 +88,7 @@ def vllm_max_model_len_problem(cfg: RunConfig) -> str | None:
 
 def longest_task_prompt(cfg: RunConfig, evaluation: bool = False) -> int | None:
     """Tokens of the longest prompt the run's task (``evaluation``: its held-out problems) can draw, when
-    the config alone fixes it: the arithmetic task with the character tokenizer (``<bos>`` and one
+    the config alone fixes it: the arithmetic or chain task with the character tokenizer (``<bos>`` and one
     token per character). None otherwise: a data file's prompts are measured once tokenized, at run time."""
     from megatron_quads import embedded
     from megatron_quads.tasks import make_task
@@ -97,13 +97,13 @@ def longest_task_prompt(cfg: RunConfig, evaluation: bool = False) -> int | None:
         return None
     if cfg.task is None:
         return embedded.task(split="eval" if evaluation else "train").config.max_prompt_len + 1
-    if cfg.task.kind != "arithmetic" or cfg.task.tokenizer != "char":
+    if cfg.task.kind not in ("arithmetic", "chain") or cfg.task.tokenizer != "char":
         return None
     key, options = "task.options", cfg.task.options
     if evaluation and cfg.task.eval_options is not None:
         key, options = "task.eval_options", cfg.task.eval_options
     try:
-        task = make_task("arithmetic", **dict(options))
+        task = make_task(cfg.task.kind, **dict(options))
     except (TypeError, ValueError) as err:
         raise ValueError(f"{key}: {err}") from None
     return task.config.max_prompt_len + 1

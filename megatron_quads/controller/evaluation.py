@@ -25,8 +25,8 @@ def eval_task(cfg: RunConfig) -> Task | None:
         return embedded.task(split="eval")
     if cfg.task.eval_options is not None:
         return make_task(cfg.task.kind, **task_options(cfg, cfg.task.eval_options))
-    if cfg.task.kind == "arithmetic":
-        return make_task("arithmetic", **{**dict(cfg.task.options), "split": "eval"})
+    if cfg.task.kind in ("arithmetic", "chain"):
+        return make_task(cfg.task.kind, **{**dict(cfg.task.options), "split": "eval"})
     if cfg.eval.every:
         raise ValueError(f"eval.every is set but task kind {cfg.task.kind!r} has no held-out split: set "
                          "task.eval_options (e.g. path of the test file)")

@@ -17,6 +17,7 @@ from megatron_quads.tasks.arithmetic import (
     ArithmeticTask,
     evaluate,
 )
+from megatron_quads.tasks.arithmetic_chain import ChainConfig, ChainTask
 from megatron_quads.tasks.base import (
     DatasetStream,
     GeneratorStream,
@@ -50,14 +51,15 @@ from megatron_quads.tasks.tokenizer import (
     stop_ids,
 )
 
-TASK_KINDS = ("arithmetic", "gsm8k", "math", "qa")
+TASK_KINDS = ("arithmetic", "chain", "gsm8k", "math", "qa")
 
 
 def make_task(kind: str, **options: Any) -> Task:
     """A task from a config entry.
 
     ``make_task("arithmetic", level=1)`` or ``make_task("arithmetic", max_digits=3, operators="+-*")``
-    (``ArithmeticConfig`` fields, applied over ``level`` when given); ``make_task("gsm8k", path=...)``,
+    (``ArithmeticConfig`` fields, applied over ``level`` when given); ``make_task("chain", max_steps=40)``
+    (``ChainConfig`` fields); ``make_task("gsm8k", path=...)``,
     ``make_task("math", path=...)``, ``make_task("qa", path=..., question_field=..., answer_field=...)``
     (``MathTask.from_file`` options).
     """
@@ -66,6 +68,9 @@ def make_task(kind: str, **options: Any) -> Task:
         level = options.pop("level", None)
         config = ArithmeticConfig.level(level, **options) if level is not None else ArithmeticConfig(**options)
         return ArithmeticTask(config, name=name)
+    if kind == "chain":
+        name = options.pop("name", "chain")
+        return ChainTask(ChainConfig(**options), name=name)
     if kind in ("gsm8k", "math", "qa"):
         if "path" not in options:
             raise ValueError(f"task kind {kind!r} needs path=<local .jsonl/.json/.parquet file>")
@@ -83,6 +88,8 @@ __all__ = [
     "TASK_KINDS",
     "ArithmeticConfig",
     "ArithmeticTask",
+    "ChainConfig",
+    "ChainTask",
     "CharTokenizer",
     "DatasetStream",
     "GeneratorStream",
