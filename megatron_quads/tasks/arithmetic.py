@@ -16,19 +16,15 @@ from __future__ import annotations
 import random
 import re
 import zlib
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
 from megatron_quads.tasks.base import (
-    GeneratorStream,
+    GeneratedTask,
     Prompt,
-    PromptStream,
     RewardReason,
     RewardResult,
-    Task,
     fingerprint,
-    seed_from,
 )
 
 OPERATORS = "+-*"
@@ -143,7 +139,7 @@ def is_eval_problem(prompt_text: str, eval_fraction: float) -> bool:
     return zlib.crc32(prompt_text.encode()) < eval_fraction * 2**32
 
 
-class ArithmeticTask(Task):
+class ArithmeticTask(GeneratedTask):
     """``"12+7="`` → ``"19;"``: integer arithmetic with a character-level format."""
 
     def __init__(self, config: ArithmeticConfig | None = None, name: str = "arithmetic") -> None:
@@ -174,25 +170,9 @@ class ArithmeticTask(Task):
             return text, result
         raise RuntimeError(f"no problem met the constraints of {cfg} in {_MAX_ATTEMPTS} draws; loosen them")
 
-    def stream(self, seed: int = 0) -> PromptStream:
-        def draw(rng: random.Random, seed: int, position: int) -> Prompt:
-            text, result = self.draw_problem(rng)
-            return Prompt(id=f"{self.name}/s{seed}/{position}", text=text, answer=str(result))
-
-        return GeneratorStream(self._fingerprint, seed_from(seed), draw)
-
     def target(self, prompt: Prompt) -> str:
         """The completion the policy should write: the answer and the end marker."""
         return prompt.answer + self.config.end_marker
-
-    def sft_pairs(self, n: int, seed: int | random.Random = 0) -> list[tuple[str, str]]:
-        """``n`` supervised ``(prompt, completion)`` pairs, e.g. ``("12+7=", "19;")``, for warm-start SFT."""
-        return [(p.text, self.target(p)) for p in self.sample_prompts(n, seed)]
-
-    def iter_sft_pairs(self, seed: int | random.Random = 0) -> Iterator[tuple[str, str]]:
-        """An endless stream of ``(prompt, completion)`` pairs."""
-        for p in self.stream(seed_from(seed)):
-            yield p.text, self.target(p)
 
     # ------------------------------------------------------------------ reward
     def score(self, prompt: Prompt, response_text: str) -> RewardResult:

@@ -18,20 +18,16 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Literal
 
 from megatron_quads.tasks.arithmetic import END_MARKER, is_eval_problem
 from megatron_quads.tasks.base import (
-    GeneratorStream,
+    GeneratedTask,
     Prompt,
-    PromptStream,
     RewardReason,
     RewardResult,
-    Task,
     fingerprint,
-    seed_from,
 )
 
 CHAIN_OPERATORS = "+-*"
@@ -126,7 +122,7 @@ def worked_solution(start: int, steps: list[tuple[str, int]], end_marker: str = 
     return " ".join([*lines, f"({value})"]) + end_marker
 
 
-class ChainTask(Task):
+class ChainTask(GeneratedTask):
     """``"7 +5 *3 ="`` -> ``"7+5=12 12*3=36 (36);"``: a left-to-right chain with every step written out."""
 
     def __init__(self, config: ChainConfig | None = None, name: str = "chain") -> None:
@@ -164,26 +160,10 @@ class ChainTask(Task):
             return text, result
         raise RuntimeError(f"no problem of split {cfg.split!r} in {_MAX_ATTEMPTS} draws with {cfg}")
 
-    def stream(self, seed: int = 0) -> PromptStream:
-        def draw(rng: random.Random, seed: int, position: int) -> Prompt:
-            text, result = self.draw_problem(rng)
-            return Prompt(id=f"{self.name}/s{seed}/{position}", text=text, answer=str(result))
-
-        return GeneratorStream(self._fingerprint, seed_from(seed), draw)
-
     def target(self, prompt: Prompt) -> str:
         """The completion the policy should write: the worked steps, ``(answer)`` and the end marker."""
         start, steps = parse_chain(prompt.text)
         return worked_solution(start, steps, self.config.end_marker)
-
-    def sft_pairs(self, n: int, seed: int | random.Random = 0) -> list[tuple[str, str]]:
-        """``n`` supervised ``(prompt, completion)`` pairs for warm-start SFT."""
-        return [(p.text, self.target(p)) for p in self.sample_prompts(n, seed)]
-
-    def iter_sft_pairs(self, seed: int | random.Random = 0) -> Iterator[tuple[str, str]]:
-        """An endless stream of ``(prompt, completion)`` pairs."""
-        for p in self.stream(seed_from(seed)):
-            yield p.text, self.target(p)
 
     def score(self, prompt: Prompt, response_text: str) -> RewardResult:
         """1.0 when the last piece before the end marker is ``(N)`` with N the result; else 0.0."""

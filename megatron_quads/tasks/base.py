@@ -262,3 +262,35 @@ class Task(ABC):
 
     def rewards(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> list[float]:
         return [r.reward for r in self.score_batch(prompts, responses)]
+
+
+class GeneratedTask(Task):
+    """A task whose problems are drawn from a random generator and whose ideal completion is known:
+    subclasses give :meth:`draw_problem`, :meth:`target`, :meth:`score` and set ``_fingerprint`` (the
+    stream's identity, from the task's config); the stream and the SFT pairs follow from them."""
+
+    _fingerprint: str
+
+    @abstractmethod
+    def draw_problem(self, rng: random.Random) -> tuple[str, int]:
+        """One problem ``(prompt_text, result)`` drawn from ``rng``."""
+
+    @abstractmethod
+    def target(self, prompt: Prompt) -> str:
+        """The completion the policy should write for ``prompt``."""
+
+    def stream(self, seed: int = 0) -> PromptStream:
+        def draw(rng: random.Random, seed: int, position: int) -> Prompt:
+            text, result = self.draw_problem(rng)
+            return Prompt(id=f"{self.name}/s{seed}/{position}", text=text, answer=str(result))
+
+        return GeneratorStream(self._fingerprint, seed_from(seed), draw)
+
+    def sft_pairs(self, n: int, seed: int | random.Random = 0) -> list[tuple[str, str]]:
+        """``n`` supervised ``(prompt, completion)`` pairs for warm-start SFT."""
+        return [(p.text, self.target(p)) for p in self.sample_prompts(n, seed)]
+
+    def iter_sft_pairs(self, seed: int | random.Random = 0) -> Iterator[tuple[str, str]]:
+        """An endless stream of ``(prompt, completion)`` pairs."""
+        for p in self.stream(seed_from(seed)):
+            yield p.text, self.target(p)
