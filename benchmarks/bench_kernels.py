@@ -359,9 +359,7 @@ def _routed_cases(quick: bool):
     for proj, (n, k) in QWEN3_EXPERT_SHAPES.items():
         w, qw = _weight(n, k, experts)
         w_t = w.transpose(1, 2)  # [E, K, N] column-major view, what grouped_mm's B expects
-        from megatron_quads.kernels.dispatch import X_ORDER_MIN_ROWS_PER_EXPERT
-
-    for tokens in (64, 512) if quick else (8, 32, 64, 128, 256, 512):
+        for tokens in (64, 512) if quick else (8, 32, 64, 128, 256, 512):
             counts = _routing(tokens, experts, topk)
             offsets = expert_offsets_from_counts(counts)
             yield proj, w_t, qw, tokens, counts, offsets, torch.randn(tokens * topk, k, device=DEV, dtype=torch.bfloat16)
@@ -370,7 +368,7 @@ def _routed_cases(quick: bool):
 GROUPED_WEIGHT_TILES = ((64, 128, 4, 4), (64, 128, 4, 3), (128, 128, 4, 4), (128, 128, 4, 3), (128, 128, 8, 4),
                         (128, 256, 8, 3), (256, 64, 8, 4))
 """(BLOCK_N, BLOCK_K, num_warps, num_stages) timed with each token tile in the ``grouped`` section:
-the grouped kernel's autotune candidates (``kernels.w4a16._grouped_configs``)."""
+tiles around the grouped kernel's default (``kernels.w4a16.GROUPED_TILES``)."""
 
 
 def _token_tile_times(x: torch.Tensor, qw, offsets: torch.Tensor) -> dict[str, float]:
@@ -404,8 +402,8 @@ def _x_mma_order_sweep(x: torch.Tensor, ordered_x: torch.Tensor, qw, offsets: to
                        bf16_us: float) -> dict[str, float | str]:
     """The Triton grouped kernel on x whose rows are already in its K order (``x_mma_order``: x tiles
     go from shared memory to the MMA as loaded), best of :data:`GROUPED_X_MMA_ORDER_CONFIGS`, each
-    checked bit for bit against the natural-order kernel with the same config; the x-order
-    autotuner's pick; the tuned call writing its output in that order too (``y_mma_order``, what
+    checked bit for bit against the natural-order kernel with the same config; the default
+    tile; the tuned call writing its output in that order too (``y_mma_order``, what
     gate/up does for the down projection); and what putting x in that order costs as a separate copy
     (the routed rows, and the ``tokens`` rows before the MoE gather, which is where
     :class:`~megatron_quads.rollout.grouped_experts.GroupedExperts` does it)."""
@@ -435,7 +433,7 @@ def _x_mma_order_sweep(x: torch.Tensor, ordered_x: torch.Tensor, qw, offsets: to
 
 
 def bench_grouped(bandwidth: float, quick: bool) -> list[dict]:
-    """The Triton grouped W4A16 kernel (``kernel="triton"``, autotuned) at Qwen3-30B-A3B expert shapes
+    """The Triton grouped W4A16 kernel (``kernel="triton"``, its default tile) at Qwen3-30B-A3B expert shapes
     vs BF16 ``torch._grouped_mm``, with each token tile, and on x in its K order."""
     from megatron_quads.kernels.w4a16 import X_ORDER_BLOCK_K, grouped_w4a16_into, mma_k_order_rows
 
@@ -456,7 +454,7 @@ def bench_grouped(bandwidth: float, quick: bool) -> list[dict]:
 
 
 WS_CONFIGS = [
-    {},  # the defaults (w4a16_ws.default_config: BLOCK_K 256, with the scale bytes in the ring, where 256 divides K; DYNAMIC up to K 1024)
+    {},  # the defaults (w4a16_ws.default_config: BLOCK_K 256, with the scale bytes in the ring, where 256 divides K; and the DYNAMIC schedule)
     {"DYNAMIC": 0},
     {"DYNAMIC": 1},
     {"LOADER_REGS": 24},
@@ -475,7 +473,7 @@ def bench_grouped_ws(bandwidth: float, quick: bool) -> list[dict]:
     """The warp-specialized Gluon grouped kernel at Qwen3-30B-A3B expert shapes, x in its K order:
     ``us`` at its defaults, the best of :data:`WS_CONFIGS`, and the defaults writing y in that order
     too, each config checked against the Triton kernel first; against the Triton kernel on the same
-    x (``kernel="triton"``, its autotuner) and BF16 ``torch._grouped_mm``."""
+    x (``kernel="triton"``, its default tile) and BF16 ``torch._grouped_mm``."""
     from triton.errors import TritonError
 
     from megatron_quads.kernels.w4a16 import X_ORDER_BLOCK_K, grouped_w4a16_into, mma_k_order_rows

@@ -93,10 +93,10 @@ def test_warp_specialized_grouped_and_tail_width_follow_the_device(monkeypatch: 
 
 @needs_gluon
 def test_x_order_policy(monkeypatch: pytest.MonkeyPatch) -> None:
-    """x in the K order of 128-blocks where the kernels run it, bf16, >= 16 mean rows an expert, K % 128 == 0."""
-    assert dispatch.X_ORDER_MIN_ROWS_PER_EXPERT == 16
-    assert dispatch.x_order_block(True, BF16, 16, 2048) == 128
-    assert dispatch.x_order_block(True, BF16, 15.5, 2048) is None
+    """x in the K order of 128-blocks where the kernels run it, bf16, >= 1 mean row an expert, K % 128 == 0."""
+    assert dispatch.X_ORDER_MIN_ROWS_PER_EXPERT == 1
+    assert dispatch.x_order_block(True, BF16, 1, 2048) == 128
+    assert dispatch.x_order_block(True, BF16, 0.5, 2048) is None
     assert dispatch.x_order_block(False, BF16, 64, 2048) is None
     assert dispatch.x_order_block(True, torch.float16, 64, 2048) is None
     assert dispatch.x_order_block(True, BF16, 64, 2048 + 64) is None

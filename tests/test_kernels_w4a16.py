@@ -480,7 +480,7 @@ def test_launches_without_host_sync(kernel_device: str) -> None:
     offsets = expert_offsets_from_counts(torch.tensor([5, 0, 9, 1, 0, 0, 30, 3])).to(kernel_device)
     x = _activations((48, 512), torch.bfloat16, kernel_device)
     dense_weight = _gaussian_weight((256, 512), kernel_device)
-    w4a16.grouped_w4a16_kernel(x, weight, offsets)  # autotune (which synchronises) happens here
+    w4a16.grouped_w4a16_kernel(x, weight, offsets)  # compilation (which synchronises) happens here
     w4a16.w4a16_linear_kernel(x[:16], dense_weight)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

@@ -236,7 +236,8 @@ def test_default_configs_follow_k() -> None:
     wide, wide_short, short, odd = (w4a16_ws.default_config(k) for k in (2048, 768, 640, 1152))
     for cfg in (wide, wide_short):
         assert (cfg["BLOCK_K"], cfg["BLOCK_N"]) == (256, 128) and w4a16_ws._scale_ring(cfg)
-    assert wide_short["DYNAMIC"] and not wide.get("DYNAMIC")  # the shared tile counter where K is short
+    assert wide["DYNAMIC"] and wide_short["DYNAMIC"]  # the shared tile counter wherever 256 divides K
+    assert not odd.get("DYNAMIC") and not short.get("DYNAMIC")
     assert (odd["BLOCK_K"], odd["BLOCK_N"]) == (128, 128) and not w4a16_ws._scale_ring(odd)
     assert (short["BLOCK_K"], short["BLOCK_N"], short["num_warps"]) == (128, 64, 4) and not w4a16_ws._scale_ring(short)
     for k, cfg in ((2048, wide), (768, wide_short), (640, short), (1152, odd)):

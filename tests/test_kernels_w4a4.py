@@ -49,9 +49,9 @@ def _one_w4a16_config(monkeypatch: pytest.MonkeyPatch) -> None:
 
     split_4 = [c for c in w4a16._dense_tuned.configs if c.kwargs["SPLIT_K"] == 4]  # the tail's split-K share too
     monkeypatch.setattr(w4a16._dense_tuned, "configs", split_4[:1] or w4a16._dense_tuned.configs[:1])
-    for tuner in (w4a16._dense_tuned_large, w4a16._grouped_tuned):
+    for tuner in (w4a16._dense_tuned_large,):
         monkeypatch.setattr(tuner, "configs", tuner.configs[:1])
-    for tuner in (w4a16._dense_tuned, w4a16._dense_tuned_large, w4a16._grouped_tuned):
+    for tuner in (w4a16._dense_tuned, w4a16._dense_tuned_large):
         # choices cached by other tests may be configs outside the list above, which the launcher
         # sizes its split-K buffers from
         monkeypatch.setattr(tuner, "cache", {})

@@ -9,17 +9,15 @@ one CUDA GPU:
 
 - the Triton grouped kernel (``kernel="triton"``) at every config of :data:`TRITON_TILES` with each
   token tile it may take, checked against the reference first;
-- what its autotuner picks when it tunes on the routing of a warm-up batch whose tokens are all the
-  same (every token to the same ``topk`` experts, as an engine's dummy forward routes) and how fast
-  that pick then runs on the skewed routing, beside the pick when it tunes on the skewed routing;
+- the kernel's default tile for the call (``kernels.w4a16.grouped_tile``);
 - the warp-specialized Gluon grouped kernel (x in its K order, sm_90) at :data:`WS_CONFIGS`, and
   what putting the tokens' rows in that order costs;
 - the byte floor: the reached experts' FP4 codes and scales, x and y, over the device-to-device
   copy bandwidth measured in the same run.
 
 Writes one JSON record (device, date, command, bandwidth, per case every timing and the best config)
-and prints a summary line per case. Used to choose the kernels' decode configs
-(``megatron_quads.kernels.grouped_configs``).
+and prints a summary line per case. The evidence for ``kernels.w4a16.GROUPED_TILES``,
+``kernels.w4a16_ws.WIDE_K_CONFIG`` and ``kernels.dispatch.X_ORDER_MIN_ROWS_PER_EXPERT``.
 """
 
 from __future__ import annotations
@@ -29,6 +27,7 @@ import datetime
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -77,9 +76,14 @@ def time_us(fn, calls: int = 20, repeats: int = 7) -> float:
 
 
 def copy_bandwidth() -> float:
-    """Device-to-device copy bandwidth, bytes/s (read + write) of a 1 GiB copy."""
+    """Device-to-device copy bandwidth, bytes/s (read + write) of a 1 GiB copy, after a second of
+    copies (an idle GPU starts at low clocks)."""
     src = torch.empty(2**28, dtype=torch.float32, device="cuda").uniform_()
     dst = torch.empty_like(src)
+    start = time.perf_counter()
+    while time.perf_counter() - start < 1.0:
+        dst.copy_(src)
+        torch.cuda.synchronize()
     return 2 * src.numel() * 4 / (time_us(lambda: dst.copy_(src)) * 1e-6)
 
 
@@ -146,15 +150,8 @@ def tune_case(name: str, n: int, k: int, experts: int, topk: int, tokens: int, b
     case.update(triton_best=best, triton_best_us=timed[best], triton_best_frac_of_floor=round(case["floor_us"] / timed[best], 3),
                 triton_sweep=triton_times)
 
-    # the autotuner tuned on a dummy batch (every token routed alike) vs on the real routing
-    same = torch.zeros(experts, dtype=torch.int64, device="cuda")
-    same[:topk] = tokens
-    for label, tune_offsets in (("autotune_on_real", offsets), ("autotune_on_dummy", offsets_of(same))):
-        w4a16._grouped_tuned.cache.clear()
-        w4a16.grouped_w4a16_into(x, qw, tune_offsets, out, kernel="triton")
-        pick = next(iter(w4a16._grouped_tuned.cache.values()))
-        case[label] = {"config": str(pick), "us": round(time_us(lambda: w4a16.grouped_w4a16_into(x, qw, offsets, out, kernel="triton")), 2)}
-    w4a16._grouped_tuned.cache.clear()
+    tile = {"BLOCK_M": block_m_default, **w4a16.grouped_tile(block_m_default, False)}
+    case["default_tile"] = {"config": str(tile), "us": round(time_us(lambda: w4a16.grouped_w4a16_into(x, qw, offsets, out, kernel="triton")), 2)}
 
     ws = warp_specialized_grouped(x.device, k)
     if ws is not None:
@@ -214,8 +211,8 @@ def main(argv: list[str] | None = None) -> None:
             record["cases"].append(case)
             args.out.write_text(json.dumps(record, indent=1))
             print(f"{name} tokens={tokens}: floor {case['floor_us']} us, triton best {case['triton_best_us']} "
-                  f"({case['triton_best']}), ws best {case.get('ws_best_us')} ({case.get('ws_best')}), autotune real "
-                  f"{case['autotune_on_real']['us']} dummy {case['autotune_on_dummy']['us']}", flush=True)
+                  f"({case['triton_best']}), default tile {case['default_tile']['us']}, ws best {case.get('ws_best_us')} "
+                  f"({case.get('ws_best')})", flush=True)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ grouped W4A16     sm_90, bf16, x in the kernel's K order,                  warp-
                   256-column steps with ``K % 256 == 0``, no config
 ..                otherwise                                                Triton grouped
 grouped x order   the kernels run x (``use_kernels``), bf16, mean          x in the K order of 128-column
-                  routed rows per expert >= 16                             blocks (``mma_k_order_rows``)
+                  routed rows per expert >= 1                              blocks (``mma_k_order_rows``)
                   (:data:`X_ORDER_MIN_ROWS_PER_EXPERT`), ``K % 128 == 0``
 ..                otherwise                                                natural order
 grouped RAC tail  the warp-specialized grouped kernel takes K              the tail widened to whole
@@ -59,10 +59,13 @@ WS_DENSE_MAX_M = 16
 reordered by its x warps); beyond, the Triton kernel was the faster
 (``benchmarks/bench_kernels.py --only w4a16_ws_dense``)."""
 
-X_ORDER_MIN_ROWS_PER_EXPERT = 16
-"""Mean routed rows per expert from which the grouped path takes x in the kernel's K order: there
-the reordering of the tokens' rows costs less than the kernel saves; at a few rows an expert it is a
-loss (``benchmarks/bench_kernels.py --only grouped``)."""
+X_ORDER_MIN_ROWS_PER_EXPERT = 1
+"""Mean routed rows per expert from which the grouped path takes x in the kernel's K order (and so,
+on sm_90, the warp-specialized grouped kernel): from 2 rows an expert (32 tokens, top-8 of 128) that
+kernel saved 9-16% of gate/up and down together over the Triton one, more than the 2.5-3 us the
+reordering of the tokens' rows costs; at 0.5 rows an expert (8 tokens) the two kernels were within
+2% and the reordering a loss (``tools/tune_grouped_w4a16.py`` on an H200,
+benchmarks/results/grouped_tiles_gpu.json)."""
 
 X_ORDER_BLOCK_K = 128
 """BLOCK_K of the grouped kernels' ``x_mma_order`` path (the K order depends on it), and the block of

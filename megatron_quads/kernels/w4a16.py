@@ -436,16 +436,23 @@ def _dense_configs(splits: tuple[int, ...]) -> list[triton.Config]:
     return [_config(bn, bk, s, w, st) for bn, bk, w, st in tiles for s in splits]
 
 
-def _grouped_configs(block_k: int | None = None) -> list[triton.Config]:
-    """The grouped kernel's autotune candidates; with ``block_k`` (the ``x_mma_order`` path) those
-    of that BLOCK_K (``benchmarks/bench_kernels.py --only grouped`` times what the autotuner picks)."""
-    if _INTERPRET:
-        return [_config(32, block_k or 64, None, 4, 1)]
-    tiles = ((64, 128, 4, 4), (64, 128, 4, 3), (128, 128, 4, 4), (128, 128, 4, 3), (128, 128, 8, 4), (128, 256, 8, 3),
-             (256, 64, 8, 4))
-    if block_k is not None:
-        tiles = tuple(t for t in tiles if t[1] == block_k)
-    return [_config(bn, bk, None, w, st) for bn, bk, w, st in tiles]
+GROUPED_TILES = {16: (128, 128, 4, 4), 32: (128, 128, 4, 3), 64: (128, 128, 4, 3)}
+"""The grouped kernel's (BLOCK_N, BLOCK_K, num_warps, num_stages) per token tile (``BLOCK_M``): the
+fastest or within 3% of it at every decode size of Qwen3-30B-A3B's expert shapes (8..512 tokens, top-8
+of 128, gate/up and down) in a sweep of 36 tiles on an H200 (``tools/tune_grouped_w4a16.py``,
+benchmarks/results/grouped_tiles_gpu.json). Fixed rather than autotuned: an engine's warm-up forward
+routes every token to the same experts, and tiles tuned on that routing ran the real one up to 1.4x
+slower."""
+
+_INTERPRET_GROUPED_TILE = (32, 64, 4, 1)
+"""A small tile under ``TRITON_INTERPRET=1`` (the interpreter's time grows with the tile)."""
+
+
+def grouped_tile(block_m: int, x_mma_order: bool) -> dict[str, int]:
+    """The grouped kernel's launch config for token tile ``block_m`` (:data:`GROUPED_TILES`); with
+    ``x_mma_order`` its ``BLOCK_K`` is :data:`X_ORDER_BLOCK_K`, the block of x's K order."""
+    bn, bk, warps, stages = _INTERPRET_GROUPED_TILE if _INTERPRET else GROUPED_TILES[block_m]
+    return {"BLOCK_N": bn, "BLOCK_K": X_ORDER_BLOCK_K if x_mma_order else bk, "num_warps": warps, "num_stages": stages}
 
 
 @functools.cache
@@ -512,9 +519,6 @@ def _half_tile(args: dict[str, Any]) -> bool:
 
 _grouped_heuristic = triton.heuristics(
     {"EVEN_K": _even_k, "EVEN_K2": _even_k2, "HAS_TAIL": _has_tail, "HALF_TILE": _half_tile})(_grouped_kernel)
-_grouped_tuned = triton.autotune(configs=_grouped_configs(), key=["BLOCK_M", "N", "K", "K2"])(_grouped_heuristic)
-_grouped_tuned_x_order = triton.autotune(configs=_grouped_configs(X_ORDER_BLOCK_K), key=["BLOCK_M", "N", "K", "K2"])(
-    _grouped_heuristic)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -743,12 +747,12 @@ def grouped_w4a16_into(
     tail permitting, run the warp-specialized grouped kernel, others the Triton one), ``"triton"``
     or ``"ws"`` picks one (``"ws"`` raises ``ValueError`` where it cannot run). ``config`` is the
     chosen kernel's: for Triton ``BLOCK_N``, ``BLOCK_K``, optional ``BLOCK_M``/``num_warps``/
-    ``num_stages`` (skipping its autotuner), for ``"ws"`` see
+    ``num_stages`` (instead of :func:`grouped_tile`), for ``"ws"`` see
     :func:`~megatron_quads.kernels.w4a16_ws.grouped_w4a16_ws_into`; a config without ``kernel`` runs
     the Triton kernel.
     ``x_mma_order`` says x's rows are already in the kernel's K order for :data:`X_ORDER_BLOCK_K`
     (:func:`mma_k_order_rows`): x tiles then go from shared memory to the MMA as loaded, and every
-    config (autotuned or given) uses that ``BLOCK_K``. ``y_mma_order`` writes each row of ``out`` in
+    config (the default or a given one) uses that ``BLOCK_K``. ``y_mma_order`` writes each row of ``out`` in
     that K order (``mma_k_order_rows(y, X_ORDER_BLOCK_K)``, N a multiple of the block): an elementwise
     op on it (the MoE's ``act(gate) * up``) then yields the next grouped GEMM's ``x_mma_order`` input.
     ``tail`` (stacked ``[E, N, K2]``, the weight's ``weight_scale_2``) and ``row_scale`` (fp32 ``[T]``)
@@ -805,12 +809,10 @@ def grouped_w4a16_into(
     def grid(meta: dict[str, Any]) -> tuple[int, int]:
         return (triton.cdiv(n, meta["BLOCK_N"]), num_experts)
 
-    if config is None:
-        (_grouped_tuned_x_order if x_mma_order else _grouped_tuned)[grid](*args, **common)
-    else:
-        launch = {key: config[key] for key in ("BLOCK_N", "BLOCK_K")}
-        _grouped_heuristic[grid](*args, **common, **launch, num_warps=config.get("num_warps", 4),
-                                 num_stages=config.get("num_stages", 3))
+    tile = grouped_tile(block_m, x_mma_order) if config is None else {
+        "BLOCK_N": config["BLOCK_N"], "BLOCK_K": config["BLOCK_K"], "num_warps": config.get("num_warps", 4),
+        "num_stages": config.get("num_stages", 3)}
+    _grouped_heuristic[grid](*args, **common, **tile)
     return out
 
 
