@@ -68,6 +68,21 @@ def test_reblock_kernel_equals_the_reference_byte_for_byte(shape: tuple[int, int
         assert torch.equal(got_codes.cpu(), q.codes)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the channels live on the host, the weight on a CUDA device")
+def test_reblock_takes_host_channels_for_a_gpu_weight() -> None:
+    """Channels chosen on the host (RAC calibration's selection) re-block a weight on the GPU: the
+    kernel path moves them to the weight's device and gives the reference's bytes."""
+    q = _stacked(2, 16, 256)
+    channels = _channels(2, 256, 64)
+    with reference_path():
+        reference = reblock_columns(expert_weight(q, 0), channels[0])
+    on_gpu = NVFP4Tensor(q.codes.cuda(), q.scales.cuda(), q.weight_scale_2.cuda(), q.shape, q.dtype)
+    got = reblock_columns(expert_weight(on_gpu, 0), channels[0])  # channels stay on the host
+    assert got.codes.device.type == "cuda"
+    assert torch.equal(got.codes.cpu(), reference.codes)
+    assert torch.equal(got.scales.cpu().view(torch.uint8), reference.scales.view(torch.uint8))
+
+
 def test_leading_amax_is_each_experts_max_and_shows_nan() -> None:
     gen = torch.Generator().manual_seed(2)
     w = (torch.randn(5, 24, 80, generator=gen) * torch.logspace(-4, 2, 5)[:, None, None]).to(torch.bfloat16)

@@ -103,7 +103,7 @@ def reblock_columns_deferred(weight: NVFP4Tensor, channels: torch.Tensor) -> tup
         if use_kernels(codes):
             from megatron_quads.nvfp4.reblock_kernel import reblock_columns_kernel
 
-            out_codes, out_scales = reblock_columns_kernel(codes, scales, ws2, amax, ch)
+            out_codes, out_scales = reblock_columns_kernel(codes, scales, ws2, amax, ch.to(device=device))
         else:
             out_codes, out_scales = _reblock_reference(codes, scales, ws2, amax, ch.to(device=device, dtype=torch.int64))
     if not stacked:
