@@ -42,7 +42,6 @@ from vllm_support import RATIO, calibrated_weights, embedded_hf_weights, perturb
 from megatron_quads.precision import ROLLOUT_KINDS, Precision  # noqa: E402
 from megatron_quads.rollout.engine import SamplingParams  # noqa: E402
 from megatron_quads.rollout.checkpoint_format import MODEL_CONFIG_FILE, write_checkpoint  # noqa: E402
-from megatron_quads.rollout.engine import ENGINE_PRECISIONS, SamplingParams  # noqa: E402
 from megatron_quads.rollout.quantized_checkpoint import save_quantized_weights  # noqa: E402
 from megatron_quads.vllm_plugin.engine import VllmRolloutEngine  # noqa: E402
 
