@@ -114,7 +114,7 @@ def _grouped_experts(precision: str, hidden: int, ffn: int, experts: int, device
 def test_grouped_experts_with_x_in_the_kernel_order_match_the_natural_order(monkeypatch: pytest.MonkeyPatch) -> None:
     """On CUDA with bf16 activations the W4A16 layer puts the tokens' rows in the kernel's K order
     before the gather, and gate/up writes the down projection's input in it; its output is the
-    natural-order kernels' within fp32 summation order (the autotuners may pick different tiles)."""
+    natural-order kernels' within fp32 summation order (the two paths run different kernels and tiles)."""
     from megatron_quads.kernels import dispatch
 
     torch.manual_seed(0)
@@ -122,8 +122,9 @@ def test_grouped_experts_with_x_in_the_kernel_order_match_the_natural_order(monk
     hidden = torch.randn(80, 256, device="cuda", dtype=torch.bfloat16)
     top_k_index = torch.rand(80, 8, device="cuda").topk(2, dim=1).indices  # 20 rows an expert
     top_k_weights = torch.rand(80, 2, device="cuda")
-    assert layer.gate_up.input_order(hidden, 20) == 128 and layer.gate_up.input_order(hidden, 4) is None
-    assert layer._down_input_in_kernel_order(hidden, 20) and not layer._down_input_in_kernel_order(hidden, 4)
+    below = dispatch.X_ORDER_MIN_ROWS_PER_EXPERT / 2
+    assert layer.gate_up.input_order(hidden, 20) == 128 and layer.gate_up.input_order(hidden, below) is None
+    assert layer._down_input_in_kernel_order(hidden, 20) and not layer._down_input_in_kernel_order(hidden, below)
     ordered = layer(hidden, top_k_index, top_k_weights, torch.nn.functional.silu)
     monkeypatch.setattr(dispatch, "X_ORDER_MIN_ROWS_PER_EXPERT", 1 << 30)
     assert layer.gate_up.input_order(hidden, 20) is None and not layer._down_input_in_kernel_order(hidden, 20)
