@@ -2,6 +2,8 @@
 
     python tools/tune_grouped_w4a16.py --out tune.json [--tokens 8 32 64 128 256 512]
         [--shape gate_up:1536,2048 --shape down:2048,768] [--experts 128] [--topk 8]
+    python tools/tune_grouped_w4a16.py --launch-only {ws,triton} --tokens 64 [--shape ...]
+        # one case's kernel launched 3 times, untimed: for ncu (tools/gpu/ncu_grouped.sh)
 
 For each expert projection ``[E, N, K]`` and each decode batch (``tokens`` tokens, each routed to
 ``topk`` experts with a trained model's skew: expert popularity ``exp(0.5 z)``, ``z ~ N(0, 1)``), on
@@ -178,6 +180,24 @@ def tune_case(name: str, n: int, k: int, experts: int, topk: int, tokens: int, b
     return case
 
 
+def launch_only(kernel: str, n: int, k: int, experts: int, topk: int, tokens: int, generator: torch.Generator) -> None:
+    """Launch one case's grouped kernel (``"ws"``: x in its K order; ``"triton"``: natural x) at its
+    defaults three times, untimed, for a profiler that picks the last launch."""
+    from megatron_quads.kernels import w4a16
+    from megatron_quads.kernels.dispatch import X_ORDER_BLOCK_K
+
+    qw = stacked_weight(experts, n, k)
+    offsets = offsets_of(skewed_counts(tokens, experts, topk, generator))
+    x = torch.randn(tokens * topk, k, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(tokens * topk, n, device="cuda", dtype=torch.bfloat16)
+    ordered = kernel == "ws"
+    if ordered:
+        x = w4a16.mma_k_order_rows(x, X_ORDER_BLOCK_K)
+    for _ in range(3):
+        w4a16.grouped_w4a16_into(x, qw, offsets, out, x_mma_order=ordered, kernel=kernel)
+    torch.cuda.synchronize()
+
+
 def parse_shape(text: str) -> tuple[str, int, int]:
     """``name:N,K`` (argparse type)."""
     name, _, dims = text.partition(":")
@@ -190,7 +210,9 @@ def parse_shape(text: str) -> tuple[str, int, int]:
 def main(argv: list[str] | None = None) -> None:
     """Sweep and write the record (see module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="JSON record to write")
+    parser.add_argument("--out", type=Path, default=None, help="JSON record to write (the sweep)")
+    parser.add_argument("--launch-only", choices=("ws", "triton"), default=None,
+                        help="launch the first shape's kernel at the first token count three times, untimed (for ncu)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[8, 32, 64, 128, 256, 512])
     parser.add_argument("--shape", type=parse_shape, action="append", default=None, metavar="NAME:N,K",
                         help="an expert projection (default: Qwen3-30B-A3B's gate_up:1536,2048 and down:2048,768)")
@@ -201,6 +223,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("tune_grouped_w4a16.py needs a CUDA GPU (the kernels are timed, not emulated)")
     shapes = args.shape or [("gate_up", 1536, 2048), ("down", 2048, 768)]
     generator = torch.Generator(device="cuda").manual_seed(0)
+    if args.launch_only:
+        _, n, k = shapes[0]
+        launch_only(args.launch_only, n, k, args.experts, args.topk, args.tokens[0], generator)
+        return
+    if args.out is None:
+        parser.error("--out is required for the sweep")
     bandwidth = copy_bandwidth()
     record = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "device": torch.cuda.get_device_name(), "command": "python tools/tune_grouped_w4a16.py " + " ".join(sys.argv[1:]),
