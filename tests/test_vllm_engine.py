@@ -136,6 +136,39 @@ def test_calibration_in_vllm_chooses_the_builtin_engines_channels(model: dict) -
     assert max_logprob_gap(served, w4a4) > 1e-3  # the channels changed the product
 
 
+def test_a_ratio_that_gives_a_projection_no_channels_updates_and_calibrates_in_place(model: dict) -> None:
+    """At RAC 12.5% the embedded model's down projections (K 64) get no residual channels while
+    gate/up (K 128) get 16: their empty tails arrive after the layer's last element in vLLM's
+    layer-wise reload, an in-place update and calibration inside vLLM still succeed, and the result
+    is the built-in engine's."""
+    from megatron_quads.rollout.quantize_model import quantize_hf_weights
+    from megatron_quads.rollout.rac import num_residual_channels
+    from megatron_quads.rollout.scopes import routed_expert_scope
+
+    ratio = 0.125
+    assert num_residual_channels(64, ratio) == 0 and num_residual_channels(128, ratio) == 16
+    precision = Precision("quads", ratio)
+
+    def uncalibrated(weights: dict[str, torch.Tensor], version: int):
+        return quantize_hf_weights(weights.items(), routed_expert_scope(), ratio=ratio, weight_version=version,
+                                   unquantized_dtype=torch.float32)
+
+    reference = TorchRolloutEngine(model["hf_config"], precision=precision, dtype=torch.float32)
+    reference.load_weights(uncalibrated(model["update"], 2), version=2)
+    reference.calibrate(model["calibration"])
+    engine = VllmRolloutEngine(model["config_json"], precision=precision, dtype=torch.float32)
+    try:
+        engine.load_weights(uncalibrated(model["weights"], 1), version=1)
+        engine.load_weights(uncalibrated(model["update"], 2), version=2)  # in place, through the layer-wise reload
+        assert engine.calibrate(model["calibration"]) > 0
+        served = engine.generate(model["prompts"], GREEDY)
+    finally:
+        engine.close()
+    expected = reference.generate(model["prompts"], GREEDY)
+    assert [g.token_ids for g in served] == [g.token_ids for g in expected]
+    assert max_logprob_gap(served, expected) < LOGPROB_TOL
+
+
 def test_sampling_follows_the_seed_and_stop_tokens_end_a_response(model: dict) -> None:
     engine = _vllm(model, "w4a4")
     try:

@@ -133,7 +133,8 @@ class QuadsLinearMethod(LinearMethodBase):
             where = _checkpoint_name(layer, shard, name)
             if _load_shard(layer, name, param, loaded_weight, shard, where):
                 layer.quads_empty_tails.add((name, shard))
-            layer.quads_loaded.add((name, shard))
+            if param.numel():  # a tail of no channels is not waited for (_required)
+                layer.quads_loaded.add((name, shard))
 
         return weight_loader
 
@@ -288,8 +289,11 @@ def _load_shard(layer: torch.nn.Module, name: str, param: torch.nn.Parameter, lo
 
 
 def _required(layer: torch.nn.Module, quads: bool) -> list[str]:
-    """The parameters every shard must load (the residual ones only in quads)."""
-    return [n for n, _ in layer.named_parameters(recurse=False) if n != "bias" and (quads or n not in _RESIDUAL)]
+    """The parameters every shard must load (the residual ones only in quads, and only where the
+    ratio gives the layer channels: vLLM's layer-wise reload drops a tensor of no elements that
+    arrives after the layer's last element, so an empty tail may never reach its loader)."""
+    return [n for n, p in layer.named_parameters(recurse=False)
+            if n != "bias" and (n not in _RESIDUAL or (quads and p.numel()))]
 
 
 def _check_loaded(layer: torch.nn.Module, loaded: set[tuple[str, int]], quads: bool) -> None:

@@ -130,7 +130,8 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
             if not sink:
                 _load_expert_tensor(layer, projection, leaf, param, loaded_weight, shard_id, local,
                                     _checkpoint_name(layer, expert_id, shard_id, leaf))
-                layer.quads_loaded.add((name, shard_id, local))
+                if param.numel():  # a tail of no channels is not waited for (_required)
+                    layer.quads_loaded.add((name, shard_id, local))
             return True if return_success else None
 
         return weight_loader
@@ -336,8 +337,11 @@ def _load_expert_tensor(layer: torch.nn.Module, projection: str, leaf: str, para
 
 
 def _required(layer: torch.nn.Module, quads: bool) -> list[str]:
-    names = [n for n, _ in layer.named_parameters(recurse=False) if n.startswith(("w13_", "w2_"))]
-    return [n for n in names if quads or "residual" not in n]
+    """The parameters every expert must load: the residual ones only in quads and where the ratio
+    gives the projection channels (vLLM's layer-wise reload drops a tensor of no elements that
+    arrives after the layer's last element, so an empty tail may never reach its loader)."""
+    params = [(n, p) for n, p in layer.named_parameters(recurse=False) if n.startswith(("w13_", "w2_"))]
+    return [n for n, p in params if "residual" not in n or (quads and p.numel())]
 
 
 def _check_loaded(layer: torch.nn.Module, loaded: set, quads: bool) -> None:
