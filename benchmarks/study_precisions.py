@@ -1,12 +1,12 @@
 """The precision study: long GRPO runs of every precision mode, several seeds, with and without an
 importance-sampling correction, and the report that reads them.
 
-    python benchmarks/study_precisions.py run [--steps 300] [--seeds 0 1 2] [--modes ...] [--corrections ...]
-                                              [--max-minutes M] [key=value ...]
+    python benchmarks/study_precisions.py run [--config FILE] [--steps 300] [--seeds 0 1 2] [--modes ...]
+                                              [--corrections ...] [--max-minutes M] [key=value ...]
     python benchmarks/study_precisions.py analyze RUN [RUN ...]
     python benchmarks/study_precisions.py report
 
-``run`` trains each (mode, seed, correction) of the grid on the embedded default, one
+``run`` trains each (mode, seed, correction) of the grid on ``--config`` (the embedded default), one
 ``megatron-quads train`` process at a time (a process per run: a crash or a kill loses at most the
 steps since its last checkpoint), under ``--out`` (``runs/study/<run>``). A run directory that
 holds a config resumes from its newest checkpoint; a run whose records are complete is skipped, so
@@ -16,7 +16,7 @@ long). Several ``run`` processes can share a grid: each claims a run with a lock
 and ``eval.jsonl`` are copied, gzip-compressed, to ``--results``
 (``benchmarks/results/study/<run>.{metrics,eval}.jsonl.gz``),
 the files the report reads. A grid given overrides of its own (``key=value`` after ``run``) needs
-its own ``--out`` and ``--results``; they are recorded in ``<results>/grid.json``.
+its own ``--out`` and ``--results``; they and the config are recorded in ``<results>/grid.json``.
 
 ``analyze`` runs ``megatron-quads analyze`` on runs' final checkpoints over the task's held-out
 problems with their answers (the gap split into weight and activation error per layer, and AQAT
@@ -53,7 +53,11 @@ from megatron_quads.controller.report import read_records
 from megatron_quads.rl.gap_monitor import GapMonitor
 from megatron_quads.rl.settings import GapMonitorConfig
 
-CONFIG = Path(__file__).resolve().parents[1] / "examples" / "embedded_default.yaml"
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "examples" / "embedded_default.yaml"
+CLI = [sys.executable, "-m", "megatron_quads.cli"]
+"""``megatron-quads`` run by this interpreter (also where the package is installed with ``pip --target``,
+which puts the console script elsewhere)."""
 RESULTS = Path(__file__).parent / "results" / "study"
 MODES: dict[str, list[str]] = {
     "bf16": ["precision.mode=bf16"],
@@ -124,24 +128,24 @@ def claimed(lock_path: Path) -> Iterator[bool]:
         yield True
 
 
-def train_one(name: str, overrides: list[str], steps: int, out: Path, results: Path) -> bool:
-    """Train (or resume, or skip) one run; True when its records are complete and copied to ``results``.
-    A run another process is training (its ``<out>/<name>.lock`` held) is skipped."""
+def train_one(name: str, overrides: list[str], steps: int, out: Path, results: Path, config: Path = CONFIG) -> bool:
+    """Train (or resume, or skip) one run of ``config``; True when its records are complete and copied to
+    ``results``. A run another process is training (its ``<out>/<name>.lock`` held) is skipped."""
     with claimed(out / f"{name}.lock") as mine:
         if not mine:
             print(f"[study] {name}: another process is training it; skipped", flush=True)
             return False
-        return _train_claimed(name, overrides, steps, out, results)
+        return _train_claimed(name, overrides, steps, out, results, config)
 
 
-def _train_claimed(name: str, overrides: list[str], steps: int, out: Path, results: Path) -> bool:
+def _train_claimed(name: str, overrides: list[str], steps: int, out: Path, results: Path, base: Path) -> bool:
     if len(read_records(results / f"{name}{METRICS_SUFFIX}")) >= steps:  # done, maybe by another process
         return True
     run_dir = out / name
     saved = run_dir / "config.yaml"
-    config = saved if saved.is_file() else CONFIG
+    config = saved if saved.is_file() else base
     settings = [f"grpo.steps={steps}"] + ([] if saved.is_file() else [f"run_dir={run_dir}", *overrides])
-    command = [str(Path(sys.executable).with_name("megatron-quads")), "train", str(config), *settings]
+    command = [*CLI, "train", str(config), *settings]
     print(f"[study] {name}: {' '.join(command)}", flush=True)
     if subprocess.run(command, check=False).returncode != 0:
         print(f"[study] {name} failed; run the same command again to resume it", flush=True)
@@ -159,18 +163,27 @@ GRID_FILE = "grid.json"
 """Beside a grid's results: the overrides every run of it was given (the report names them)."""
 
 
-def record_overrides(results: Path, overrides: list[str]) -> None:
-    """Record the grid's own overrides in ``results``; a results folder holds one grid, so other overrides
-    than those recorded there are refused (give such a grid its own ``--results`` and ``--out``)."""
+def _config_name(config: Path) -> str:
+    """How grid.json names a grid's config: relative to the repository where it lies inside it."""
+    resolved = config.resolve()
+    return str(resolved.relative_to(REPO)) if resolved.is_relative_to(REPO) else str(resolved)
+
+
+def record_overrides(results: Path, overrides: list[str], config: Path = CONFIG) -> None:
+    """Record the grid's config and own overrides in ``results``; a results folder holds one grid, so
+    another config or other overrides than those recorded there are refused (give such a grid its own
+    ``--results`` and ``--out``)."""
     path = results / GRID_FILE
+    grid = {"overrides": overrides, "config": _config_name(config)}
     if path.is_file():
-        recorded = json.loads(path.read_text())["overrides"]
-        if recorded != overrides:
-            raise SystemExit(f"{results} holds a grid run with overrides {recorded}, not {overrides}: give this grid "
-                             "its own --results and --out")
+        recorded = json.loads(path.read_text())
+        recorded.setdefault("config", _config_name(CONFIG))
+        if recorded != grid:
+            raise SystemExit(f"{results} holds a grid run with {recorded}, not {grid}: give this grid its own --results "
+                             "and --out")
         return
     results.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, json.dumps({"overrides": overrides}) + "\n")
+    write_text_atomic(path, json.dumps(grid) + "\n")
 
 
 def grid_overrides(results: Path) -> list[str]:
@@ -179,11 +192,17 @@ def grid_overrides(results: Path) -> list[str]:
     return json.loads(path.read_text())["overrides"] if path.is_file() else []
 
 
+def grid_config(results: Path) -> str:
+    """The base config recorded for the grid in ``results`` (none recorded: the embedded default's)."""
+    path = results / GRID_FILE
+    return json.loads(path.read_text()).get("config", _config_name(CONFIG)) if path.is_file() else _config_name(CONFIG)
+
+
 def run_grid(args: argparse.Namespace) -> None:
     """Train the grid, seed by seed (every mode's first seed before any second one)."""
     start = time.monotonic()
     shared = ["checkpoint.every=10", "logging.wandb=disabled", f"eval.every={args.eval_every}", *args.overrides]
-    record_overrides(args.results, list(args.overrides))
+    record_overrides(args.results, list(args.overrides), args.config)
     for seed in args.seeds:
         for correction in args.corrections:
             for mode in args.modes:
@@ -191,7 +210,7 @@ def run_grid(args: argparse.Namespace) -> None:
                     print(f"[study] {args.max_minutes} minutes passed: stopping; run the command again to go on")
                     return
                 overrides = [*MODES[mode], *CORRECTIONS[correction], f"seed={seed}", *shared]
-                train_one(run_name(mode, seed, correction), overrides, args.steps, args.out, args.results)
+                train_one(run_name(mode, seed, correction), overrides, args.steps, args.out, args.results, args.config)
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -261,7 +280,9 @@ def report_markdown(runs: dict[str, dict[str, list[dict]]], stamp: dict[str, str
     """The study's tables: per mode and correction, seed means; collapses and early warnings; the RAC sweep."""
     overrides = grid_overrides(results)
     given = f" with {', '.join(f'`{o}`' for o in overrides)}" if overrides else ""
-    lines = [f"# Precision study on the embedded default{given} ({stamp['date']}, {stamp['device']})", "",
+    config = grid_config(results)
+    subject = "the embedded default" if config == _config_name(CONFIG) else f"`{config}`"
+    lines = [f"# Precision study on {subject}{given} ({stamp['date']}, {stamp['device']})", "",
              f"Command: `{stamp['command']}`, over the runs in {_shown(results)}. Means over seeds of "
              f"the last {TAIL_STEPS} steps of each run (± the standard deviation over seeds, with several). The early "
              f"warning is replayed over the recorded metrics with the default `monitor` settings (window {GapMonitorConfig().window}, threshold "
@@ -376,7 +397,7 @@ def analyze_runs(args: argparse.Namespace) -> None:
         if not steps:
             raise SystemExit(f"{args.out / name} has no checkpoint: train it first (`run`)")
         work = args.out / name / "analysis"
-        command = [str(Path(sys.executable).with_name("megatron-quads")), "analyze", "--checkpoint", str(steps[-1]),
+        command = [*CLI, "analyze", "--checkpoint", str(steps[-1]),
                    "--out", str(work), "--tokens", "embedded-task", "--sequences", str(ANALYZE_SEQUENCES),
                    "--seq-len", str(ANALYZE_SEQ_LEN), "--ratios", *map(str, ANALYZE_RATIOS)]
         print(f"[study] {name}: {' '.join(command)}", flush=True)
@@ -460,6 +481,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     grid = sub.add_parser("run", help="train the grid (resumable)")
+    grid.add_argument("--config", type=Path, default=CONFIG, help="the runs' base config (default: the embedded default)")
     grid.add_argument("--steps", type=int, default=300)
     grid.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     grid.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))

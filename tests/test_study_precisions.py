@@ -156,6 +156,18 @@ def test_a_grids_overrides_are_named_in_its_report_and_other_overrides_are_refus
     assert "with `grpo.optim.lr=0.001`" in text.splitlines()[0]
 
 
+def test_a_grid_of_another_config_is_named_in_its_report_and_kept_apart(tmp_path: Path) -> None:
+    results = tmp_path / "study_chain"
+    config = study_precisions.REPO / "examples" / "collapse" / "chain_grpo_gpu.yaml"
+    record_overrides(results, [], config)
+    with pytest.raises(SystemExit, match="its own --results"):
+        record_overrides(results, [])  # the embedded default's grid
+    records = [{"reward": 0.5, "mismatch/gap_max_abs": 0.1, "mismatch/gap_mean_abs": 0.01, "mismatch/k3_kl": 1e-3}] * 3
+    _write_records(results / f"bf16.seed0.none{METRICS_SUFFIX}", records)
+    text = report_markdown(load_results(results), STAMP, results)
+    assert text.splitlines()[0].startswith("# Precision study on `examples/collapse/chain_grpo_gpu.yaml` (")
+
+
 def test_several_seeds_show_their_mean_and_spread(tmp_path: Path) -> None:
     for seed, reward in enumerate((0.5, 0.7)):
         _write_run(tmp_path, run_name("bf16", seed, "none"), [reward] * 60, 0.2 + seed * 0.2, [1e-3] * 60)
