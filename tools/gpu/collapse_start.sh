@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# On the GPU machine after install.sh (bundle staged with tools/gpu/trainer_wheels.sh): the GPU collapse
+# study, detached (it outlives the call; tools/gpu/bench_wait.sh collects its logs and records).
+#   1. SFT of examples/collapse/chain_moe_model.yaml on the chain task (tools/sft.py) into
+#      /tmp/collapse/sft, unless a finished one is there;
+#   2. the grid: PROCESSES `benchmarks/study_precisions.py run --config examples/collapse/chain_grpo_gpu.yaml`
+#      sharing it (each claims its runs by lock file), started a minute apart so that each vLLM engine
+#      profiles its memory alone; runs under /tmp/collapse/runs, finished runs' records under
+#      /tmp/bench_out/collapse_results.
+#
+#   bash tools/gpu/collapse_start.sh PROCESSES SFT_STEPS [study run arguments, e.g. --steps 300 --seeds 0 --modes bf16 naive-nvfp4]
+set -euo pipefail
+procs=${1:?usage: collapse_start.sh PROCESSES SFT_STEPS [study run arguments]}
+sft_steps=${2:?usage: collapse_start.sh PROCESSES SFT_STEPS [study run arguments]}
+shift 2
+rm -rf /tmp/bench_repo && mkdir -p /tmp/bench_out /tmp/collapse
+cp -r . /tmp/bench_repo
+cd /tmp/bench_repo
+study_args=$(printf ' %q' "$@")
+PYTHONPATH=/tmp/site:/tmp/bench_repo/tools setsid nohup bash -c "
+set -e
+if [[ ! -f /tmp/collapse/sft/checkpoint/model_config.json ]]; then
+  python3 tools/sft.py --out /tmp/collapse/sft --model examples/collapse/chain_moe_model.yaml --task chain \
+      --task-option min_steps=24 --task-option max_steps=40 --steps $sft_steps --batch 64 --lr 1e-3 --eval-every 500 \
+      > /tmp/bench_out/sft.log 2>&1
+  cp /tmp/collapse/sft/metrics.jsonl /tmp/bench_out/sft_metrics.jsonl
+fi
+for i in \$(seq 1 $procs); do
+  python3 benchmarks/study_precisions.py run model.checkpoint=/tmp/collapse/sft/checkpoint checkpoint.every=50 \
+      --config examples/collapse/chain_grpo_gpu.yaml --out /tmp/collapse/runs \
+      --results /tmp/bench_out/collapse_results$study_args > /tmp/bench_out/study_\$i.log 2>&1 &
+  sleep 60
+done
+wait" < /dev/null > /tmp/bench_out/collapse.log 2>&1 &
+echo "started pid $!"
