@@ -172,3 +172,22 @@ def test_a_run_config_takes_the_chain_kind_and_bounds_its_prompt() -> None:
     assert isinstance(held_out, ChainTask) and held_out.config.split == "eval"
     with pytest.raises(ConfigError, match=r"longest prompt \(13 tokens\) needs 65 positions"):
         load_config(example, [*chain, "rollout.max_new_tokens=52"])
+
+
+def test_the_gpu_collapse_example_fits_its_task_and_validates(tmp_path) -> None:
+    """examples/collapse: the model file fits the chain task of the GRPO config (prompt and the
+    longest worked chain within its positions), and the config validates against a checkpoint of it."""
+    import yaml
+
+    from megatron_quads.controller.config import load_config
+    from megatron_quads.trainer.model import PolicyModelConfig
+    from megatron_quads.trainer.settings import save_model_config
+
+    folder = ROOT / "examples" / "collapse"
+    model = PolicyModelConfig(**yaml.safe_load((folder / "chain_moe_model.yaml").read_text()))
+    assert model.num_experts == 64 and model.num_layers == 8
+    save_model_config(model, tmp_path)
+    cfg = load_config(folder / "chain_grpo_gpu.yaml", [f"model.checkpoint={tmp_path}"])
+    chain = ChainConfig(**cfg.task.options)
+    assert cfg.task.kind == "chain" and chain.max_answer_len + 1 <= cfg.rollout.max_new_tokens  # the chain and <eos>
+    assert chain.max_prompt_len + 1 + cfg.rollout.max_new_tokens <= model.max_sequence_length  # <bos> first
