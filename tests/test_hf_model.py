@@ -148,6 +148,14 @@ def test_the_conversion_is_cached_beside_the_run_and_redone_when_damaged_or_chan
     assert "converting" in ensure() and cached_conversion_problem(target, source) is None
     assert (target / "metadata.json").is_file() and (target / "hf_base" / "tokenizer.json").is_file()
     assert "using the conversion" in ensure()
+    from megatron_quads import manifest
+
+    def no_hashing(paths):
+        raise AssertionError(f"hashed {len(paths)} files of an unchanged conversion")
+
+    with pytest.MonkeyPatch.context() as patch:  # verified once: unchanged files are not read again
+        patch.setattr(manifest, "_sha256_all", no_hashing)
+        assert cached_conversion_problem(target, source) is None
     shard = next(p for p in target.rglob("*.distcp"))
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF  # damaged: one byte flipped

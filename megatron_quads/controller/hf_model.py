@@ -5,7 +5,9 @@ run and resume.
 
 A cached conversion is used only while its ``manifest.json`` verifies (every converted file's size and
 sha256) and records the source as it is now (each source file's size and modification time); else it is
-converted again. Only the conversion itself imports torch and Megatron-Core.
+converted again. The sha256 pass runs when a converted file's size or modification time differs from
+those recorded at its last verification (``<checkpoint>.verified.json``), so a run that reuses an
+unchanged conversion does not read its weights. Only the conversion itself imports torch and Megatron-Core.
 """
 
 from __future__ import annotations
@@ -82,15 +84,45 @@ def source_files(hf_dir: str | Path) -> dict[str, list[int]]:
     return {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(root.iterdir()) if p.is_file()}
 
 
+def verified_stamp(checkpoint: Path) -> Path:
+    """Where the sizes and modification times of ``checkpoint``'s files at their last sha256
+    verification are kept (beside it, so the checkpoint's own files stay the conversion's)."""
+    return checkpoint.with_name(checkpoint.name + ".verified.json")
+
+
+def _listed_stats(checkpoint: Path, manifest: dict[str, Any]) -> dict[str, list[int] | None]:
+    """``{name: [bytes, mtime_ns]}`` of every file the manifest lists (None: missing)."""
+    stats: dict[str, list[int] | None] = {}
+    for name in manifest.get("files") or {}:
+        path = checkpoint / name
+        stats[name] = [path.stat().st_size, path.stat().st_mtime_ns] if path.is_file() else None
+    return stats
+
+
+def _verify(checkpoint: Path) -> dict[str, Any]:
+    """The checkpoint's manifest, its files hashed unless none changed since their last verification."""
+    from megatron_quads.atomic_io import write_text_atomic
+    from megatron_quads.manifest import read_manifest, verify_manifest
+
+    stamp = verified_stamp(checkpoint)
+    stats = _listed_stats(checkpoint, read_manifest(checkpoint))
+    try:
+        if json.loads(stamp.read_text()) == stats:
+            return read_manifest(checkpoint)
+    except (OSError, ValueError):
+        pass  # no stamp yet, or an unreadable one: verify
+    manifest = verify_manifest(checkpoint)
+    write_text_atomic(stamp, json.dumps(stats))
+    return manifest
+
+
 def cached_conversion_problem(checkpoint: Path, hf_dir: str | Path) -> str | None:
     """Why the conversion in ``checkpoint`` cannot be used for ``hf_dir`` (none there, damaged, or of
     other source files), None when it can."""
-    from megatron_quads.manifest import verify_manifest
-
     if not checkpoint.is_dir():
         return "no conversion yet"
     try:
-        manifest: dict[str, Any] = verify_manifest(checkpoint)
+        manifest: dict[str, Any] = _verify(checkpoint)
     except (OSError, ValueError) as err:
         return f"damaged: {err}"
     if manifest.get(SOURCE_KEY) != source_files(hf_dir):
