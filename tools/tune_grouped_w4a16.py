@@ -17,8 +17,8 @@ one CUDA GPU:
 - the byte floor: the reached experts' FP4 codes and scales, x and y, over the device-to-device
   copy bandwidth measured in the same run.
 
-Writes one JSON record (device, date, command, bandwidth, per case every timing and the best config)
-and prints a summary line per case. The evidence for ``kernels.w4a16.GROUPED_TILES``,
+Writes one JSON record under the key ``gpu`` (device, date, command, bandwidth, per case every timing
+and the best config), as benchmarks/results files hold them, and prints a summary line per case. The evidence for ``kernels.w4a16.GROUPED_TILES``,
 ``kernels.w4a16_ws.WIDE_K_CONFIG`` and ``kernels.dispatch.X_ORDER_MIN_ROWS_PER_EXPERT``.
 """
 
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
         for tokens in args.tokens:
             case = tune_case(name, n, k, args.experts, args.topk, tokens, bandwidth, generator)
             record["cases"].append(case)
-            args.out.write_text(json.dumps(record, indent=1))
+            args.out.write_text(json.dumps({"gpu": record}, indent=1))  # benchmarks/results' keyed form
             print(f"{name} tokens={tokens}: floor {case['floor_us']} us, triton best {case['triton_best_us']} "
                   f"({case['triton_best']}), default tile {case['default_tile']['us']}, ws best {case.get('ws_best_us')} "
                   f"({case.get('ws_best')})", flush=True)
