@@ -16,7 +16,7 @@ What it does (``bench_vllm.py --profile gpu`` runs it):
    (``compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}``), prefix caching off,
    ``max_num_seqs`` the largest batch.
 3. **Throughput** per batch: random prompts of ``--prompt-len`` tokens, ``--gen-len`` tokens sampled
-   at temperature 1 with log-probs and ``ignore_eos`` (an RL rollout). The prefill is timed alone
+   at temperature 1 with log-probs and ``ignore_eos`` (an RL rollout), the sampler seeded once per call. The prefill is timed alone
    (``max_tokens=1``, other prompts) and subtracted: decode tokens/s =
    ``batch * (gen_len - 1) / (t_gen - t_prefill)``, the fastest of ``--repeats`` timings (each on
    fresh prompts; all are kept in the record).
@@ -135,21 +135,24 @@ def bench_shape(layers: int) -> MoeShape:
 
 
 # ---------------------------------------------------------------------- one mode (child)
-def _sampling(count: int, max_tokens: int, seed: int):
+def _sampling(max_tokens: int):
+    """What an RL rollout asks for: temperature 1, the sampled token's log-prob, no per-request seed
+    (the call seeds the sampler: :func:`_timed_generate`)."""
     from vllm import SamplingParams
 
-    return [SamplingParams(max_tokens=max_tokens, temperature=1.0, top_p=1.0, ignore_eos=True, logprobs=0, seed=seed + i)
-            for i in range(count)]
+    return SamplingParams(max_tokens=max_tokens, temperature=1.0, top_p=1.0, ignore_eos=True, logprobs=0)
 
 
 def _timed_generate(llm, prompts: list[list[int]], max_tokens: int, seed: int) -> tuple[float, int]:
+    """Seconds and tokens of one generation; ``seed`` seeds vLLM's batched sampler first, as the
+    rollout engine does (``quads_seed_sampler``)."""
     import torch
     from vllm import TokensPrompt
 
+    llm.collective_rpc("quads_seed_sampler", args=(seed,))
     _sync(torch)
     start = time.perf_counter()
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], _sampling(len(prompts), max_tokens, seed),
-                        use_tqdm=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], _sampling(max_tokens), use_tqdm=False)
     _sync(torch)
     return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outs)
 
@@ -419,6 +422,7 @@ def measure(args: argparse.Namespace, command: str) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": gpu, "command": command, "layers": args.layers, "of_layers": QWEN3_30B_A3B.layers,
         "prompt_len": args.prompt_len, "gen_len": args.gen_len, "repeats": args.repeats, "engine_settings": ENGINE_SETTINGS,
+        "sampler_seed": "call",
         "copy_bandwidth_tb_per_s": round(bandwidth / 1e12, 2), "modes": modes,
         "floor": floors(shape, args.modes, args.batches, context, bandwidth),
         "floor_48_layers": floors(QWEN3_30B_A3B, args.modes, args.batches, context, bandwidth),
@@ -445,13 +449,15 @@ def markdown(record: dict) -> str:
     rates = _rates(record)
     modes = [m for m in record["modes"] if rates.get(m)]
     batches = sorted({b for r in rates.values() for b in r})
+    seeding = ("the sampler seeded once a call" if record.get("sampler_seed") == "call"
+               else "one seed per request, so vLLM drew each sequence's noise separately at every step")
     lines = [f"# vLLM + QUADS plugin on the GPU ({record['date']}, {record['device']})", "",
              f"Command: `{record['command']}`. A random Qwen3-MoE with Qwen3-30B-A3B's layer shapes, "
              f"{record['layers']} of its {record['of_layers']} layers (hidden 2048, 128 experts top-8, expert FFN 768, "
              f"vocab 151936; weights drawn so tokens spread over the experts: `tests/random_moe.py`). Every mode: "
              f"in-process engine, bf16, `compilation_config={json.dumps(record['engine_settings'])}`, prefix caching off. "
              f"Per batch: prompts of {record['prompt_len']} random tokens, {record['gen_len']} tokens sampled at "
-             "temperature 1 with log-probs (`ignore_eos`); decode tokens/s = batch x (tokens - 1) / (generation time - "
+             f"temperature 1 with log-probs (`ignore_eos`; {seeding}); decode tokens/s = batch x (tokens - 1) / (generation time - "
              f"prefill time), the prefill timed alone on other prompts; the fastest of {record.get('repeats', 1)} timing(s) "
              "on fresh prompts.", "",
              "## Decode tokens/s", "", "| batch | " + " | ".join(modes) + " |", "|---:|" + "---:|" * len(modes)]

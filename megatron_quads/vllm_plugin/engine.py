@@ -270,8 +270,10 @@ class VllmRolloutEngine:
         return [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
-        """Continue every prompt (see :class:`Generation` for the log-prob convention); a seed
-        reproduces the same tokens (prompt ``i`` samples with seed ``params.seed + i``)."""
+        """Continue every prompt (see :class:`Generation` for the log-prob convention). ``params.seed``
+        seeds the sampler's generators before the call (``quads_seed_sampler``; the requests carry no
+        seeds of their own, which would make vLLM sample each sequence separately at every step), so
+        the same prompts in the same order with the same seed give the same tokens."""
         self._check_prompts(prompts)
         if params.return_routed_experts and not self.options.routed_experts:
             raise ValueError("this vLLM engine was started without routed experts: build it with "
@@ -284,8 +286,9 @@ class VllmRolloutEngine:
         from vllm import SamplingParams as VllmSamplingParams
 
         requests = [VllmSamplingParams(max_tokens=params.max_new_tokens, temperature=params.temperature,
-                                       seed=params.seed + i, stop_token_ids=list(params.stop_token_ids), logprobs=0)
-                    for i in range(len(prompts))]
+                                       stop_token_ids=list(params.stop_token_ids), logprobs=0)
+                    for _ in prompts]
+        self.llm.collective_rpc("quads_seed_sampler", args=(params.seed,))
         if params.return_routed_experts:
             self.llm.collective_rpc("quads_start_routing_capture")
         try:

@@ -46,6 +46,13 @@ class QuadsWorkerExtension:
 
         return self.quads_update_weights(load_file(path).items())
 
+    def quads_seed_sampler(self, seed: int) -> None:
+        """Seed the generators vLLM's sampler draws from for requests without a seed of their own
+        (the CPU's and every CUDA device's default generator of this worker's process), so that the
+        next generation is reproducible with vLLM's batched sampling: one noise draw per step for
+        the whole batch, where requests with their own seeds get one draw each, in a Python loop."""
+        torch.manual_seed(seed)
+
     def quads_begin_calibration(self) -> int:
         """Start recording every QUADS layer's inputs; returns the number of layers."""
         layers = self._quads_layers()
