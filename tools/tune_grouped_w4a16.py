@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -52,29 +51,11 @@ WS_CONFIGS = [
 """Configs of the warp-specialized grouped kernel over its defaults (``w4a16_ws.default_config``)."""
 
 
-def time_us(fn, calls: int = 20, repeats: int = 7) -> float:
-    """Median microseconds per call, replaying a CUDA graph of ``calls`` calls."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
+def time_us(fn) -> float:
+    """Median microseconds per call over CUDA-graph replays (Triton's ``do_bench_cudagraph``)."""
+    from triton.testing import do_bench_cudagraph
+
+    return 1e3 * do_bench_cudagraph(fn, rep=20, return_mode="median")
 
 
 def copy_bandwidth() -> float:
