@@ -83,6 +83,16 @@ def offsets_of(counts: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
 
 
+def routed_case(n: int, k: int, experts: int, topk: int, tokens: int, generator: torch.Generator):
+    """``(weight, rows per expert, expert offsets, routed x, output buffer)`` of one decode call: a random
+    ``[E, N, K]`` stack and ``tokens`` tokens routed with :func:`skewed_counts`."""
+    weight = stacked_weight(experts, n, k)
+    counts = skewed_counts(tokens, experts, topk, generator)
+    x = torch.randn(tokens * topk, k, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(tokens * topk, n, device="cuda", dtype=torch.bfloat16)
+    return weight, counts, offsets_of(counts), x, out
+
+
 def stacked_weight(experts: int, n: int, k: int):
     """A random ``[E, N, K]`` NVFP4 stack with per-expert ``weight_scale_2``."""
     from megatron_quads.nvfp4 import quantize
@@ -98,12 +108,8 @@ def tune_case(name: str, n: int, k: int, experts: int, topk: int, tokens: int, b
     from megatron_quads.kernels import w4a16
     from megatron_quads.kernels.dispatch import X_ORDER_BLOCK_K, warp_specialized_grouped
 
-    qw = stacked_weight(experts, n, k)
-    counts = skewed_counts(tokens, experts, topk, generator)
-    offsets = offsets_of(counts)
+    qw, counts, offsets, x, out = routed_case(n, k, experts, topk, tokens, generator)
     rows = tokens * topk
-    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
     reference = w4a16.grouped_w4a16_into(x, qw, offsets, torch.empty_like(out), kernel="triton",
                                          config={"BLOCK_N": 64, "BLOCK_K": 128, "BLOCK_M": 16})
     atol = 1e-3 * float(reference.float().abs().max())
@@ -167,10 +173,7 @@ def launch_only(kernel: str, n: int, k: int, experts: int, topk: int, tokens: in
     from megatron_quads.kernels import w4a16
     from megatron_quads.kernels.dispatch import X_ORDER_BLOCK_K
 
-    qw = stacked_weight(experts, n, k)
-    offsets = offsets_of(skewed_counts(tokens, experts, topk, generator))
-    x = torch.randn(tokens * topk, k, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty(tokens * topk, n, device="cuda", dtype=torch.bfloat16)
+    qw, _, offsets, x, out = routed_case(n, k, experts, topk, tokens, generator)
     ordered = kernel == "ws"
     if ordered:
         x = w4a16.mma_k_order_rows(x, X_ORDER_BLOCK_K)

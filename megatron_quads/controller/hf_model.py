@@ -78,10 +78,14 @@ def converted_checkpoint_dir(cfg: RunConfig) -> Path:
     return cache / f"{source.name}-{hashlib.sha256(str(source).encode()).hexdigest()[:12]}"
 
 
+def _size_and_mtime(path: Path) -> list[int]:
+    stat = path.stat()
+    return [stat.st_size, stat.st_mtime_ns]
+
+
 def source_files(hf_dir: str | Path) -> dict[str, list[int]]:
     """``{file name: [bytes, mtime_ns]}`` of the files directly in ``hf_dir`` (what the conversion reads)."""
-    root = Path(hf_dir)
-    return {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(root.iterdir()) if p.is_file()}
+    return {p.name: _size_and_mtime(p) for p in sorted(Path(hf_dir).iterdir()) if p.is_file()}
 
 
 def verified_stamp(checkpoint: Path) -> Path:
@@ -90,25 +94,18 @@ def verified_stamp(checkpoint: Path) -> Path:
     return checkpoint.with_name(checkpoint.name + ".verified.json")
 
 
-def _listed_stats(checkpoint: Path, manifest: dict[str, Any]) -> dict[str, list[int] | None]:
-    """``{name: [bytes, mtime_ns]}`` of every file the manifest lists (None: missing)."""
-    stats: dict[str, list[int] | None] = {}
-    for name in manifest.get("files") or {}:
-        path = checkpoint / name
-        stats[name] = [path.stat().st_size, path.stat().st_mtime_ns] if path.is_file() else None
-    return stats
-
-
 def _verify(checkpoint: Path) -> dict[str, Any]:
     """The checkpoint's manifest, its files hashed unless none changed since their last verification."""
     from megatron_quads.atomic_io import write_text_atomic
     from megatron_quads.manifest import read_manifest, verify_manifest
 
     stamp = verified_stamp(checkpoint)
-    stats = _listed_stats(checkpoint, read_manifest(checkpoint))
+    manifest = read_manifest(checkpoint)
+    stats = {name: _size_and_mtime(checkpoint / name) if (checkpoint / name).is_file() else None  # None: missing
+             for name in manifest.get("files") or {}}
     try:
         if json.loads(stamp.read_text()) == stats:
-            return read_manifest(checkpoint)
+            return manifest
     except (OSError, ValueError):
         pass  # no stamp yet, or an unreadable one: verify
     manifest = verify_manifest(checkpoint)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 import re
 import zlib
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from megatron_quads.tasks.base import (
@@ -24,7 +24,6 @@ from megatron_quads.tasks.base import (
     Prompt,
     RewardReason,
     RewardResult,
-    fingerprint,
 )
 
 OPERATORS = "+-*"
@@ -143,12 +142,7 @@ class ArithmeticTask(GeneratedTask):
     """``"12+7="`` → ``"19;"``: integer arithmetic with a character-level format."""
 
     def __init__(self, config: ArithmeticConfig | None = None, name: str = "arithmetic") -> None:
-        self.config = config or ArithmeticConfig()
-        self.name = name
-        self._fingerprint = f"{name}:{fingerprint(sorted(asdict(self.config).items()))}"
-
-    def __repr__(self) -> str:
-        return f"ArithmeticTask(name={self.name!r}, config={self.config!r})"
+        super().__init__(config or ArithmeticConfig(), name)
 
     # ------------------------------------------------------------------ prompts
     def draw_problem(self, rng: random.Random) -> tuple[str, int]:

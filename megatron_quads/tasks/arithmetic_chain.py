@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import random
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Literal
 
 from megatron_quads.tasks.arithmetic import END_MARKER, is_eval_problem
@@ -27,7 +27,6 @@ from megatron_quads.tasks.base import (
     Prompt,
     RewardReason,
     RewardResult,
-    fingerprint,
 )
 
 CHAIN_OPERATORS = "+-*"
@@ -126,12 +125,7 @@ class ChainTask(GeneratedTask):
     """``"7 +5 *3 ="`` -> ``"7+5=12 12*3=36 (36);"``: a left-to-right chain with every step written out."""
 
     def __init__(self, config: ChainConfig | None = None, name: str = "chain") -> None:
-        self.config = config or ChainConfig()
-        self.name = name
-        self._fingerprint = f"{name}:{fingerprint(sorted(asdict(self.config).items()))}"
-
-    def __repr__(self) -> str:
-        return f"ChainTask(name={self.name!r}, config={self.config!r})"
+        super().__init__(config or ChainConfig(), name)
 
     def _draw_chain(self, rng: random.Random) -> tuple[int, list[tuple[str, int]], int]:
         cfg = self.config

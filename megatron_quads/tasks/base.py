@@ -14,7 +14,7 @@ import random
 import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 STATE_VERSION = 1
@@ -266,10 +266,16 @@ class Task(ABC):
 
 class GeneratedTask(Task):
     """A task whose problems are drawn from a random generator and whose ideal completion is known:
-    subclasses give :meth:`draw_problem`, :meth:`target`, :meth:`score` and set ``_fingerprint`` (the
-    stream's identity, from the task's config); the stream and the SFT pairs follow from them."""
+    built from a frozen dataclass ``config`` and a ``name`` (the stream's identity is both), subclasses
+    give :meth:`draw_problem`, :meth:`target` and :meth:`score`; the stream and the SFT pairs follow."""
 
-    _fingerprint: str
+    def __init__(self, config: Any, name: str) -> None:
+        self.config = config
+        self.name = name
+        self._fingerprint = f"{name}:{fingerprint(sorted(asdict(config).items()))}"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, config={self.config!r})"
 
     @abstractmethod
     def draw_problem(self, rng: random.Random) -> tuple[str, int]:
