@@ -39,6 +39,7 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -69,10 +70,14 @@ routed rows per expert from which the grouped W4A16 path takes x in the kernel's
 (``kernels.dispatch.X_ORDER_MIN_ROWS_PER_EXPERT``; ``w4a16-kx``: always, so the warp-specialized
 kernel runs at every batch). Modes after the ninth are variants, not run by default."""
 DEFAULT_MODES = list(MODES)[:9]
+MODES_CHECKPOINTS = sorted({spec["checkpoint"] for spec in MODES.values()})
 
 ENGINE_SETTINGS = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+"""vLLM's ``compilation_config`` for every mode, with ``cudagraph_capture_sizes`` added per run
+(:func:`engine_settings`)."""
 DEVICE = "cuda"
 CALIBRATION_PROMPTS = 64
+WARM_UP_BATCH = 8
 COPY_BANDWIDTH_FALLBACK = 4.3e12
 
 
@@ -227,6 +232,14 @@ def _profile(llm, prompts: list[list[int]], steps: int) -> dict:
                              "calls_per_step": round(calls[n] / max(1, steps), 2)} for n, t in top]}
 
 
+def engine_settings(args: argparse.Namespace) -> dict:
+    """``compilation_config`` of a run: :data:`ENGINE_SETTINGS` with decode graphs captured at exactly the
+    batches it times and profiles (vLLM's default, 51 sizes up to 512, takes longer to capture and
+    serves these batches from the same graphs)."""
+    sizes = sorted({*args.batches, *args.profile_batches, WARM_UP_BATCH})
+    return {**ENGINE_SETTINGS, "cudagraph_capture_sizes": sizes}
+
+
 def run_mode(mode: str, checkpoint: str, args: argparse.Namespace) -> dict:
     """Start vLLM for one mode, calibrate (quads), then time every batch (and profile)."""
     spec = MODES[mode]
@@ -250,7 +263,7 @@ def run_mode(mode: str, checkpoint: str, args: argparse.Namespace) -> dict:
               max_model_len=args.prompt_len + args.gen_len + 16, max_num_seqs=max(args.batches),
               gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False, seed=0,
               logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION,
-              compilation_config=dict(ENGINE_SETTINGS))
+              compilation_config=engine_settings(args))
     record: dict = {"mode": mode, "engine_start_s": round(time.perf_counter() - started, 1),
                     "cudagraph_mode": vllm_cudagraph_mode(llm), "capture_sizes": vllm_capture_sizes(llm),
                     "methods": llm.collective_rpc("quads_layer_methods")[0], "vllm": vllm.__version__,
@@ -258,7 +271,7 @@ def run_mode(mode: str, checkpoint: str, args: argparse.Namespace) -> dict:
                     "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"}
     if spec["serve"] and spec["serve"].startswith("quads"):
         record["calibration"] = _calibrate(llm, shape.vocab, args.prompt_len)
-    _timed_generate(llm, random_prompts(8, args.prompt_len, shape.vocab, seed=1), 16, seed=1)  # warm-up
+    _timed_generate(llm, random_prompts(WARM_UP_BATCH, args.prompt_len, shape.vocab, seed=1), 16, seed=1)
     rows = []
     for i, batch in enumerate(args.batches):
         decode = []
@@ -400,9 +413,36 @@ def child_main(args: argparse.Namespace) -> None:
     args.result.write_text(json.dumps(result, indent=1))
 
 
+def checkpoint_bytes(shape: MoeShape, name: str) -> float:
+    """About how many bytes checkpoint ``name`` (``bf16``, ``plain``, ``quads``, with ``-attn``) of
+    ``shape`` takes: bf16 tensors, NVFP4 codes and scales in scope (``quads``: the RAC tail of 25%)."""
+    h, d = shape.hidden, shape.head_dim
+    attention = shape.layers * (h * (shape.heads + 2 * shape.kv_heads) * d + shape.heads * d * h)
+    experts = shape.layers * shape.experts * 3 * h * shape.expert_ffn
+    rest = 2 * shape.vocab * h + shape.layers * shape.experts * h
+    if name == "bf16":
+        return 2.0 * (attention + experts + rest)
+    nvfp4 = NVFP4_BYTES_PER_PARAM * (1.25 if name.startswith("quads") else 1.0)
+    return nvfp4 * experts + (nvfp4 if name.endswith("-attn") else 2.0) * attention + 2.0 * rest
+
+
+def check_free_space(work: Path, layers: int, modes: list[str]) -> None:
+    """Refuse, before anything is built, a ``--work`` folder without room for the checkpoints still to write."""
+    shape = bench_shape(layers)
+    todo = sorted({MODES[m]["checkpoint"] for m in modes} - {n for n in MODES_CHECKPOINTS
+                                                              if (work / f"{n}-L{layers}" / "config.json").is_file()})
+    need = sum(checkpoint_bytes(shape, n) for n in todo)
+    free = shutil.disk_usage(work).free
+    if need > 0.95 * free:
+        raise SystemExit(f"--work {work} has {free / 1e9:.1f} GB free; the checkpoints {todo} of {layers} layers need "
+                         f"about {need / 1e9:.1f} GB: point --work at a larger filesystem (a RAM disk such as /dev/shm "
+                         "where host memory allows), or run fewer --layers or --modes")
+
+
 def measure(args: argparse.Namespace, command: str) -> dict:
     """Prepare the checkpoints, run every mode in its own process, and return the merged record."""
     args.work.mkdir(parents=True, exist_ok=True)
+    check_free_space(args.work, args.layers, args.modes)
     prep = _child(args, ["--prepare", "--modes", *args.modes], args.work / "prepare.json", timeout=900)
     if prep is None or "checkpoints" not in prep:
         raise SystemExit(f"checkpoint preparation failed: {prep}")
@@ -421,7 +461,7 @@ def measure(args: argparse.Namespace, command: str) -> dict:
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": gpu, "command": command, "layers": args.layers, "of_layers": QWEN3_30B_A3B.layers,
-        "prompt_len": args.prompt_len, "gen_len": args.gen_len, "repeats": args.repeats, "engine_settings": ENGINE_SETTINGS,
+        "prompt_len": args.prompt_len, "gen_len": args.gen_len, "repeats": args.repeats, "engine_settings": engine_settings(args),
         "sampler_seed": "call",
         "copy_bandwidth_tb_per_s": round(bandwidth / 1e12, 2), "modes": modes,
         "floor": floors(shape, args.modes, args.batches, context, bandwidth),
@@ -496,16 +536,19 @@ def markdown(record: dict) -> str:
     profiles = [(m, p) for m, r in record["modes"].items() for p in r.get("profiles", [])]
     if profiles:
         lines += ["", "## Where a decode step's time goes (torch profiler, kernel time per decode step, us)", "",
-                  "| mode | batch | MoE | attention | other | total | measured step |", "|---|---:|---:|---:|---:|---:|---:|"]
+                  "| mode | batch | MoE | attention | other | total | measured step | kernels / step |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for m, p in profiles:
             split = p["us_per_step"]
             step = next((row["ms_per_decode_step"] for row in record["modes"][m].get("throughput", [])
                          if row["batch"] == p["batch"]), None)
+            measured = "- | -" if step is None else f"{1000 * step:,.0f} | {p['us_per_step_total'] / (1000 * step):.0%}"
             lines.append(f"| {m} | {p['batch']} | {split.get('moe', 0):,.0f} | {split.get('attention', 0):,.0f} | "
-                         f"{split.get('other', 0):,.0f} | {p['us_per_step_total']:,.0f} | "
-                         f"{'-' if step is None else f'{1000 * step:,.0f}'} |")
+                         f"{split.get('other', 0):,.0f} | {p['us_per_step_total']:,.0f} | {measured} |")
         lines += ["", "The measured step is the throughput run's at that batch (contexts up to prompt + generation; the "
-                  "profile's are the prompt's plus a few tokens)."]
+                  "profile's are the prompt's plus a few tokens). Kernels / step is the share of the measured step the "
+                  "GPU spent in kernels: well under 100%, the step waited on the engine's host work (scheduling, "
+                  "sampling bookkeeping, output processing), which no kernel speed-up shortens."]
         for m, p in profiles:
             lines += ["", f"Top kernels, {m}, batch {p['batch']}:", "", "| kernel | class | us per step | calls per step |",
                       "|---|---|---:|---:|"]

@@ -64,3 +64,47 @@ def test_a_target_is_met_only_when_every_batch_in_its_range_reaches_it() -> None
     missed = markdown(_record({1: 500.0, 8: 131.0, 256: 129.0, 512: 500.0}, fp8))
     assert _target_row(missed, "fp8").endswith("| no |") and "| 1.29x |" in _target_row(missed, "fp8")
     assert "| w4a4 | failed: RuntimeError: boom |" in met
+
+
+def test_the_bf16_checkpoint_estimate_counts_every_tensor_of_the_model() -> None:
+    from dataclasses import replace
+
+    from random_moe import random_weights
+    from vllm_gpu_bench import checkpoint_bytes
+
+    shape = replace(QWEN3_30B_A3B, layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, experts=8, expert_ffn=32, vocab=512)
+    actual = sum(t.numel() * t.element_size() for _, t in random_weights(shape, device="cpu"))
+    assert checkpoint_bytes(shape, "bf16") == pytest.approx(actual, rel=0.02)
+    assert checkpoint_bytes(shape, "plain") < checkpoint_bytes(shape, "quads") < checkpoint_bytes(shape, "bf16")
+    assert checkpoint_bytes(shape, "plain-attn") < checkpoint_bytes(shape, "plain")
+
+
+def test_a_work_folder_without_room_is_refused_before_anything_is_built(tmp_path, monkeypatch) -> None:
+    import shutil
+
+    import vllm_gpu_bench
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(100e9, 90e9, 10e9))
+    with pytest.raises(SystemExit, match=r"--work .* has 10.0 GB free; the checkpoints \['bf16'\] of 8 layers need about 11"):
+        vllm_gpu_bench.check_free_space(tmp_path, 8, ["bf16", "fp8"])
+    vllm_gpu_bench.check_free_space(tmp_path, 2, ["bf16", "fp8"])  # 2 layers fit
+    (tmp_path / "bf16-L8").mkdir()
+    (tmp_path / "bf16-L8" / "config.json").write_text("{}")
+    vllm_gpu_bench.check_free_space(tmp_path, 8, ["bf16", "fp8"])  # already written: nothing to add
+
+
+def test_graphs_are_captured_at_the_batches_the_run_times_and_profiles() -> None:
+    import vllm_gpu_bench
+
+    args = vllm_gpu_bench.parse_args(["--batches", "1", "64", "512", "--profile-batches", "96"])
+    settings = vllm_gpu_bench.engine_settings(args)
+    assert settings["cudagraph_capture_sizes"] == [1, vllm_gpu_bench.WARM_UP_BATCH, 64, 96, 512]
+    assert settings["cudagraph_mode"] == "FULL_DECODE_ONLY"
+
+
+def test_the_profile_row_gives_the_share_of_the_measured_step_spent_in_kernels() -> None:
+    record = _record({64: 100.0}, {64: 100.0})
+    record["modes"]["fp8"]["throughput"][0]["ms_per_decode_step"] = 4.0
+    record["modes"]["fp8"]["profiles"] = [{"batch": 64, "us_per_step": {"moe": 1000.0, "other": 1000.0},
+                                           "us_per_step_total": 2000.0, "top_kernels": []}]
+    assert "| fp8 | 64 | 1,000 | 0 | 1,000 | 2,000 | 4,000 | 50% |" in markdown(record)
