@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# On the GPU machine: wait up to SECONDS for the detached tests, benchmark or study (suite_start.sh,
-# bench_start.sh, collapse_start.sh), then copy their results and logs to $OUT.
+# On the GPU machine: wait up to SECONDS for the jobs of tools/gpu/queue_start.sh, then put what they
+# wrote so far into $OUT/bench_out.tgz (one file: a call brings back at most 8) with each
+# collapse-study run's metrics so far, and print the queue's progress and the ends of the logs.
 set -uo pipefail
 limit=${1:?usage: tools/gpu/bench_wait.sh SECONDS}
 end=$((SECONDS + limit))
-running() { pgrep -f "bench_vllm.py|pytest -q -m gpu|study_precisions.py|tools/sft.py" > /dev/null; }
+running() { pgrep -f "bench_vllm.py|bench_controller_gpu.py|pytest -q -m gpu|study_precisions.py|tools/sft.py" > /dev/null; }
 while (( SECONDS < end )) && running; do sleep 5; done
 running && echo "still running" || echo "finished"
-cp /tmp/bench_out/*.json /tmp/bench_out/*.jsonl /tmp/bench_out/*.log "${OUT:-/tmp}/" 2>/dev/null
-[[ -d /tmp/bench_out/collapse_results ]] && cp -r /tmp/bench_out/collapse_results "${OUT:-/tmp}/"
+mkdir -p /tmp/bench_out/partial
 for run in /tmp/collapse/runs/*/; do  # the collapse study's runs so far
-  [[ -f $run/metrics.jsonl ]] && cp "$run/metrics.jsonl" "${OUT:-/tmp}/partial_$(basename "$run").metrics.jsonl"
+  [[ -f $run/metrics.jsonl ]] && cp "$run/metrics.jsonl" "/tmp/bench_out/partial/$(basename "$run").metrics.jsonl"
 done
-for log in /tmp/bench_out/test_*.log; do [[ -f $log ]] && { echo "== $log"; tail -n 4 "$log"; }; done
-tail -n 20 /tmp/bench_out/bench.log 2>/dev/null
+tar -czf "${OUT:-/tmp}/bench_out.tgz" -C /tmp bench_out
+cat /tmp/bench_out/queue.log 2>/dev/null
+for log in /tmp/bench_out/*.log; do
+  [[ -f $log && $log != */queue.log ]] && { echo "== $log"; tail -n 3 "$log" | cut -c1-300; }
+done

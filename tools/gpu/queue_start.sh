@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# On the GPU machine after install.sh: GPU jobs one after the other, detached, so that they outlive the
+# call and the GPU never waits for the next one (the machine stays warm while calls follow). Each job
+# logs to /tmp/bench_out/<job>.log and writes its results there; tools/gpu/bench_wait.sh collects them.
+#
+#   bash tools/gpu/queue_start.sh JOB [JOB ...]
+#
+#   tests                   every GPU test but vLLM's (kernels, dispatch, engines, trainer; 8 workers)
+#   vllm-tests              the GPU tests against the real vLLM engine (tests/test_vllm_gpu.py)
+#   "bench ARGS"            benchmarks/bench_vllm.py --profile gpu ARGS (vllm.json, modes_so_far.json)
+#   "grpo ARGS"             benchmarks/bench_controller_gpu.py ARGS (controller_gpu.json)
+#   "collapse P S ARGS"     tools/gpu/collapse_run.sh P S ARGS (the GPU collapse study: SFT, then P study processes)
+#
+# A job that fails does not stop the ones after it.
+set -euo pipefail
+(( $# )) || { sed -n 2,14p "$0" >&2; exit 2; }
+for job in "$@"; do
+  case ${job%% *} in tests|vllm-tests|bench|grpo|collapse) ;; *) echo "unknown job: $job" >&2; exit 2 ;; esac
+done
+rm -rf /tmp/bench_repo /tmp/bench_out && mkdir -p /tmp/bench_out
+cp -r . /tmp/bench_repo
+cd /tmp/bench_repo
+script=/tmp/bench_out/queue.sh
+{
+  echo "cd /tmp/bench_repo; export PYTHONPATH=/tmp/site:/tmp/bench_repo/tools"
+  for job in "$@"; do
+    read -r name args <<< "$job"
+    case $name in
+      tests) echo "python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/ --ignore=tests/test_vllm_gpu.py > /tmp/bench_out/tests.log 2>&1" ;;
+      vllm-tests) echo "python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_vllm_gpu.py > /tmp/bench_out/vllm-tests.log 2>&1" ;;
+      bench) echo "python3 benchmarks/bench_vllm.py --profile gpu --out /tmp/bench_out/vllm.json --results-dir /tmp/bench_out $args > /tmp/bench_out/bench.log 2>&1" ;;
+      grpo) echo "python3 benchmarks/bench_controller_gpu.py --out /tmp/bench_out/controller_gpu.json $args > /tmp/bench_out/grpo.log 2>&1" ;;
+      collapse) echo "bash tools/gpu/collapse_run.sh $args > /tmp/bench_out/collapse.log 2>&1" ;;
+    esac
+    echo "echo \"$name exit \$? \$(date +%T)\" >> /tmp/bench_out/queue.log"
+  done
+} > "$script"
+setsid nohup bash "$script" < /dev/null > /dev/null 2>&1 &
+echo "started pid $! (jobs: $*)"
