@@ -10,12 +10,13 @@
 #   "bench ARGS"            benchmarks/bench_vllm.py --profile gpu ARGS (vllm.json, modes_so_far.json)
 #   "grpo ARGS"             benchmarks/bench_controller_gpu.py ARGS (controller_gpu.json)
 #   "collapse P S ARGS"     tools/gpu/collapse_run.sh P S ARGS (the GPU collapse study: SFT, then P study processes)
+#   "ncu ARGS"              tools/gpu/ncu_grouped.sh ARGS (Nsight Compute of one grouped-kernel launch)
 #
 # A job that fails does not stop the ones after it.
 set -euo pipefail
-(( $# )) || { sed -n 2,14p "$0" >&2; exit 2; }
+(( $# )) || { sed -n 2,15p "$0" >&2; exit 2; }
 for job in "$@"; do
-  case ${job%% *} in tests|vllm-tests|bench|grpo|collapse) ;; *) echo "unknown job: $job" >&2; exit 2 ;; esac
+  case ${job%% *} in tests|vllm-tests|bench|grpo|collapse|ncu) ;; *) echo "unknown job: $job" >&2; exit 2 ;; esac
 done
 rm -rf /tmp/bench_repo /tmp/bench_out && mkdir -p /tmp/bench_out
 cp -r . /tmp/bench_repo
@@ -31,6 +32,7 @@ script=/tmp/bench_out/queue.sh
       bench) echo "python3 benchmarks/bench_vllm.py --profile gpu --out /tmp/bench_out/vllm.json --results-dir /tmp/bench_out $args > /tmp/bench_out/bench.log 2>&1" ;;
       grpo) echo "python3 benchmarks/bench_controller_gpu.py --out /tmp/bench_out/controller_gpu.json $args > /tmp/bench_out/grpo.log 2>&1" ;;
       collapse) echo "bash tools/gpu/collapse_run.sh $args > /tmp/bench_out/collapse.log 2>&1" ;;
+      ncu) echo "OUT=/tmp/bench_out bash tools/gpu/ncu_grouped.sh $args > /tmp/bench_out/ncu.log 2>&1" ;;
     esac
     echo "echo \"$name exit \$? \$(date +%T)\" >> /tmp/bench_out/queue.log"
   done
