@@ -12,9 +12,10 @@
 #   "collapse P S ARGS"     tools/gpu/collapse_run.sh P S ARGS (the GPU collapse study: SFT, then P study processes)
 #   "ncu ARGS"              tools/gpu/ncu_grouped.sh ARGS (Nsight Compute of one grouped-kernel launch)
 #
-# A job that fails does not stop the ones after it.
+# A job that fails does not stop the ones after it; tests, vllm-tests, grpo and ncu are stopped after
+# 15 minutes so that one that hangs does not hold up the queue.
 set -euo pipefail
-(( $# )) || { sed -n 2,15p "$0" >&2; exit 2; }
+(( $# )) || { sed -n 2,16p "$0" >&2; exit 2; }
 for job in "$@"; do
   case ${job%% *} in tests|vllm-tests|bench|grpo|collapse|ncu) ;; *) echo "unknown job: $job" >&2; exit 2 ;; esac
 done
@@ -27,12 +28,12 @@ script=/tmp/bench_out/queue.sh
   for job in "$@"; do
     read -r name args <<< "$job"
     case $name in
-      tests) echo "python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider --continue-on-collection-errors tests/ --ignore=tests/test_vllm_gpu.py > /tmp/bench_out/tests.log 2>&1" ;;
-      vllm-tests) echo "python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_vllm_gpu.py > /tmp/bench_out/vllm-tests.log 2>&1" ;;
+      tests) echo "timeout -k 30 900 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider --continue-on-collection-errors tests/ --ignore=tests/test_vllm_gpu.py > /tmp/bench_out/tests.log 2>&1" ;;
+      vllm-tests) echo "timeout -k 30 900 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_vllm_gpu.py > /tmp/bench_out/vllm-tests.log 2>&1" ;;
       bench) echo "python3 benchmarks/bench_vllm.py --profile gpu --out /tmp/bench_out/vllm.json --results-dir /tmp/bench_out $args > /tmp/bench_out/bench.log 2>&1" ;;
-      grpo) echo "python3 benchmarks/bench_controller_gpu.py --out /tmp/bench_out/controller_gpu.json $args > /tmp/bench_out/grpo.log 2>&1" ;;
+      grpo) echo "timeout -k 30 900 python3 benchmarks/bench_controller_gpu.py --out /tmp/bench_out/controller_gpu.json $args > /tmp/bench_out/grpo.log 2>&1" ;;
       collapse) echo "bash tools/gpu/collapse_run.sh $args > /tmp/bench_out/collapse.log 2>&1" ;;
-      ncu) echo "OUT=/tmp/bench_out bash tools/gpu/ncu_grouped.sh $args > /tmp/bench_out/ncu.log 2>&1" ;;
+      ncu) echo "OUT=/tmp/bench_out timeout -k 30 900 bash tools/gpu/ncu_grouped.sh $args > /tmp/bench_out/ncu.log 2>&1" ;;
     esac
     echo "echo \"$name exit \$? \$(date +%T)\" >> /tmp/bench_out/queue.log"
   done
