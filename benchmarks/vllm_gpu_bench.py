@@ -70,7 +70,6 @@ routed rows per expert from which the grouped W4A16 path takes x in the kernel's
 (``kernels.dispatch.X_ORDER_MIN_ROWS_PER_EXPERT``; ``w4a16-kx``: always, so the warp-specialized
 kernel runs at every batch). Modes after the ninth are variants, not run by default."""
 DEFAULT_MODES = list(MODES)[:9]
-MODES_CHECKPOINTS = sorted({spec["checkpoint"] for spec in MODES.values()})
 
 ENGINE_SETTINGS = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
 """vLLM's ``compilation_config`` for every mode, with ``cudagraph_capture_sizes`` added per run
@@ -82,6 +81,18 @@ COPY_BANDWIDTH_FALLBACK = 4.3e12
 
 
 # ---------------------------------------------------------------------- checkpoints (child)
+def checkpoint_dir(work: Path, name: str, layers: int) -> Path:
+    """Where checkpoint ``name`` of ``layers`` layers lives under ``work``."""
+    return work / f"{name}-L{layers}"
+
+
+def pending_checkpoints(work: Path, layers: int, needed: set[str]) -> list[str]:
+    """The checkpoints of ``needed`` not yet complete under ``work`` (complete: its config written last)."""
+    from megatron_quads.rollout.checkpoint_format import MODEL_CONFIG_FILE
+
+    return sorted(n for n in needed if not (checkpoint_dir(work, n, layers) / MODEL_CONFIG_FILE).is_file())
+
+
 def prepare_checkpoints(work: Path, layers: int, needed: set[str]) -> dict:
     """Write the checkpoints ``needed`` under ``work`` (kept if already complete); returns their dirs."""
     import torch
@@ -94,8 +105,8 @@ def prepare_checkpoints(work: Path, layers: int, needed: set[str]) -> dict:
 
     shape = bench_shape(layers)
     config = shape.config_json()
-    dirs = {name: work / f"{name}-L{layers}" for name in needed}
-    todo = [name for name, d in dirs.items() if not (d / MODEL_CONFIG_FILE).is_file()]
+    dirs = {name: checkpoint_dir(work, name, layers) for name in needed}
+    todo = pending_checkpoints(work, layers, needed)
     if not todo:
         return {k: str(v) for k, v in dirs.items()}
     start = time.perf_counter()
@@ -234,8 +245,8 @@ def _profile(llm, prompts: list[list[int]], steps: int) -> dict:
 
 def engine_settings(args: argparse.Namespace) -> dict:
     """``compilation_config`` of a run: :data:`ENGINE_SETTINGS` with decode graphs captured at exactly the
-    batches it times and profiles (vLLM's default, 51 sizes up to 512, takes longer to capture and
-    serves these batches from the same graphs)."""
+    batches it times and profiles (vLLM's default captures 51 sizes up to 512; these batches are among
+    them, so they run the same graphs)."""
     sizes = sorted({*args.batches, *args.profile_batches, WARM_UP_BATCH})
     return {**ENGINE_SETTINGS, "cudagraph_capture_sizes": sizes}
 
@@ -428,10 +439,8 @@ def checkpoint_bytes(shape: MoeShape, name: str) -> float:
 
 def check_free_space(work: Path, layers: int, modes: list[str]) -> None:
     """Refuse, before anything is built, a ``--work`` folder without room for the checkpoints still to write."""
-    shape = bench_shape(layers)
-    todo = sorted({MODES[m]["checkpoint"] for m in modes} - {n for n in MODES_CHECKPOINTS
-                                                              if (work / f"{n}-L{layers}" / "config.json").is_file()})
-    need = sum(checkpoint_bytes(shape, n) for n in todo)
+    todo = pending_checkpoints(work, layers, {MODES[m]["checkpoint"] for m in modes})
+    need = sum(checkpoint_bytes(bench_shape(layers), n) for n in todo)
     free = shutil.disk_usage(work).free
     if need > 0.95 * free:
         raise SystemExit(f"--work {work} has {free / 1e9:.1f} GB free; the checkpoints {todo} of {layers} layers need "

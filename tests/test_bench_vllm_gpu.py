@@ -81,10 +81,11 @@ def test_the_bf16_checkpoint_estimate_counts_every_tensor_of_the_model() -> None
 
 def test_a_work_folder_without_room_is_refused_before_anything_is_built(tmp_path, monkeypatch) -> None:
     import shutil
+    from types import SimpleNamespace
 
     import vllm_gpu_bench
 
-    monkeypatch.setattr(shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(100e9, 90e9, 10e9))
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: SimpleNamespace(free=10e9))
     with pytest.raises(SystemExit, match=r"--work .* has 10.0 GB free; the checkpoints \['bf16'\] of 8 layers need about 11"):
         vllm_gpu_bench.check_free_space(tmp_path, 8, ["bf16", "fp8"])
     vllm_gpu_bench.check_free_space(tmp_path, 2, ["bf16", "fp8"])  # 2 layers fit
