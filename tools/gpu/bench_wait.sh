@@ -5,7 +5,7 @@
 set -uo pipefail
 limit=${1:?usage: tools/gpu/bench_wait.sh SECONDS}
 end=$((SECONDS + limit))
-running() { pgrep -f "bench_vllm.py|bench_controller_gpu.py|pytest -q -m gpu|study_precisions.py|tools/sft.py|ncu " > /dev/null; }
+running() { pgrep -f "bench_vllm.py|bench_controller_gpu.py|pytest -q -m gpu|study_precisions.py|tools/sft.py|ncu |grouped_ws_floor.py" > /dev/null; }
 while (( SECONDS < end )) && running; do sleep 5; done
 running && echo "still running" || echo "finished"
 mkdir -p /tmp/bench_out/partial
