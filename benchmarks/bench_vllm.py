@@ -5,8 +5,9 @@
                                                      # precision vLLM and the plugin serve (vllm_gpu_bench.py)
 
 The GPU profile is described in ``benchmarks/vllm_gpu_bench.py`` and takes its options (``--layers``,
-``--modes``, ``--batches``, ...); it stores its record under ``gpu`` in benchmarks/results/vllm.json and
-writes vllm_gpu.md. The rest of this docstring is the CPU profile.
+``--modes``, ``--batches``, ...); it stores its record under ``gpu`` in benchmarks/results/vllm.json (or
+under ``--key gpu_NAME``, beside it: a run of other settings kept next to the main one) and writes
+vllm_gpu.md, the view of every GPU record. The rest of this docstring is the CPU profile.
 
 For each precision (bf16: vLLM's own kernels; w4a16, w4a4, quads: the plugin, which computes the
 routed experts with the project's NVFP4 functions, the PyTorch reference on CPU) greedy decoding of
@@ -78,17 +79,20 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/vllm.json"))
     parser.add_argument("--profile", choices=("cpu", "gpu"), default="cpu")
     parser.add_argument("--render", action="store_true", help="only rewrite the Markdown table from the JSON file")
+    parser.add_argument("--key", default="gpu", help="GPU profile: the record's key, gpu or gpu_NAME (default gpu)")
     args, rest = parser.parse_known_args()
     table = args.out.with_name(f"{args.out.stem}_{args.profile}.md")
     if args.profile == "gpu":
         import vllm_gpu_bench
 
+        if args.key not in vllm_gpu_bench.record_keys({args.key: {}}):
+            parser.error(f"--key must be gpu or start with gpu_, got {args.key!r}")
         if args.render:
-            write_text_atomic(table, vllm_gpu_bench.markdown(load_records(args.out)["gpu"]))
+            write_text_atomic(table, vllm_gpu_bench.markdown_records(load_records(args.out)))
             return
         gpu_args = vllm_gpu_bench.parse_args(rest)
         record = vllm_gpu_bench.measure(gpu_args, "python benchmarks/bench_vllm.py " + " ".join(sys.argv[1:]))
-        save_record(args.out, "gpu", record, table, lambda records: vllm_gpu_bench.markdown(records["gpu"]))
+        save_record(args.out, args.key, record, table, vllm_gpu_bench.markdown_records)
         print(vllm_gpu_bench.markdown(record))
         return
     if rest:

@@ -493,6 +493,20 @@ def _rates(record: dict) -> dict[str, dict[int, float]]:
             for mode, r in record["modes"].items()}
 
 
+RECORD_KEY = "gpu"
+"""The key of the GPU record in benchmarks/results/vllm.json; others start with ``gpu_`` (``--key``)."""
+
+
+def record_keys(records: dict[str, dict]) -> list[str]:
+    """The GPU records' keys among ``records``: ``gpu`` first, then every ``gpu_*`` in name order."""
+    return sorted((k for k in records if k == RECORD_KEY or k.startswith(RECORD_KEY + "_")), key=lambda k: (k != RECORD_KEY, k))
+
+
+def markdown_records(records: dict[str, dict]) -> str:
+    """vllm_gpu.md: the view of every GPU record (:func:`record_keys`), one after the other."""
+    return "\n".join(markdown(records[key]) for key in record_keys(records))
+
+
 def markdown(record: dict) -> str:
     """The Markdown view of a GPU record."""
     rates = _rates(record)
@@ -500,7 +514,7 @@ def markdown(record: dict) -> str:
     batches = sorted({b for r in rates.values() for b in r})
     seeding = ("the sampler seeded once a call" if record.get("sampler_seed") == "call"
                else "one seed per request, so vLLM drew each sequence's noise separately at every step")
-    lines = [f"# vLLM + QUADS plugin on the GPU ({record['date']}, {record['device']})", "",
+    lines = [f"# vLLM + QUADS plugin on the GPU: {record['layers']} layers ({record['date']}, {record['device']})", "",
              f"Command: `{record['command']}`. A random Qwen3-MoE with Qwen3-30B-A3B's layer shapes, "
              f"{record['layers']} of its {record['of_layers']} layers (hidden 2048, 128 experts top-8, expert FFN 768, "
              f"vocab 151936; weights drawn so tokens spread over the experts: `tests/random_moe.py`). Every mode: "

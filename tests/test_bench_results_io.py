@@ -74,6 +74,7 @@ def test_every_results_file_holds_one_complete_record_per_key() -> None:
     ("bench_controller", ("ray",), "controller_cpu", {"controller_cpu.md": lambda m, r: m.markdown(r)}),
     ("bench_controller_gpu", ("ray", "transformers"), "controller_gpu", {"controller_gpu.md": lambda m, r: m.markdown(r)}),
     ("bench_weight_sync", (), "weight_sync", {"weight_sync_cpu.md": lambda m, r: m.markdown(r["cpu"])}),
+    ("vllm_gpu_bench", (), "vllm", {"vllm_gpu.md": lambda m, r: m.markdown_records(r)}),
 ])
 def test_each_markdown_view_is_its_benchmarks_rendering_of_the_json(bench: str, needs: tuple[str, ...],
                                                                      results_file: str, views: dict) -> None:

@@ -109,3 +109,15 @@ def test_the_profile_row_gives_the_share_of_the_measured_step_spent_in_kernels()
     record["modes"]["fp8"]["profiles"] = [{"batch": 64, "us_per_step": {"moe": 1000.0, "other": 1000.0},
                                            "us_per_step_total": 2000.0, "top_kernels": []}]
     assert "| fp8 | 64 | 1,000 | 0 | 1,000 | 2,000 | 4,000 | 50% |" in markdown(record)
+
+
+def test_the_view_holds_every_gpu_record_the_main_one_first_and_no_other_key() -> None:
+    import vllm_gpu_bench
+
+    main, side = _record({64: 100.0}, {64: 100.0}), _record({64: 50.0}, {64: 50.0})
+    main["layers"], side["layers"] = 24, 8
+    records = {"cpu": {}, "gpu_8_layers": side, "gpu": main, "gpux": {}}
+    assert vllm_gpu_bench.record_keys(records) == ["gpu", "gpu_8_layers"]
+    view = vllm_gpu_bench.markdown_records(records)
+    assert view.index("GPU: 24 layers") < view.index("GPU: 8 layers")
+    assert view == markdown(main) + "\n" + markdown(side)
