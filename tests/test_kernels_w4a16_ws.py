@@ -49,6 +49,8 @@ CONFIGS: list[dict[str, Any]] = [
     {"DYNAMIC": 1},  # tiles handed out by the shared counter
     {"DYNAMIC": 1, "BLOCK_K": 128, "BLOCK_M": 64, "STAGES": 3, "PROGRAMS": 3, "maxnreg": 0},
     {"DYNAMIC": 1, "BLOCK_N": 64, "num_warps": 4, "BLOCK_K": 256, "BLOCK_M": 32, "STAGES": 3, "PROGRAMS": 7},
+    {"WG_SPLIT": 1},  # each MMA warpgroup its own partition
+    {"WG_SPLIT": 1, "BLOCK_K": 128, "DYNAMIC": 0, "BLOCK_M": 64, "STAGES": 3, "PROGRAMS": 3},
 ]
 
 
@@ -187,6 +189,27 @@ def test_64_bit_output_offsets_store_the_same_bits(kernel_device: str, monkeypat
 
 
 @_on_gpu
+def test_split_warpgroups_give_the_same_bits(kernel_device: str) -> None:
+    """``WG_SPLIT`` only changes which warps wait on the ring: the products and their order are the
+    unsplit kernel's, plain and with a RAC tail and row scale, at both schedules."""
+    counts, n, k = _cases()[3]
+    weight = _gaussian_weight((len(counts), n, k), kernel_device)
+    tail = _with_weight_scale(_gaussian_weight((len(counts), n, 256), kernel_device), weight)
+    x = w4a16.mma_k_order_rows(_activations((sum(counts), k + 256), torch.bfloat16, kernel_device),
+                               w4a16.X_ORDER_BLOCK_K)
+    row_scale = torch.rand(x.shape[0], device=kernel_device) + 0.5
+    offsets = expert_offsets_from_counts(torch.tensor(counts)).to(kernel_device)
+    for dynamic in (0, 1):
+        outs = []
+        for split in (0, 1):
+            out = torch.full((x.shape[0], n), float("nan"), dtype=torch.float32, device=kernel_device)
+            w4a16_ws.grouped_w4a16_ws_into(x, weight, offsets, out, {"WG_SPLIT": split, "DYNAMIC": dynamic},
+                                           tail=tail, row_scale=row_scale)
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]), dynamic
+
+
+@_on_gpu
 def test_dynamic_schedule_gives_the_static_bits_and_leaves_its_counters_zero(kernel_device: str) -> None:
     """Which program takes a tile does not change its products; each launch puts the shared counters
     back to zero (a stale count would make the next launch skip tiles), at any program count."""
@@ -253,6 +276,8 @@ def test_argument_errors() -> None:
         w4a16_ws.grouped_w4a16_ws_into(x, stacked, offsets, out, {"BLOCK_K": 64})
     with pytest.raises(ValueError, match="num_warps = BLOCK_N / 16"):
         w4a16_ws.grouped_w4a16_ws_into(x, stacked, offsets, out, {"BLOCK_N": 64})  # with 8 warps
+    with pytest.raises(ValueError, match="WG_SPLIT splits the two MMA warpgroups"):
+        w4a16_ws.grouped_w4a16_ws_into(x, stacked, offsets, out, {"BLOCK_N": 64, "num_warps": 4, "WG_SPLIT": 1})
     with pytest.raises(ValueError, match="do not fit in shared memory"):
         w4a16_ws.grouped_w4a16_ws_into(x, stacked, offsets, out, {"BLOCK_M": 128, "STAGES": 8})
     with pytest.raises(ValueError, match="int32"):
@@ -284,6 +309,21 @@ def test_every_config_compiles_for_sm90(config: dict[str, Any]) -> None:
 def _sass_ops(config: dict[str, Any]) -> collections.Counter:
     sass = w4a16_ws.compile_offline({**w4a16_ws.default_config(2048), "BLOCK_M": 64, **config}, n=1536, k=2048)
     return collections.Counter(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9]+)", sass, re.MULTILINE))
+
+
+def test_split_warpgroups_synchronize_within_a_warpgroup() -> None:
+    """Offline sm_90 SASS: unsplit, the two MMA warpgroups meet at CTA barriers of 256 threads in
+    their K loop; with ``WG_SPLIT`` every named barrier spans 128 threads (one warpgroup) and each
+    partition carries its own copy of the wgmma loop."""
+    def barrier_threads(sass: str) -> set[str]:
+        return set(re.findall(r"BAR\.SYNC\.DEFER_BLOCKING\s+0x[0-9a-f]+,\s*(0x[0-9a-f]+)", sass))
+
+    plain, split = _sass_ops({}), _sass_ops({"WG_SPLIT": 1})
+    plain_sass = w4a16_ws.compile_offline({**w4a16_ws.default_config(2048), "BLOCK_M": 64}, n=1536, k=2048)
+    split_sass = w4a16_ws.compile_offline({**w4a16_ws.default_config(2048), "BLOCK_M": 64, "WG_SPLIT": 1},
+                                          n=1536, k=2048)
+    assert "0x100" in barrier_threads(plain_sass) and barrier_threads(split_sass) == {"0x80"}
+    assert split["HGMMA"] == 2 * plain["HGMMA"] and split["UTMALDG"] == plain["UTMALDG"]
 
 
 def test_a_tail_adds_its_tma_copies_and_a_row_scale_its_loads() -> None:

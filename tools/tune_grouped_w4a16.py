@@ -47,6 +47,9 @@ WS_CONFIGS = [
     {"BLOCK_N": 64, "num_warps": 4, "BLOCK_K": 128, "STAGES": 2, "CTAS_PER_SM": 4, "maxnreg": 64},
     {"BLOCK_M": 16},
     {"BLOCK_M": 32},
+    {"WG_SPLIT": 1},
+    {"WG_SPLIT": 1, "DYNAMIC": 0},
+    {"BLOCK_N": 64, "num_warps": 4, "STAGES": 3, "CTAS_PER_SM": 4, "maxnreg": 64},
 ]
 """Configs of the warp-specialized grouped kernel over its defaults (``w4a16_ws.default_config``)."""
 

@@ -14,7 +14,8 @@ loads, the dequantization and the wgmma from the same warps, which then wait on 
   x (bf16, already in the MMA K order of :func:`~megatron_quads.kernels.w4a16.mma_k_order_rows`;
   ``BK / 64`` tiles of ``[BM, 64]`` by half-height boxes) into a ring of ``STAGES`` shared-memory
   stages by TMA, each stage completing a ``ready`` mbarrier;
-* the MMA warps (the default partition, ``BN / 64`` warpgroups, :func:`_mma_partition`) wait on it,
+* the MMA warps (the default partition, ``BN / 64`` warpgroups, :func:`_mma_partition`; with
+  ``WG_SPLIT`` each of the two warpgroups its own partition on its rows of the stage) wait on it,
   read a 128-wide sub-step's words into the registers of the wgmma A operand (the K permutation of
   :func:`_dequant_a`: no data moves between threads),
   dequantize them and issue register-A wgmma against the x tiles in shared memory; the next
@@ -363,25 +364,31 @@ def _load_partition(w_desc, x_desc, s_desc, t_desc, ts_desc, ring_w, ring_x, rin
 
 @gluon.jit
 def _read_words(ring_w, ready, step, sub, STAGES: gl.constexpr, WTILE: gl.constexpr, WORDS: gl.constexpr,
-                WAIT: gl.constexpr = True):
+                WAIT: gl.constexpr = True, ROW0: gl.constexpr = 0):
     """The code words ``[BN, 4, I]`` of 128-wide sub-step ``sub`` of ring step ``step`` in the A
-    operand's registers (``WAIT``: once the stage has landed)."""
+    operand's registers (``WAIT``: once the stage has landed), from row ``ROW0`` of the stage."""
     stage = step % STAGES
     if WAIT:
         mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
     BLOCK_N: gl.constexpr = WORDS.shape[0]
     I: gl.constexpr = WORDS.shape[2]
     words = ring_w.index(stage)
+    if words.shape[0] > BLOCK_N:
+        words = words.slice(ROW0, BLOCK_N, dim=0)
     if words.shape[1] > 4 * I:
         words = words.slice(sub * 4 * I, 4 * I, dim=1)
     return gl.convert_layout(gl.reshape(words.load(WTILE), (BLOCK_N, 4, I)), WORDS, assert_trivial=True)
 
 
 @gluon.jit
-def _read_scales(ring_s, step, sub, STAGES: gl.constexpr, STILE: gl.constexpr, SCALES: gl.constexpr):
+def _read_scales(ring_s, step, sub, STAGES: gl.constexpr, STILE: gl.constexpr, SCALES: gl.constexpr,
+                 ROW0: gl.constexpr = 0):
     """The scale bytes ``[BN, 4, 2]`` of 128-wide sub-step ``sub`` of ring step ``step`` (landed with
-    the stage's words: read after their wait)."""
-    tile = ring_s.index(step % STAGES).slice(sub * 8, 8, dim=1)
+    the stage's words: read after their wait), from row ``ROW0`` of the stage."""
+    tile = ring_s.index(step % STAGES)
+    if tile.shape[0] > SCALES.shape[0]:
+        tile = tile.slice(ROW0, SCALES.shape[0], dim=0)
+    tile = tile.slice(sub * 8, 8, dim=1)
     return gl.convert_layout(gl.reshape(tile.load(STILE), (SCALES.shape[0], 4, 2)), SCALES, assert_trivial=True)
 
 
@@ -405,7 +412,8 @@ def _x_operand(ring_x, index, TILE_M: gl.constexpr):
 
 @gluon.jit
 def _k_loop(acc, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps,
-            BLOCK_K: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, SCALE_RING: gl.constexpr):
+            BLOCK_K: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, SCALE_RING: gl.constexpr,
+            ROW0: gl.constexpr = 0):
     """``acc [BN, BM'] += dq(W) @ x^T`` over all K steps of one token tile (``BM'`` the first rows of
     each x stage), ring steps ``step ..``; returns ``(acc, next step)``. A step of ``BLOCK_K`` 256
     is two 128-wide sub-steps (x's K order is per 128 columns) behind one ring wait and release.
@@ -428,9 +436,9 @@ def _k_loop(acc, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps,
     last = k_steps * SUBS - 1
     if not SCALE_RING:
         s0 = gl.load(s_ptrs)
-    words = _read_words(ring_w, ready, step, 0, STAGES, WTILE, WORDS)
+    words = _read_words(ring_w, ready, step, 0, STAGES, WTILE, WORDS, ROW0=ROW0)
     if SCALE_RING:
-        s0 = _read_scales(ring_s, step, 0, STAGES, STILE, SCALES)
+        s0 = _read_scales(ring_s, step, 0, STAGES, STILE, SCALES, ROW0)
     for kt in range(k_steps):
         stage = step % STAGES
         for j in gl.static_range(SUBS):
@@ -442,13 +450,13 @@ def _k_loop(acc, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps,
             acc = warpgroup_mma(a_hi, _x_operand(ring_x, x0 + 1, TILE_M), acc, is_async=True)
             # the next sub-step's words while the MMA runs (the last one reads its own stage again: still held)
             if j + 1 < SUBS:
-                words = _read_words(ring_w, ready, step, j + 1, STAGES, WTILE, WORDS, WAIT=False)
+                words = _read_words(ring_w, ready, step, j + 1, STAGES, WTILE, WORDS, WAIT=False, ROW0=ROW0)
                 if SCALE_RING:
-                    s1 = _read_scales(ring_s, step, j + 1, STAGES, STILE, SCALES)
+                    s1 = _read_scales(ring_s, step, j + 1, STAGES, STILE, SCALES, ROW0)
             else:
-                words = _read_words(ring_w, ready, step + (kt + 1 < k_steps), 0, STAGES, WTILE, WORDS)
+                words = _read_words(ring_w, ready, step + (kt + 1 < k_steps), 0, STAGES, WTILE, WORDS, ROW0=ROW0)
                 if SCALE_RING:
-                    s1 = _read_scales(ring_s, step + (kt + 1 < k_steps), 0, STAGES, STILE, SCALES)
+                    s1 = _read_scales(ring_s, step + (kt + 1 < k_steps), 0, STAGES, STILE, SCALES, ROW0)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
             s0 = s1
         mbarrier.arrive(empty.index(stage), count=1)  # the stage goes back to the loader
@@ -489,12 +497,12 @@ def _store_rows(acc, y_ptr, weight_scale_2, row_scale_ptr, row0, N, m0, hi, stri
 def _token_tile(TILE_M: gl.constexpr, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps, y_ptr,
                 weight_scale_2, row_scale_ptr, n0, N, m0, hi, stride_ym, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                 STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, Y_MMA_ORDER: gl.constexpr, EVEN_N: gl.constexpr,
-                Y_I32: gl.constexpr, SCALE_RING: gl.constexpr, ROW_SCALE: gl.constexpr):
+                Y_I32: gl.constexpr, SCALE_RING: gl.constexpr, ROW_SCALE: gl.constexpr, ROW0: gl.constexpr = 0):
     """Rows ``m0 .. hi`` (at most ``TILE_M``: the first rows of each x tile) times the N tile
     (output columns ``n0 ..``) over the whole K, stored; returns the next ring step."""
     acc = gl.zeros((BLOCK_N, TILE_M), gl.float32, layout=wgmma_layout(TILE_M, NUM_WARPS))
     acc, step = _k_loop(acc, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps, BLOCK_K, STAGES, NUM_WARPS,
-                        SCALE_RING)
+                        SCALE_RING, ROW0)
     _store_rows(acc, y_ptr, weight_scale_2, row_scale_ptr, n0, N, m0, hi, stride_ym, NUM_WARPS, Y_MMA_ORDER, EVEN_N,
                 Y_I32, ROW_SCALE)
     return step
@@ -505,23 +513,24 @@ def _mma_tile(tile, lo, hi, weight_scale_2, step, ring_w, ring_x, ring_s, ready,
               N, k_steps, n_tiles, stride_se, stride_sn, stride_ym,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
               NUM_WARPS: gl.constexpr, Y_MMA_ORDER: gl.constexpr, EVEN_N: gl.constexpr, Y_I32: gl.constexpr,
-              SCALE_RING: gl.constexpr, ROW_SCALE: gl.constexpr):
+              SCALE_RING: gl.constexpr, ROW_SCALE: gl.constexpr, N_TILE: gl.constexpr, ROW0: gl.constexpr):
     """(expert, N tile) pair ``tile`` (its expert's rows ``lo:hi``): its token tiles in the loader's
-    order, each over the whole K from ring step ``step`` on, then stored; returns the next ring step."""
+    order, each over the whole K from ring step ``step`` on, then stored; returns the next ring step.
+    The pair's N tile is ``N_TILE`` rows wide, of which these warps compute ``BLOCK_N`` from ``ROW0``."""
     SCALES: gl.constexpr = scale_bytes_layout(BLOCK_N, _X_ORDER_BLOCK, NUM_WARPS)  # a 128-wide sub-step's
     expert = tile // n_tiles
-    n0 = (tile % n_tiles) * BLOCK_N
+    n0 = (tile % n_tiles) * N_TILE + ROW0
     s_ptrs = _scale_pointers(scales_ptr + expert.to(gl.int64) * stride_se, n0, N, stride_sn, BLOCK_N,
                              _X_ORDER_BLOCK, SCALES)
     for m0 in range(lo, hi, BLOCK_M):
         if hi - m0 <= BLOCK_M // 2:  # the last (often only) tile of a small expert: a half-width tile
             step = _token_tile(BLOCK_M // 2, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps, y_ptr,
                                weight_scale_2, row_scale_ptr, n0, N, m0, hi, stride_ym, BLOCK_N, BLOCK_K, STAGES,
-                               NUM_WARPS, Y_MMA_ORDER, EVEN_N, Y_I32, SCALE_RING, ROW_SCALE)
+                               NUM_WARPS, Y_MMA_ORDER, EVEN_N, Y_I32, SCALE_RING, ROW_SCALE, ROW0)
         else:
             step = _token_tile(BLOCK_M, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps, y_ptr,
                                weight_scale_2, row_scale_ptr, n0, N, m0, hi, stride_ym, BLOCK_N, BLOCK_K, STAGES,
-                               NUM_WARPS, Y_MMA_ORDER, EVEN_N, Y_I32, SCALE_RING, ROW_SCALE)
+                               NUM_WARPS, Y_MMA_ORDER, EVEN_N, Y_I32, SCALE_RING, ROW_SCALE, ROW0)
     return step
 
 
@@ -531,9 +540,11 @@ def _mma_partition(ring_w, ring_x, ring_s, ready, empty, queue, queued, taken, s
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                    NUM_WARPS: gl.constexpr, Y_MMA_ORDER: gl.constexpr, EVEN_N: gl.constexpr,
                    Y_I32: gl.constexpr, SCALE_RING: gl.constexpr, DYNAMIC: gl.constexpr,
-                   ROW_SCALE: gl.constexpr):
-    """The MMA warps: the program's tiles in the loader's order (``DYNAMIC``: as the tile queue
-    gives them), each stored while the loader already fills the ring for the next."""
+                   ROW_SCALE: gl.constexpr, N_TILE: gl.constexpr, ROW0: gl.constexpr):
+    """MMA warps (``NUM_WARPS``): the program's tiles in the loader's order (``DYNAMIC``: as the tile
+    queue gives them), each stored while the loader already fills the ring for the next. They compute
+    rows ``ROW0 .. ROW0 + BLOCK_N`` of each ``N_TILE``-row tile (``WG_SPLIT``: one warpgroup a
+    partition, each reading its own rows of the ring stages)."""
     k_steps = (K + K2) // BLOCK_K
     step = 0
     if DYNAMIC:
@@ -544,7 +555,7 @@ def _mma_partition(ring_w, ring_x, ring_s, ready, empty, queue, queued, taken, s
             step = _mma_tile(tile, lo, hi, weight_scale_2, step, ring_w, ring_x, ring_s, ready, empty, scales_ptr,
                              y_ptr, row_scale_ptr, N, k_steps, n_tiles, stride_se, stride_sn, stride_ym, BLOCK_M,
                              BLOCK_N, BLOCK_K, STAGES, NUM_WARPS, Y_MMA_ORDER, EVEN_N, Y_I32, SCALE_RING,
-                             ROW_SCALE)
+                             ROW_SCALE, N_TILE, ROW0)
             count += 1
             tile = _peek_tile(count, queue, queued, NUM_WARPS)
     else:
@@ -553,7 +564,7 @@ def _mma_partition(ring_w, ring_x, ring_s, ready, empty, queue, queued, taken, s
             step = _mma_tile(tile, lo, hi, weight_scale_2, step, ring_w, ring_x, ring_s, ready, empty, scales_ptr,
                              y_ptr, row_scale_ptr, N, k_steps, n_tiles, stride_se, stride_sn, stride_ym, BLOCK_M,
                              BLOCK_N, BLOCK_K, STAGES, NUM_WARPS, Y_MMA_ORDER, EVEN_N, Y_I32, SCALE_RING,
-                             ROW_SCALE)
+                             ROW_SCALE, N_TILE, ROW0)
 
 
 TILE_QUEUE_SLOTS = 4
@@ -569,7 +580,7 @@ def _grouped_ws_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
     NUM_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, Y_MMA_ORDER: gl.constexpr,
     EVEN_N: gl.constexpr, Y_I32: gl.constexpr, SCALE_RING: gl.constexpr, DYNAMIC: gl.constexpr,
-    HAS_TAIL: gl.constexpr, ROW_SCALE: gl.constexpr,
+    HAS_TAIL: gl.constexpr, ROW_SCALE: gl.constexpr, WG_SPLIT: gl.constexpr, MMA_REGS: gl.constexpr,
 ):
     """Persistent: the ``E * n_tiles`` (expert, N tile) pairs, expert-major (programs running together
     share an expert's x in L2), program ``p`` taking ``p, p + P, ...`` or (``DYNAMIC``) ``p`` and then
@@ -578,7 +589,10 @@ def _grouped_ws_kernel(
     ``[E * N, K / 8]`` words). ``sched_ptr``: two int32 zeros (``DYNAMIC``), left zero. ``HAS_TAIL``:
     the reduction runs on over the tail weight's ``K2`` columns (``t_desc`` / ``ts_desc``, its words
     and scale bytes stacked as the weight's; x rows hold ``K + K2`` values, the tail's in K order
-    too); ``ROW_SCALE``: the epilogue's factor is ``row_scale[m] * weight_scale_2`` (W4A4 + RAC)."""
+    too); ``ROW_SCALE``: the epilogue's factor is ``row_scale[m] * weight_scale_2`` (W4A4 + RAC).
+    ``WG_SPLIT``: the two MMA warpgroups of a 128-row tile run as two partitions (the second a worker
+    of ``MMA_REGS`` registers), each waiting on the ring and releasing its stages by itself, so that
+    their warps synchronize within a warpgroup only; the kernel is then launched with 4 warps."""
     ring_w = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, BLOCK_K // 8], words_ring_layout())
     ring_x = gl.allocate_shared_memory(gl.bfloat16, [STAGES * (BLOCK_K // _X_SUB_K), BLOCK_M, _X_SUB_K],
                                        x_tile_layout(BLOCK_M))
@@ -588,9 +602,10 @@ def _grouped_ws_kernel(
         ring_s = ring_w  # not read
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    PARTS: gl.constexpr = 2 if WG_SPLIT else 1  # MMA partitions: each releases a stage and a queue slot
     for j in gl.static_range(STAGES):
         mbarrier.init(ready.index(j), count=1)
-        mbarrier.init(empty.index(j), count=1)
+        mbarrier.init(empty.index(j), count=PARTS)
     SLOTS: gl.constexpr = _TILE_QUEUE_SLOTS if DYNAMIC else 1
     queue = gl.allocate_shared_memory(gl.int32, [SLOTS, 4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     queued = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
@@ -598,16 +613,33 @@ def _grouped_ws_kernel(
     if DYNAMIC:
         for j in gl.static_range(SLOTS):
             mbarrier.init(queued.index(j), count=1)
-            mbarrier.init(taken.index(j), count=1)
-    gl.warp_specialize([
-        (_mma_partition, (ring_w, ring_x, ring_s, ready, empty, queue, queued, taken, scales_ptr, ws2_ptr, offsets_ptr,
-                          y_ptr, row_scale_ptr, N, K, K2, num_tiles, n_tiles, stride_se, stride_sn, stride_w2,
-                          stride_ym, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, NUM_WARPS, Y_MMA_ORDER, EVEN_N, Y_I32,
-                          SCALE_RING, DYNAMIC, ROW_SCALE)),
-        (_load_partition, (w_desc, x_desc, s_desc, t_desc, ts_desc, ring_w, ring_x, ring_s, ready, empty, queue, queued,
-                           taken, offsets_ptr, ws2_ptr, sched_ptr, N, K, K2, num_tiles, n_tiles, stride_w2, BLOCK_M,
-                           BLOCK_N, BLOCK_K, STAGES, SCALE_RING, DYNAMIC, HAS_TAIL)),
-    ], [1], [LOADER_REGS])
+            mbarrier.init(taken.index(j), count=PARTS)
+    if WG_SPLIT:
+        PART_N: gl.constexpr = BLOCK_N // 2
+        PART_WARPS: gl.constexpr = NUM_WARPS // 2
+        gl.warp_specialize([
+            (_mma_partition, (ring_w, ring_x, ring_s, ready, empty, queue, queued, taken, scales_ptr, ws2_ptr,
+                              offsets_ptr, y_ptr, row_scale_ptr, N, K, K2, num_tiles, n_tiles, stride_se, stride_sn,
+                              stride_w2, stride_ym, BLOCK_M, PART_N, BLOCK_K, STAGES, PART_WARPS, Y_MMA_ORDER,
+                              EVEN_N, Y_I32, SCALE_RING, DYNAMIC, ROW_SCALE, BLOCK_N, 0)),
+            (_mma_partition, (ring_w, ring_x, ring_s, ready, empty, queue, queued, taken, scales_ptr, ws2_ptr,
+                              offsets_ptr, y_ptr, row_scale_ptr, N, K, K2, num_tiles, n_tiles, stride_se, stride_sn,
+                              stride_w2, stride_ym, BLOCK_M, PART_N, BLOCK_K, STAGES, PART_WARPS, Y_MMA_ORDER,
+                              EVEN_N, Y_I32, SCALE_RING, DYNAMIC, ROW_SCALE, BLOCK_N, PART_N)),
+            (_load_partition, (w_desc, x_desc, s_desc, t_desc, ts_desc, ring_w, ring_x, ring_s, ready, empty, queue,
+                               queued, taken, offsets_ptr, ws2_ptr, sched_ptr, N, K, K2, num_tiles, n_tiles, stride_w2,
+                               BLOCK_M, BLOCK_N, BLOCK_K, STAGES, SCALE_RING, DYNAMIC, HAS_TAIL)),
+        ], [PART_WARPS, 1], [MMA_REGS, LOADER_REGS])
+    else:
+        gl.warp_specialize([
+            (_mma_partition, (ring_w, ring_x, ring_s, ready, empty, queue, queued, taken, scales_ptr, ws2_ptr, offsets_ptr,
+                              y_ptr, row_scale_ptr, N, K, K2, num_tiles, n_tiles, stride_se, stride_sn, stride_w2,
+                              stride_ym, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, NUM_WARPS, Y_MMA_ORDER, EVEN_N, Y_I32,
+                              SCALE_RING, DYNAMIC, ROW_SCALE, BLOCK_N, 0)),
+            (_load_partition, (w_desc, x_desc, s_desc, t_desc, ts_desc, ring_w, ring_x, ring_s, ready, empty, queue, queued,
+                               taken, offsets_ptr, ws2_ptr, sched_ptr, N, K, K2, num_tiles, n_tiles, stride_w2, BLOCK_M,
+                               BLOCK_N, BLOCK_K, STAGES, SCALE_RING, DYNAMIC, HAS_TAIL)),
+        ], [1], [LOADER_REGS])
 
 
 DEFAULT_CONFIG = {"BLOCK_N": 128, "BLOCK_K": 128, "STAGES": 3, "num_warps": 8, "LOADER_REGS": 40, "CTAS_PER_SM": 2,
@@ -616,7 +648,9 @@ DEFAULT_CONFIG = {"BLOCK_N": 128, "BLOCK_K": 128, "STAGES": 3, "num_warps": 8, "
 ``CTAS_PER_SM`` programs an SM (persistent), or ``PROGRAMS`` when the config gives it; ``maxnreg``
 the register budget the partitions split (0: the compiler's; two CTAs of 12 warps an SM need 80 or
 fewer). ``BLOCK_K`` 256 brings the scale bytes through the ring (TMA rows of 16 bytes or more);
-``DYNAMIC``: tiles handed out by a shared counter as programs free up instead of ``p, p + P, ...``
+``WG_SPLIT`` (``BLOCK_N`` 128): each MMA warpgroup its own partition, so that no CTA barrier
+spans both (``MMA_REGS`` registers for the second); ``DYNAMIC``: tiles handed out by a shared counter
+as programs free up instead of ``p, p + P, ...``
 (a token tile of 33-64 rows costs about twice one of 32 or fewer, so the static split ends
 unevenly). :func:`default_config` puts :data:`WIDE_K_CONFIG` or :data:`SHORT_K_CONFIG` over it: the fastest at Qwen3-30B-A3B expert shapes in
 ``benchmarks/bench_kernels.py --only grouped_ws`` (docs/kernels.md)."""
@@ -628,6 +662,11 @@ ahead, which nothing hides at a tile's first step) and the ``DYNAMIC`` schedule:
 over the experts as a trained router spreads them (the busiest expert 2.4-8x the mean), it was as fast
 or up to 10% faster than the static split at both Qwen3-30B-A3B expert shapes from 8 to 512 tokens
 (``tools/tune_grouped_w4a16.py``, benchmarks/results/grouped_tiles_gpu.json)."""
+
+MMA_REGS = 96
+"""Registers a thread of the second MMA warpgroup's partition (``WG_SPLIT``) asks for. Under
+``maxnreg`` 80 and a 40-register loader Triton gives the first (default) partition what is left of
+the CTA's 384 x 80: 104, so both get at least the 96 of the unsplit kernel's MMA warps."""
 
 SHORT_K_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "STAGES": 3, "CTAS_PER_SM": 3}
 """One warpgroup, three CTAs an SM, for K below 1024 that 256 does not divide (``BLOCK_K`` 128)."""
@@ -648,6 +687,8 @@ def check_config(cfg: dict[str, Any], n: int, k: int) -> None:
     if block_n not in (64, 128, 256) or warps != block_n // 16:
         raise ValueError(f"BLOCK_N must be 64, 128 or 256 with num_warps = BLOCK_N / 16 (a warpgroup a 64 rows), "
                          f"got {cfg}")
+    if cfg.get("WG_SPLIT") and block_n != 128:
+        raise ValueError(f"WG_SPLIT splits the two MMA warpgroups of a 128-row tile: BLOCK_N must be 128, got {cfg}")
     if block_m not in (16, 32, 64, 128) or cfg["STAGES"] not in range(2, 9):
         raise ValueError(f"BLOCK_M must be 16, 32, 64 or 128 and STAGES 2..8, got {cfg}")
     stage_bytes = block_n * block_k // 2 + block_m * block_k * 2 + (block_n * block_k // 16 if _scale_ring(cfg) else 0)
@@ -759,11 +800,14 @@ def _meta(cfg: dict[str, Any], y_mma_order: bool, n: int, y_elements: int, has_t
             "Y_MMA_ORDER": int(y_mma_order), "EVEN_N": int(n % cfg["BLOCK_N"] == 0),
             "Y_I32": int(y_elements < Y_I32_LIMIT),
             "SCALE_RING": int(_scale_ring(cfg)), "DYNAMIC": cfg.get("DYNAMIC", 0), "HAS_TAIL": int(has_tail),
-            "ROW_SCALE": int(row_scale)}
+            "ROW_SCALE": int(row_scale), "WG_SPLIT": cfg.get("WG_SPLIT", 0), "MMA_REGS": cfg.get("MMA_REGS", MMA_REGS)}
 
 
 def _launch_options(cfg: dict[str, Any]) -> dict[str, int]:
-    return {"num_warps": cfg["num_warps"], **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {})}
+    """The launch's warps (the first MMA warpgroup only with ``WG_SPLIT``: the other is a worker
+    partition) and register bound."""
+    warps = cfg["num_warps"] // 2 if cfg.get("WG_SPLIT") else cfg["num_warps"]
+    return {"num_warps": warps, **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {})}
 
 
 def compile_for_sm90(kernel: Any, meta: dict[str, int], types: dict[str, Any], aligned: tuple[str, ...],
