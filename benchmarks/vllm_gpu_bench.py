@@ -63,12 +63,16 @@ MODES: dict[str, dict] = {
     "w4a16-attn": {"checkpoint": "plain-attn", "quantization": "quads_nvfp4", "serve": "w4a16"},
     "quads-0.25-attn": {"checkpoint": "quads-attn", "quantization": None, "serve": "quads@0.25"},
     "w4a16-kx": {"checkpoint": "plain", "quantization": "quads_nvfp4", "serve": "w4a16", "x_order_min_rows": 0},
+    "w4a16-split": {"checkpoint": "plain", "quantization": "quads_nvfp4", "serve": "w4a16", "ws_config": {"WG_SPLIT": 1}},
+    "quads-0.5-split": {"checkpoint": "quads", "quantization": None, "serve": "quads@0.5", "ws_config": {"WG_SPLIT": 1}},
 }
 """Each mode: the checkpoint it serves, vLLM's ``quantization`` argument, the plugin's precision
 (``MEGATRON_QUADS_VLLM_PRECISION``; None: vLLM's own kernels) and, for a dispatch variant, the mean
 routed rows per expert from which the grouped W4A16 path takes x in the kernel's K order
 (``kernels.dispatch.X_ORDER_MIN_ROWS_PER_EXPERT``; ``w4a16-kx``: always, so the warp-specialized
-kernel runs at every batch). Modes after the ninth are variants, not run by default."""
+kernel runs at every batch); for a kernel-config variant, the warp-specialized grouped kernel's
+config over its wide-K default (``ws_config``; ``-split``: ``WG_SPLIT``, each MMA warpgroup its own
+partition). Modes after the ninth are variants, not run by default."""
 DEFAULT_MODES = list(MODES)[:9]
 
 ENGINE_SETTINGS = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
@@ -260,6 +264,10 @@ def run_mode(mode: str, checkpoint: str, args: argparse.Namespace) -> dict:
         from megatron_quads.kernels import dispatch
 
         dispatch.X_ORDER_MIN_ROWS_PER_EXPERT = spec["x_order_min_rows"]
+    if spec.get("ws_config"):
+        from megatron_quads.kernels import w4a16_ws
+
+        w4a16_ws.WIDE_K_CONFIG = {**w4a16_ws.WIDE_K_CONFIG, **spec["ws_config"]}
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import torch
     import vllm

@@ -121,3 +121,20 @@ def test_the_view_holds_every_gpu_record_the_main_one_first_and_no_other_key() -
     view = vllm_gpu_bench.markdown_records(records)
     assert view.index("GPU: 24 layers") < view.index("GPU: 8 layers")
     assert view == markdown(main) + "\n" + markdown(side)
+
+
+def test_kernel_config_variants_are_valid_configs_and_cost_their_base_modes_bytes() -> None:
+    import vllm_gpu_bench
+
+    from megatron_quads.kernels.dispatch import gluon_module
+
+    w4a16_ws = gluon_module("w4a16_ws")
+    if w4a16_ws is None:
+        pytest.skip("Triton without Gluon")
+    variants = {m: spec for m, spec in vllm_gpu_bench.MODES.items() if spec.get("ws_config")}
+    assert variants
+    for mode, spec in variants.items():
+        base = mode.rsplit("-", 1)[0]
+        assert vllm_gpu_bench.MODES[base]["checkpoint"] == spec["checkpoint"]
+        w4a16_ws.check_config({**w4a16_ws.default_config(2048), "BLOCK_M": 16, **spec["ws_config"]}, 1536, 2048)
+        assert decode_step_bytes(QWEN3_30B_A3B, mode, 64, 512) == decode_step_bytes(QWEN3_30B_A3B, base, 64, 512)
