@@ -126,11 +126,7 @@ def test_the_view_holds_every_gpu_record_the_main_one_first_and_no_other_key() -
 def test_kernel_config_variants_are_valid_configs_and_cost_their_base_modes_bytes() -> None:
     import vllm_gpu_bench
 
-    from megatron_quads.kernels.dispatch import gluon_module
-
-    w4a16_ws = gluon_module("w4a16_ws")
-    if w4a16_ws is None:
-        pytest.skip("Triton without Gluon")
+    from megatron_quads.kernels import w4a16_ws
     variants = {m: spec for m, spec in vllm_gpu_bench.MODES.items() if spec.get("ws_config")}
     assert variants
     for mode, spec in variants.items():

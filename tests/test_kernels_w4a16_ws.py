@@ -306,9 +306,18 @@ def test_every_config_compiles_for_sm90(config: dict[str, Any]) -> None:
     assert ("ATOMG" in sass) == bool(config.get("DYNAMIC"))  # the tile counter: only the dynamic schedule
 
 
-def _sass_ops(config: dict[str, Any]) -> collections.Counter:
-    sass = w4a16_ws.compile_offline({**w4a16_ws.default_config(2048), "BLOCK_M": 64, **config}, n=1536, k=2048)
+def _gate_up_sass(config: dict[str, Any], **kwargs: Any) -> str:
+    """Offline sm_90 SASS at Qwen3-30B-A3B's gate/up shape, ``config`` over its default with 64-row tiles."""
+    return w4a16_ws.compile_offline({**w4a16_ws.default_config(2048), "BLOCK_M": 64, **config}, n=1536, k=2048,
+                                    **kwargs)
+
+
+def _op_counts(sass: str) -> collections.Counter:
     return collections.Counter(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9]+)", sass, re.MULTILINE))
+
+
+def _sass_ops(config: dict[str, Any]) -> collections.Counter:
+    return _op_counts(_gate_up_sass(config))
 
 
 def test_split_warpgroups_synchronize_within_a_warpgroup() -> None:
@@ -318,10 +327,8 @@ def test_split_warpgroups_synchronize_within_a_warpgroup() -> None:
     def barrier_threads(sass: str) -> set[str]:
         return set(re.findall(r"BAR\.SYNC\.DEFER_BLOCKING\s+0x[0-9a-f]+,\s*(0x[0-9a-f]+)", sass))
 
-    plain, split = _sass_ops({}), _sass_ops({"WG_SPLIT": 1})
-    plain_sass = w4a16_ws.compile_offline({**w4a16_ws.default_config(2048), "BLOCK_M": 64}, n=1536, k=2048)
-    split_sass = w4a16_ws.compile_offline({**w4a16_ws.default_config(2048), "BLOCK_M": 64, "WG_SPLIT": 1},
-                                          n=1536, k=2048)
+    plain_sass, split_sass = _gate_up_sass({}), _gate_up_sass({"WG_SPLIT": 1})
+    plain, split = _op_counts(plain_sass), _op_counts(split_sass)
     assert "0x100" in barrier_threads(plain_sass) and barrier_threads(split_sass) == {"0x80"}
     assert split["HGMMA"] == 2 * plain["HGMMA"] and split["UTMALDG"] == plain["UTMALDG"]
 
@@ -330,11 +337,7 @@ def test_a_tail_adds_its_tma_copies_and_a_row_scale_its_loads() -> None:
     """Offline sm_90 SASS of the W4A4 + RAC variant: the loader copies the tail's words and scale
     bytes by their own descriptors (two more UTMALDG), the MMA is unchanged, the epilogue loads a
     row scale a token."""
-    plain = w4a16_ws.compile_offline({**w4a16_ws.default_config(2048), "BLOCK_M": 64}, n=1536, k=2048)
-    rac = w4a16_ws.compile_offline({**w4a16_ws.default_config(2048), "BLOCK_M": 64}, n=1536, k=2048, k2=256,
-                                   row_scale=True)
-    count = collections.Counter(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9]+)", rac, re.MULTILINE))
-    base = collections.Counter(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9]+)", plain, re.MULTILINE))
+    base, count = _sass_ops({}), _op_counts(_gate_up_sass({}, k2=256, row_scale=True))
     assert count["UTMALDG"] == base["UTMALDG"] + 2 and count["HGMMA"] == base["HGMMA"]
     assert count["LDG"] > base["LDG"]
 
