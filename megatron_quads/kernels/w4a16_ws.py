@@ -69,9 +69,10 @@ _SCALE_PAIRS_2_PTX = gl.constexpr(
     + _SCALE_HALF_PTX.replace("$4", "w").format(select="0x4140", lo=0, hi=1)
     + "}\n"
 )
-"""Two E4M3 scale bytes (one 16-bit register) to two bf16x2 pairs ``(s, s)``, ``s = scale * 2^118``:
-the scale conversion of the Triton kernels (:data:`~megatron_quads.kernels.w4a16._SCALE_PAIRS_PTX`)
-for the 2-byte runs a thread holds of a 128-wide K step."""
+"""Two E4M3 scale bytes (one 16-bit register, the first in its low byte) to two bf16x2 pairs
+``(s, s)``, ``s = scale * 2^118``: the scale conversion of the Triton kernels
+(:data:`~megatron_quads.kernels.w4a16._SCALE_PAIRS_PTX`) for the 2-byte run a thread holds of a
+128-wide K step."""
 
 
 @gluon.constexpr_function
@@ -114,16 +115,13 @@ def words_layout(block_n: int, block_k: int, num_warps: int) -> gl.DistributedLi
 
 
 @gluon.constexpr_function
-def scale_bytes_layout(block_n: int, block_k: int, num_warps: int) -> gl.DistributedLinearLayout:
-    """uint8 block scales ``[BN, 4, I/2]``: the ``I/2`` scales of a thread's ``I`` words (two words
-    a 16-block), consecutive registers."""
-    i_words = block_k // 32
-    lanes, regs, warps = _row_bases(block_n, num_warps, 3)
-    return gl.DistributedLinearLayout(
-        reg_bases=[_basis(3, 2, b) for b in _bits(i_words // 2)] + regs,
-        lane_bases=[_basis(3, 1, 1), _basis(3, 1, 2)] + lanes,
-        warp_bases=warps, block_bases=[], shape=[block_n, 4, i_words // 2],
-    )
+def scale_pairs_layout(block_n: int, num_warps: int) -> gl.DistributedLinearLayout:
+    """Block scales of a 128-wide K step as uint16 ``[BN, 4]``: thread ``t`` of a quad holds the two
+    scale bytes of its four words (bytes ``2 t, 2 t + 1`` of its rows), one 16-bit value a row. Loaded
+    as such, they go to the conversion's 16-bit operand with no byte moves."""
+    lanes, regs, warps = _row_bases(block_n, num_warps, 2)
+    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[[0, 1], [0, 2]] + lanes, warp_bases=warps,
+                                      block_bases=[], shape=[block_n, 4])
 
 
 @gluon.constexpr_function
@@ -148,15 +146,16 @@ def words_ring_layout() -> gl.NVMMASharedLayout:
 
 
 @gluon.jit
-def _dequant_a(words, scale_bytes, A_LAYOUT: gl.constexpr, WORDS: gl.constexpr):
-    """Words ``[BN, 4, 4]`` and scale bytes ``[BN, 4, 2]`` of a 128-wide K step to the A operand
+def _dequant_a(words, scale_pairs, A_LAYOUT: gl.constexpr, WORDS: gl.constexpr):
+    """Words ``[BN, 4, 4]`` and scale pairs ``[BN, 4]`` (:func:`scale_pairs_layout`) of a 128-wide K step to the A operand
     ``[BN, 128]`` (bf16 ``e2m1 * e4m3 * 2^-8``) in MMA K order: word ``4 t + i``'s nibbles ``q`` and
     ``q + 4`` (``q = 2 q1 + q0``) become logical columns ``32 i + 16 q1 + 8 q0 + 2 t + (0, 1)``."""
     BN: gl.constexpr = words.shape[0]
     I: gl.constexpr = words.shape[2]
     gl.static_assert(I == 4, "_dequant_a takes the words of a 128-wide K step")
-    pairs = gl.inline_asm_elementwise(_SCALE_PAIRS_2_PTX, "=r,=r,h", [scale_bytes], dtype=gl.int32,
-                                      is_pure=True, pack=2)
+    first, second = gl.inline_asm_elementwise(_SCALE_PAIRS_2_PTX, "=r,=r,h", [scale_pairs],
+                                              dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+    pairs = gl.join(first, second)  # [BN, 4, 2]: the scales of words (0, 1) and (2, 3)
     pairs = gl.convert_layout(gl.reshape(gl.join(pairs, pairs), (BN, 4, I)), WORDS, assert_trivial=True)
     o = gl.inline_asm_elementwise(_DEQUANT_WORD_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, pairs],
                                   dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
@@ -167,16 +166,15 @@ def _dequant_a(words, scale_bytes, A_LAYOUT: gl.constexpr, WORDS: gl.constexpr):
 
 
 @gluon.jit
-def _scale_pointers(scales_ptr, row0, N, stride_sn, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                    SCALES: gl.constexpr):
-    """Pointers to the first K step's scale bytes ``[BN, 4, I/2]`` of rows ``row0 ..`` (rows past N
-    clamped), in :func:`scale_bytes_layout`."""
-    I: gl.constexpr = BLOCK_K // 32
-    sr = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, SCALES)))
-    st = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, SCALES)))
-    si = gl.arange(0, I // 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, SCALES)))
+def _scale_pointers(scales_ptr, row0, N, stride_sn, BLOCK_N: gl.constexpr, SPAIRS: gl.constexpr):
+    """uint16 pointers to the first 128-wide K step's scale pairs ``[BN, 4]`` of rows ``row0 ..``
+    (rows past N clamped), in :func:`scale_pairs_layout` (a row's scale bytes start 2-byte aligned: K
+    is a multiple of 128); the next step's are 4 further."""
+    sr = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, SPAIRS))
+    st = gl.arange(0, 4, layout=gl.SliceLayout(0, SPAIRS))
     s_rows = gl.minimum(row0 + sr, N - 1).to(gl.int64)
-    return scales_ptr + (s_rows * stride_sn)[:, None, None] + (st * (I // 2))[None, :, None] + si[None, None, :]
+    rows = (scales_ptr + s_rows * stride_sn).to(gl.pointer_type(gl.uint16), bitcast=True)
+    return rows[:, None] + st[None, :]
 
 
 @gluon.constexpr_function
@@ -205,13 +203,9 @@ def scales_ring_layout() -> gl.NVMMASharedLayout:
 
 
 @gluon.constexpr_function
-def scales_tile_layout(block_n: int, num_warps: int) -> gl.DistributedLinearLayout:
-    """uint8 scale bytes ``[BN, 8]`` of one 128-wide sub-step as
-    :func:`scale_bytes_layout` holds them (thread ``t`` of a
-    quad: bytes ``2 t, 2 t + 1`` of its rows), before the reshape to ``[BN, 4, 2]``."""
-    lanes, regs, warps = _row_bases(block_n, num_warps, 2)
-    return gl.DistributedLinearLayout(reg_bases=[[0, 1]] + regs, lane_bases=[[0, 2], [0, 4]] + lanes,
-                                      warp_bases=warps, block_bases=[], shape=[block_n, 8])
+def scale_pairs_ring_layout() -> gl.NVMMASharedLayout:
+    """A scale-ring stage read as uint16 (unswizzled, as the bytes landed)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
 
 
 @gluon.jit
@@ -381,15 +375,14 @@ def _read_words(ring_w, ready, step, sub, STAGES: gl.constexpr, WTILE: gl.conste
 
 
 @gluon.jit
-def _read_scales(ring_s, step, sub, STAGES: gl.constexpr, STILE: gl.constexpr, SCALES: gl.constexpr,
-                 ROW0: gl.constexpr = 0):
-    """The scale bytes ``[BN, 4, 2]`` of 128-wide sub-step ``sub`` of ring step ``step`` (landed with
-    the stage's words: read after their wait), from row ``ROW0`` of the stage."""
-    tile = ring_s.index(step % STAGES)
-    if tile.shape[0] > SCALES.shape[0]:
-        tile = tile.slice(ROW0, SCALES.shape[0], dim=0)
-    tile = tile.slice(sub * 8, 8, dim=1)
-    return gl.convert_layout(gl.reshape(tile.load(STILE), (SCALES.shape[0], 4, 2)), SCALES, assert_trivial=True)
+def _read_scales(ring_s, step, sub, STAGES: gl.constexpr, SPAIRS: gl.constexpr, ROW0: gl.constexpr = 0):
+    """The scale pairs ``[BN, 4]`` of 128-wide sub-step ``sub`` of ring step ``step`` (landed with the
+    stage's words: read after their wait), from row ``ROW0`` of the stage."""
+    stage = ring_s.index(step % STAGES)
+    tile = stage._reinterpret(gl.uint16, [stage.shape[0], stage.shape[1] // 2], scale_pairs_ring_layout())
+    if tile.shape[0] > SPAIRS.shape[0]:
+        tile = tile.slice(ROW0, SPAIRS.shape[0], dim=0)
+    return tile.slice(sub * 4, 4, dim=1).load(SPAIRS)
 
 
 @gluon.jit
@@ -431,19 +424,18 @@ def _k_loop(acc, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps,
     A_HALF: gl.constexpr = A_LAYOUT  # the same register map on a [BN, 64] operand
     WORDS: gl.constexpr = words_layout(BLOCK_N, _X_ORDER_BLOCK, NUM_WARPS)
     WTILE: gl.constexpr = words_tile_layout(BLOCK_N, _X_ORDER_BLOCK, NUM_WARPS)
-    SCALES: gl.constexpr = scale_bytes_layout(BLOCK_N, _X_ORDER_BLOCK, NUM_WARPS)
-    STILE: gl.constexpr = scales_tile_layout(BLOCK_N, NUM_WARPS)
+    SPAIRS: gl.constexpr = scale_pairs_layout(BLOCK_N, NUM_WARPS)
     last = k_steps * SUBS - 1
     if not SCALE_RING:
         s0 = gl.load(s_ptrs)
     words = _read_words(ring_w, ready, step, 0, STAGES, WTILE, WORDS, ROW0=ROW0)
     if SCALE_RING:
-        s0 = _read_scales(ring_s, step, 0, STAGES, STILE, SCALES, ROW0)
+        s0 = _read_scales(ring_s, step, 0, STAGES, SPAIRS, ROW0)
     for kt in range(k_steps):
         stage = step % STAGES
         for j in gl.static_range(SUBS):
-            if not SCALE_RING:  # the next sub-step's scale bytes from global memory, one sub-step ahead
-                s1 = gl.load(s_ptrs + gl.minimum(kt * SUBS + j + 1, last) * (_X_ORDER_BLOCK // 16))
+            if not SCALE_RING:  # the next sub-step's scale pairs from global memory, one sub-step ahead
+                s1 = gl.load(s_ptrs + gl.minimum(kt * SUBS + j + 1, last) * (_X_ORDER_BLOCK // 32))
             a_lo, a_hi = _k_halves(_dequant_a(words, s0, A_LAYOUT, WORDS), A_HALF)
             x0 = (stage * SUBS + j) * 2
             acc = warpgroup_mma(a_lo, _x_operand(ring_x, x0, TILE_M), acc, is_async=True)
@@ -452,11 +444,11 @@ def _k_loop(acc, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps,
             if j + 1 < SUBS:
                 words = _read_words(ring_w, ready, step, j + 1, STAGES, WTILE, WORDS, WAIT=False, ROW0=ROW0)
                 if SCALE_RING:
-                    s1 = _read_scales(ring_s, step, j + 1, STAGES, STILE, SCALES, ROW0)
+                    s1 = _read_scales(ring_s, step, j + 1, STAGES, SPAIRS, ROW0)
             else:
                 words = _read_words(ring_w, ready, step + (kt + 1 < k_steps), 0, STAGES, WTILE, WORDS, ROW0=ROW0)
                 if SCALE_RING:
-                    s1 = _read_scales(ring_s, step + (kt + 1 < k_steps), 0, STAGES, STILE, SCALES, ROW0)
+                    s1 = _read_scales(ring_s, step + (kt + 1 < k_steps), 0, STAGES, SPAIRS, ROW0)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
             s0 = s1
         mbarrier.arrive(empty.index(stage), count=1)  # the stage goes back to the loader
@@ -517,11 +509,10 @@ def _mma_tile(tile, lo, hi, weight_scale_2, step, ring_w, ring_x, ring_s, ready,
     """(expert, N tile) pair ``tile`` (its expert's rows ``lo:hi``): its token tiles in the loader's
     order, each over the whole K from ring step ``step`` on, then stored; returns the next ring step.
     The pair's N tile is ``N_TILE`` rows wide, of which these warps compute ``BLOCK_N`` from ``ROW0``."""
-    SCALES: gl.constexpr = scale_bytes_layout(BLOCK_N, _X_ORDER_BLOCK, NUM_WARPS)  # a 128-wide sub-step's
+    SPAIRS: gl.constexpr = scale_pairs_layout(BLOCK_N, NUM_WARPS)  # a 128-wide sub-step's
     expert = tile // n_tiles
     n0 = (tile % n_tiles) * N_TILE + ROW0
-    s_ptrs = _scale_pointers(scales_ptr + expert.to(gl.int64) * stride_se, n0, N, stride_sn, BLOCK_N,
-                             _X_ORDER_BLOCK, SCALES)
+    s_ptrs = _scale_pointers(scales_ptr + expert.to(gl.int64) * stride_se, n0, N, stride_sn, BLOCK_N, SPAIRS)
     for m0 in range(lo, hi, BLOCK_M):
         if hi - m0 <= BLOCK_M // 2:  # the last (often only) tile of a small expert: a half-width tile
             step = _token_tile(BLOCK_M // 2, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps, y_ptr,
