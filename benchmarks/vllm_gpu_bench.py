@@ -65,6 +65,9 @@ MODES: dict[str, dict] = {
     "w4a16-kx": {"checkpoint": "plain", "quantization": "quads_nvfp4", "serve": "w4a16", "x_order_min_rows": 0},
     "w4a16-split": {"checkpoint": "plain", "quantization": "quads_nvfp4", "serve": "w4a16", "ws_config": {"WG_SPLIT": 1}},
     "quads-0.5-split": {"checkpoint": "quads", "quantization": None, "serve": "quads@0.5", "ws_config": {"WG_SPLIT": 1}},
+    "w4a16-pipe": {"checkpoint": "plain", "quantization": "quads_nvfp4", "serve": "w4a16", "ws_config": {"A_PIPE": 1}},
+    "quads-0.25-pipe": {"checkpoint": "quads", "quantization": None, "serve": "quads@0.25", "ws_config": {"A_PIPE": 1}},
+    "quads-0.5-pipe": {"checkpoint": "quads", "quantization": None, "serve": "quads@0.5", "ws_config": {"A_PIPE": 1}},
 }
 """Each mode: the checkpoint it serves, vLLM's ``quantization`` argument, the plugin's precision
 (``MEGATRON_QUADS_VLLM_PRECISION``; None: vLLM's own kernels) and, for a dispatch variant, the mean
@@ -72,7 +75,7 @@ routed rows per expert from which the grouped W4A16 path takes x in the kernel's
 (``kernels.dispatch.X_ORDER_MIN_ROWS_PER_EXPERT``; ``w4a16-kx``: always, so the warp-specialized
 kernel runs at every batch); for a kernel-config variant, the warp-specialized grouped kernel's
 config over its wide-K default (``ws_config``; ``-split``: ``WG_SPLIT``, each MMA warpgroup its own
-partition). Modes after the ninth are variants, not run by default."""
+partition; ``-pipe``: ``A_PIPE``, each sub-step dequantized while the previous one's wgmma run). Modes after the ninth are variants, not run by default."""
 DEFAULT_MODES = list(MODES)[:9]
 
 ENGINE_SETTINGS = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}

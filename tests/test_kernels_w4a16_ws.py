@@ -51,6 +51,10 @@ CONFIGS: list[dict[str, Any]] = [
     {"DYNAMIC": 1, "BLOCK_N": 64, "num_warps": 4, "BLOCK_K": 256, "BLOCK_M": 32, "STAGES": 3, "PROGRAMS": 7},
     {"WG_SPLIT": 1},  # each MMA warpgroup its own partition
     {"WG_SPLIT": 1, "BLOCK_K": 128, "DYNAMIC": 0, "BLOCK_M": 64, "STAGES": 3, "PROGRAMS": 3},
+    {"A_PIPE": 1, "BLOCK_K": 256, "STAGES": 2, "DYNAMIC": 1},  # a sub-step dequantized while the last one's wgmma run
+    {"A_PIPE": 1, "BLOCK_K": 256, "BLOCK_M": 64, "STAGES": 3},
+    {"A_PIPE": 1, "BLOCK_K": 256, "WG_SPLIT": 1},
+    {"A_PIPE": 1, "BLOCK_N": 64, "num_warps": 4, "BLOCK_K": 256, "BLOCK_M": 32, "STAGES": 3, "PROGRAMS": 7},
 ]
 
 
@@ -189,9 +193,11 @@ def test_64_bit_output_offsets_store_the_same_bits(kernel_device: str, monkeypat
 
 
 @_on_gpu
-def test_split_warpgroups_give_the_same_bits(kernel_device: str) -> None:
-    """``WG_SPLIT`` only changes which warps wait on the ring: the products and their order are the
-    unsplit kernel's, plain and with a RAC tail and row scale, at both schedules."""
+@pytest.mark.parametrize("variant", [{"WG_SPLIT": 1}, {"A_PIPE": 1}, {"A_PIPE": 1, "WG_SPLIT": 1}], ids=_config_id)
+def test_config_variants_give_the_default_bits(kernel_device: str, variant: dict[str, int]) -> None:
+    """``WG_SPLIT`` only changes which warps wait on the ring, ``A_PIPE`` only when a sub-step is
+    dequantized: the products and their order are the default kernel's, plain and with a RAC tail
+    and row scale, at both schedules."""
     counts, n, k = _cases()[3]
     weight = _gaussian_weight((len(counts), n, k), kernel_device)
     tail = _with_weight_scale(_gaussian_weight((len(counts), n, 256), kernel_device), weight)
@@ -201,9 +207,9 @@ def test_split_warpgroups_give_the_same_bits(kernel_device: str) -> None:
     offsets = expert_offsets_from_counts(torch.tensor(counts)).to(kernel_device)
     for dynamic in (0, 1):
         outs = []
-        for split in (0, 1):
+        for config in ({}, variant):
             out = torch.full((x.shape[0], n), float("nan"), dtype=torch.float32, device=kernel_device)
-            w4a16_ws.grouped_w4a16_ws_into(x, weight, offsets, out, {"WG_SPLIT": split, "DYNAMIC": dynamic},
+            w4a16_ws.grouped_w4a16_ws_into(x, weight, offsets, out, {**config, "DYNAMIC": dynamic},
                                            tail=tail, row_scale=row_scale)
             outs.append(out)
         assert torch.equal(outs[0], outs[1]), dynamic
@@ -276,6 +282,8 @@ def test_argument_errors() -> None:
         w4a16_ws.grouped_w4a16_ws_into(x, stacked, offsets, out, {"BLOCK_K": 64})
     with pytest.raises(ValueError, match="num_warps = BLOCK_N / 16"):
         w4a16_ws.grouped_w4a16_ws_into(x, stacked, offsets, out, {"BLOCK_N": 64})  # with 8 warps
+    with pytest.raises(ValueError, match="A_PIPE overlaps the dequantization"):
+        w4a16_ws.grouped_w4a16_ws_into(x, stacked, offsets, out, {"BLOCK_K": 128, "A_PIPE": 1})
     with pytest.raises(ValueError, match="WG_SPLIT splits the two MMA warpgroups"):
         w4a16_ws.grouped_w4a16_ws_into(x, stacked, offsets, out, {"BLOCK_N": 64, "num_warps": 4, "WG_SPLIT": 1})
     with pytest.raises(ValueError, match="do not fit in shared memory"):
@@ -331,6 +339,38 @@ def test_split_warpgroups_synchronize_within_a_warpgroup() -> None:
     plain, split = _op_counts(plain_sass), _op_counts(split_sass)
     assert "0x100" in barrier_threads(plain_sass) and barrier_threads(split_sass) == {"0x80"}
     assert split["HGMMA"] == 2 * plain["HGMMA"] and split["UTMALDG"] == plain["UTMALDG"]
+
+
+def _k_step_loops(sass: str) -> list[collections.Counter]:
+    """The opcodes of the two innermost loops (backward branches' spans) of ``sass`` holding one ring
+    step's 16 HGMMA: the K loops of the full- and the half-width token tile."""
+    ins = [(int(a, 16), op) for a, op in re.findall(r"^\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9.]+)[^;]*;",
+                                                     sass, re.MULTILINE)]
+    targets = {int(a, 16): int(t, 16) for a, t in re.findall(r"/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?BRA[^;]*?0x([0-9a-f]+)",
+                                                             sass)}
+    index = {a: i for i, (a, _) in enumerate(ins)}
+    loops = []
+    for i, (a, _) in enumerate(ins):
+        if a in targets and targets[a] < a and targets[a] in index:
+            body = collections.Counter(op.split(".")[0] for _, op in ins[index[targets[a]]:i + 1])
+            if body["HGMMA"] == 16:
+                loops.append(body)
+    return sorted(loops, key=lambda body: sum(body.values()))[:2]
+
+
+def test_overlapped_dequantization_keeps_the_k_step_and_spills_nothing() -> None:
+    """Offline sm_90 SASS at 16- and 64-row tiles: with ``A_PIPE`` the K loop issues as many
+    instructions a ring step as the default's (within 5%: the next sub-step's A operand takes other
+    registers, not copies into the same ones), and nothing goes to local memory."""
+    for block_m in (16, 64):
+        plain = _k_step_loops(_gate_up_sass({"BLOCK_M": block_m}))
+        sass = _gate_up_sass({"BLOCK_M": block_m, "A_PIPE": 1})
+        piped = _k_step_loops(sass)
+        assert len(plain) == len(piped) == 2
+        for a, b in zip(plain, piped):
+            assert b["HMUL2"] == a["HMUL2"] and sum(b.values()) <= 1.05 * sum(a.values()), (a, b)
+        ops = _op_counts(sass)
+        assert ops["LDL"] == ops["STL"] == 0
 
 
 def test_a_tail_adds_its_tma_copies_and_a_row_scale_its_loads() -> None:

@@ -7,8 +7,10 @@ plain (W4A16) and with a QUADS 50% RAC tail (``K2`` 1024 and 384 widened to the 
 ``tokens`` tokens routed top-k with a trained router's skew (``tune_grouped_w4a16.skewed_counts``),
 on one CUDA GPU (sm_90), the median over CUDA-graph replays of:
 
-- ``kernel_us``: ``w4a16_ws.grouped_w4a16_ws_into`` at its default config (``split_us``: with
-  ``WG_SPLIT``, each MMA warpgroup its own partition; checked to give the same bits);
+- ``kernel_us``: ``w4a16_ws.grouped_w4a16_ws_into`` at its default config, and per config variant of
+  :data:`VARIANTS` (``split_us``: ``WG_SPLIT``, each MMA warpgroup its own partition; ``pipe_us``:
+  ``A_PIPE``, each sub-step dequantized while the previous one's wgmma run), each checked to give the
+  default's bits;
 - ``no_stream_us``: the same launch with the weight's (and tail's) TMA descriptors spanning the first
   expert only. Every other expert's boxes lie outside them, so TMA fills them with zeros without
   reading memory; the loader, the ring, the dequantization, the wgmma and the stores run as before.
@@ -64,15 +66,19 @@ def read_launcher(stack: torch.Tensor, experts: torch.Tensor) -> Callable[[], No
     return lambda: _read_kernel[(experts.numel(), splits)](words, experts, per_expert, sink, BLOCK=1024, num_warps=4)
 
 
-def split_us(run: Callable[..., None], out: torch.Tensor) -> float:
-    """``run`` with ``WG_SPLIT``, once checked against its default config's bits, timed."""
+VARIANTS = {"split": {"WG_SPLIT": 1}, "pipe": {"A_PIPE": 1}}
+"""Config variants timed beside the default (each over it), by the name of their ``NAME_us`` field."""
+
+
+def variant_us(run: Callable[..., None], out: torch.Tensor, config: dict) -> float:
+    """``run`` with ``config``, once checked against the default config's bits, timed."""
     run()
     expected = out.clone()
     out.fill_(float("nan"))
-    run({"WG_SPLIT": 1})
+    run(config)
     if not torch.equal(out, expected):
-        raise RuntimeError("WG_SPLIT changed the grouped kernel's output")
-    return round(time_us(lambda: run({"WG_SPLIT": 1})), 2)
+        raise RuntimeError(f"{config} changed the grouped kernel's output")
+    return round(time_us(lambda: run(config)), 2)
 
 
 def floor_case(name: str, n: int, k: int, k2: int, experts: int, topk: int, tokens: int, bandwidth: float,
@@ -105,7 +111,7 @@ def floor_case(name: str, n: int, k: int, k2: int, experts: int, topk: int, toke
             "active_experts": int(active.numel()),
             "floor_us": round((weight_bytes + rows * (k + k2 + n) * 2) / bandwidth * 1e6, 2),
             "kernel_us": round(time_us(run), 2),
-            "split_us": split_us(run, out),
+            **{f"{variant}_us": variant_us(run, out, config) for variant, config in VARIANTS.items()},
             "read_us": round(sum(time_us(read) for read in reads), 2)}
 
     real = w4a16_ws._descriptors
@@ -149,7 +155,8 @@ def main(argv: list[str] | None = None) -> None:
             case = floor_case(name, n, k, k2, args.experts, args.topk, tokens, bandwidth, generator)
             record["cases"].append(case)
             args.out.write_text(json.dumps({"gpu": record}, indent=1))
-            print(f"{name} tokens={tokens}: kernel {case['kernel_us']} us, split {case['split_us']}, "
+            variants = ", ".join(f"{variant} {case[variant + '_us']}" for variant in VARIANTS)
+            print(f"{name} tokens={tokens}: kernel {case['kernel_us']} us, {variants}, "
                   f"no stream {case['no_stream_us']}, "
                   f"read {case['read_us']}, floor {case['floor_us']}", flush=True)
 

@@ -406,7 +406,7 @@ def _x_operand(ring_x, index, TILE_M: gl.constexpr):
 @gluon.jit
 def _k_loop(acc, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps,
             BLOCK_K: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, SCALE_RING: gl.constexpr,
-            ROW0: gl.constexpr = 0):
+            ROW0: gl.constexpr = 0, A_PIPE: gl.constexpr = 0):
     """``acc [BN, BM'] += dq(W) @ x^T`` over all K steps of one token tile (``BM'`` the first rows of
     each x stage), ring steps ``step ..``; returns ``(acc, next step)``. A step of ``BLOCK_K`` 256
     is two 128-wide sub-steps (x's K order is per 128 columns) behind one ring wait and release.
@@ -416,6 +416,9 @@ def _k_loop(acc, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps,
     alive to the wait, not the packed registers the wgmma reads) waits for it; what overlaps the MMA
     in a warp is the next sub-step's ring wait and shared-memory reads, and across warps the other
     warpgroups' work."""
+    if A_PIPE:
+        return _k_loop_overlapped(acc, ring_w, ring_x, ring_s, ready, empty, step, k_steps, BLOCK_K, STAGES,
+                                  NUM_WARPS, ROW0)
     BLOCK_N: gl.constexpr = acc.shape[0]
     TILE_M: gl.constexpr = acc.shape[1]
     SUBS: gl.constexpr = BLOCK_K // _X_ORDER_BLOCK
@@ -457,6 +460,48 @@ def _k_loop(acc, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps,
 
 
 @gluon.jit
+def _k_loop_overlapped(acc, ring_w, ring_x, ring_s, ready, empty, step, k_steps, BLOCK_K: gl.constexpr,
+                       STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, ROW0: gl.constexpr = 0):
+    """:func:`_k_loop` (scale bytes in the ring) with each sub-step's dequantization while the previous
+    sub-step's wgmma run: the wait for them comes after it, and names their A operand among its
+    dependencies so that the compiler keeps it in its own registers until they retire. The same
+    wgmma on the same operands in the same order, so the same bits; the last sub-step of the tile
+    has no next one to dequantize."""
+    BLOCK_N: gl.constexpr = acc.shape[0]
+    TILE_M: gl.constexpr = acc.shape[1]
+    SUBS: gl.constexpr = BLOCK_K // _X_ORDER_BLOCK
+    MMA: gl.constexpr = wgmma_layout(TILE_M, NUM_WARPS)
+    A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    WORDS: gl.constexpr = words_layout(BLOCK_N, _X_ORDER_BLOCK, NUM_WARPS)
+    WTILE: gl.constexpr = words_tile_layout(BLOCK_N, _X_ORDER_BLOCK, NUM_WARPS)
+    SPAIRS: gl.constexpr = scale_pairs_layout(BLOCK_N, NUM_WARPS)
+    words = _read_words(ring_w, ready, step, 0, STAGES, WTILE, WORDS, ROW0=ROW0)
+    a_lo, a_hi = _k_halves(_dequant_a(words, _read_scales(ring_s, step, 0, STAGES, SPAIRS, ROW0), A_LAYOUT, WORDS),
+                           A_LAYOUT)
+    for kt in range(k_steps):
+        stage = step % STAGES
+        for j in gl.static_range(SUBS):
+            x0 = (stage * SUBS + j) * 2
+            acc = warpgroup_mma(a_lo, _x_operand(ring_x, x0, TILE_M), acc, is_async=True)
+            acc = warpgroup_mma(a_hi, _x_operand(ring_x, x0 + 1, TILE_M), acc, is_async=True)
+            if j + 1 < SUBS:
+                words = _read_words(ring_w, ready, step, j + 1, STAGES, WTILE, WORDS, WAIT=False, ROW0=ROW0)
+                n_lo, n_hi = _k_halves(_dequant_a(words, _read_scales(ring_s, step, j + 1, STAGES, SPAIRS, ROW0),
+                                                  A_LAYOUT, WORDS), A_LAYOUT)
+            else:  # the next stage's first sub-step (the last step: its own stage again, still held)
+                nxt = step + (kt + 1 < k_steps)
+                words = _read_words(ring_w, ready, nxt, 0, STAGES, WTILE, WORDS, ROW0=ROW0)
+                n_lo, n_hi = _k_halves(_dequant_a(words, _read_scales(ring_s, nxt, 0, STAGES, SPAIRS, ROW0),
+                                                  A_LAYOUT, WORDS), A_LAYOUT)
+            acc, a_lo, a_hi = warpgroup_mma_wait(num_outstanding=0, deps=[acc, a_lo, a_hi])
+            a_lo = n_lo
+            a_hi = n_hi
+        mbarrier.arrive(empty.index(stage), count=1)  # the stage goes back to the loader
+        step += 1
+    return acc, step
+
+
+@gluon.jit
 def _store_rows(acc, y_ptr, weight_scale_2, row_scale_ptr, row0, N, m0, hi, stride_ym, NUM_WARPS: gl.constexpr,
                 Y_MMA_ORDER: gl.constexpr, EVEN_N: gl.constexpr, Y_I32: gl.constexpr, ROW_SCALE: gl.constexpr):
     """``y[m, n] = cast(acc[n, m] * decode)`` for ``n < N`` (every ``n`` with ``EVEN_N``) and
@@ -489,12 +534,13 @@ def _store_rows(acc, y_ptr, weight_scale_2, row_scale_ptr, row0, N, m0, hi, stri
 def _token_tile(TILE_M: gl.constexpr, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps, y_ptr,
                 weight_scale_2, row_scale_ptr, n0, N, m0, hi, stride_ym, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                 STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, Y_MMA_ORDER: gl.constexpr, EVEN_N: gl.constexpr,
-                Y_I32: gl.constexpr, SCALE_RING: gl.constexpr, ROW_SCALE: gl.constexpr, ROW0: gl.constexpr = 0):
+                Y_I32: gl.constexpr, SCALE_RING: gl.constexpr, ROW_SCALE: gl.constexpr, ROW0: gl.constexpr = 0,
+                A_PIPE: gl.constexpr = 0):
     """Rows ``m0 .. hi`` (at most ``TILE_M``: the first rows of each x tile) times the N tile
     (output columns ``n0 ..``) over the whole K, stored; returns the next ring step."""
     acc = gl.zeros((BLOCK_N, TILE_M), gl.float32, layout=wgmma_layout(TILE_M, NUM_WARPS))
     acc, step = _k_loop(acc, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps, BLOCK_K, STAGES, NUM_WARPS,
-                        SCALE_RING, ROW0)
+                        SCALE_RING, ROW0, A_PIPE)
     _store_rows(acc, y_ptr, weight_scale_2, row_scale_ptr, n0, N, m0, hi, stride_ym, NUM_WARPS, Y_MMA_ORDER, EVEN_N,
                 Y_I32, ROW_SCALE)
     return step
@@ -505,7 +551,8 @@ def _mma_tile(tile, lo, hi, weight_scale_2, step, ring_w, ring_x, ring_s, ready,
               N, k_steps, n_tiles, stride_se, stride_sn, stride_ym,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
               NUM_WARPS: gl.constexpr, Y_MMA_ORDER: gl.constexpr, EVEN_N: gl.constexpr, Y_I32: gl.constexpr,
-              SCALE_RING: gl.constexpr, ROW_SCALE: gl.constexpr, N_TILE: gl.constexpr, ROW0: gl.constexpr):
+              SCALE_RING: gl.constexpr, ROW_SCALE: gl.constexpr, N_TILE: gl.constexpr, ROW0: gl.constexpr,
+              A_PIPE: gl.constexpr = 0):
     """(expert, N tile) pair ``tile`` (its expert's rows ``lo:hi``): its token tiles in the loader's
     order, each over the whole K from ring step ``step`` on, then stored; returns the next ring step.
     The pair's N tile is ``N_TILE`` rows wide, of which these warps compute ``BLOCK_N`` from ``ROW0``."""
@@ -517,11 +564,11 @@ def _mma_tile(tile, lo, hi, weight_scale_2, step, ring_w, ring_x, ring_s, ready,
         if hi - m0 <= BLOCK_M // 2:  # the last (often only) tile of a small expert: a half-width tile
             step = _token_tile(BLOCK_M // 2, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps, y_ptr,
                                weight_scale_2, row_scale_ptr, n0, N, m0, hi, stride_ym, BLOCK_N, BLOCK_K, STAGES,
-                               NUM_WARPS, Y_MMA_ORDER, EVEN_N, Y_I32, SCALE_RING, ROW_SCALE, ROW0)
+                               NUM_WARPS, Y_MMA_ORDER, EVEN_N, Y_I32, SCALE_RING, ROW_SCALE, ROW0, A_PIPE)
         else:
             step = _token_tile(BLOCK_M, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps, y_ptr,
                                weight_scale_2, row_scale_ptr, n0, N, m0, hi, stride_ym, BLOCK_N, BLOCK_K, STAGES,
-                               NUM_WARPS, Y_MMA_ORDER, EVEN_N, Y_I32, SCALE_RING, ROW_SCALE, ROW0)
+                               NUM_WARPS, Y_MMA_ORDER, EVEN_N, Y_I32, SCALE_RING, ROW_SCALE, ROW0, A_PIPE)
     return step
 
 
@@ -531,7 +578,7 @@ def _mma_partition(ring_w, ring_x, ring_s, ready, empty, queue, queued, taken, s
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                    NUM_WARPS: gl.constexpr, Y_MMA_ORDER: gl.constexpr, EVEN_N: gl.constexpr,
                    Y_I32: gl.constexpr, SCALE_RING: gl.constexpr, DYNAMIC: gl.constexpr,
-                   ROW_SCALE: gl.constexpr, N_TILE: gl.constexpr, ROW0: gl.constexpr):
+                   ROW_SCALE: gl.constexpr, N_TILE: gl.constexpr, ROW0: gl.constexpr, A_PIPE: gl.constexpr = 0):
     """MMA warps (``NUM_WARPS``): the program's tiles in the loader's order (``DYNAMIC``: as the tile
     queue gives them), each stored while the loader already fills the ring for the next. They compute
     rows ``ROW0 .. ROW0 + BLOCK_N`` of each ``N_TILE``-row tile (``WG_SPLIT``: one warpgroup a
@@ -546,7 +593,7 @@ def _mma_partition(ring_w, ring_x, ring_s, ready, empty, queue, queued, taken, s
             step = _mma_tile(tile, lo, hi, weight_scale_2, step, ring_w, ring_x, ring_s, ready, empty, scales_ptr,
                              y_ptr, row_scale_ptr, N, k_steps, n_tiles, stride_se, stride_sn, stride_ym, BLOCK_M,
                              BLOCK_N, BLOCK_K, STAGES, NUM_WARPS, Y_MMA_ORDER, EVEN_N, Y_I32, SCALE_RING,
-                             ROW_SCALE, N_TILE, ROW0)
+                             ROW_SCALE, N_TILE, ROW0, A_PIPE)
             count += 1
             tile = _peek_tile(count, queue, queued, NUM_WARPS)
     else:
@@ -555,7 +602,7 @@ def _mma_partition(ring_w, ring_x, ring_s, ready, empty, queue, queued, taken, s
             step = _mma_tile(tile, lo, hi, weight_scale_2, step, ring_w, ring_x, ring_s, ready, empty, scales_ptr,
                              y_ptr, row_scale_ptr, N, k_steps, n_tiles, stride_se, stride_sn, stride_ym, BLOCK_M,
                              BLOCK_N, BLOCK_K, STAGES, NUM_WARPS, Y_MMA_ORDER, EVEN_N, Y_I32, SCALE_RING,
-                             ROW_SCALE, N_TILE, ROW0)
+                             ROW_SCALE, N_TILE, ROW0, A_PIPE)
 
 
 TILE_QUEUE_SLOTS = 4
@@ -572,6 +619,7 @@ def _grouped_ws_kernel(
     NUM_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, Y_MMA_ORDER: gl.constexpr,
     EVEN_N: gl.constexpr, Y_I32: gl.constexpr, SCALE_RING: gl.constexpr, DYNAMIC: gl.constexpr,
     HAS_TAIL: gl.constexpr, ROW_SCALE: gl.constexpr, WG_SPLIT: gl.constexpr, MMA_REGS: gl.constexpr,
+    A_PIPE: gl.constexpr,
 ):
     """Persistent: the ``E * n_tiles`` (expert, N tile) pairs, expert-major (programs running together
     share an expert's x in L2), program ``p`` taking ``p, p + P, ...`` or (``DYNAMIC``) ``p`` and then
@@ -612,11 +660,11 @@ def _grouped_ws_kernel(
             (_mma_partition, (ring_w, ring_x, ring_s, ready, empty, queue, queued, taken, scales_ptr, ws2_ptr,
                               offsets_ptr, y_ptr, row_scale_ptr, N, K, K2, num_tiles, n_tiles, stride_se, stride_sn,
                               stride_w2, stride_ym, BLOCK_M, PART_N, BLOCK_K, STAGES, PART_WARPS, Y_MMA_ORDER,
-                              EVEN_N, Y_I32, SCALE_RING, DYNAMIC, ROW_SCALE, BLOCK_N, 0)),
+                              EVEN_N, Y_I32, SCALE_RING, DYNAMIC, ROW_SCALE, BLOCK_N, 0, A_PIPE)),
             (_mma_partition, (ring_w, ring_x, ring_s, ready, empty, queue, queued, taken, scales_ptr, ws2_ptr,
                               offsets_ptr, y_ptr, row_scale_ptr, N, K, K2, num_tiles, n_tiles, stride_se, stride_sn,
                               stride_w2, stride_ym, BLOCK_M, PART_N, BLOCK_K, STAGES, PART_WARPS, Y_MMA_ORDER,
-                              EVEN_N, Y_I32, SCALE_RING, DYNAMIC, ROW_SCALE, BLOCK_N, PART_N)),
+                              EVEN_N, Y_I32, SCALE_RING, DYNAMIC, ROW_SCALE, BLOCK_N, PART_N, A_PIPE)),
             (_load_partition, (w_desc, x_desc, s_desc, t_desc, ts_desc, ring_w, ring_x, ring_s, ready, empty, queue,
                                queued, taken, offsets_ptr, ws2_ptr, sched_ptr, N, K, K2, num_tiles, n_tiles, stride_w2,
                                BLOCK_M, BLOCK_N, BLOCK_K, STAGES, SCALE_RING, DYNAMIC, HAS_TAIL)),
@@ -626,7 +674,7 @@ def _grouped_ws_kernel(
             (_mma_partition, (ring_w, ring_x, ring_s, ready, empty, queue, queued, taken, scales_ptr, ws2_ptr, offsets_ptr,
                               y_ptr, row_scale_ptr, N, K, K2, num_tiles, n_tiles, stride_se, stride_sn, stride_w2,
                               stride_ym, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, NUM_WARPS, Y_MMA_ORDER, EVEN_N, Y_I32,
-                              SCALE_RING, DYNAMIC, ROW_SCALE, BLOCK_N, 0)),
+                              SCALE_RING, DYNAMIC, ROW_SCALE, BLOCK_N, 0, A_PIPE)),
             (_load_partition, (w_desc, x_desc, s_desc, t_desc, ts_desc, ring_w, ring_x, ring_s, ready, empty, queue, queued,
                                taken, offsets_ptr, ws2_ptr, sched_ptr, N, K, K2, num_tiles, n_tiles, stride_w2, BLOCK_M,
                                BLOCK_N, BLOCK_K, STAGES, SCALE_RING, DYNAMIC, HAS_TAIL)),
@@ -678,6 +726,9 @@ def check_config(cfg: dict[str, Any], n: int, k: int) -> None:
     if block_n not in (64, 128, 256) or warps != block_n // 16:
         raise ValueError(f"BLOCK_N must be 64, 128 or 256 with num_warps = BLOCK_N / 16 (a warpgroup a 64 rows), "
                          f"got {cfg}")
+    if cfg.get("A_PIPE") and not _scale_ring(cfg):
+        raise ValueError(f"A_PIPE overlaps the dequantization with the wgmma where the scale bytes come through "
+                         f"the ring: BLOCK_K must be {2 * X_ORDER_BLOCK_K}, got {cfg}")
     if cfg.get("WG_SPLIT") and block_n != 128:
         raise ValueError(f"WG_SPLIT splits the two MMA warpgroups of a 128-row tile: BLOCK_N must be 128, got {cfg}")
     if block_m not in (16, 32, 64, 128) or cfg["STAGES"] not in range(2, 9):
@@ -791,7 +842,8 @@ def _meta(cfg: dict[str, Any], y_mma_order: bool, n: int, y_elements: int, has_t
             "Y_MMA_ORDER": int(y_mma_order), "EVEN_N": int(n % cfg["BLOCK_N"] == 0),
             "Y_I32": int(y_elements < Y_I32_LIMIT),
             "SCALE_RING": int(_scale_ring(cfg)), "DYNAMIC": cfg.get("DYNAMIC", 0), "HAS_TAIL": int(has_tail),
-            "ROW_SCALE": int(row_scale), "WG_SPLIT": cfg.get("WG_SPLIT", 0), "MMA_REGS": cfg.get("MMA_REGS", MMA_REGS)}
+            "ROW_SCALE": int(row_scale), "WG_SPLIT": cfg.get("WG_SPLIT", 0), "MMA_REGS": cfg.get("MMA_REGS", MMA_REGS),
+            "A_PIPE": cfg.get("A_PIPE", 0)}
 
 
 def _launch_options(cfg: dict[str, Any]) -> dict[str, int]:
