@@ -236,6 +236,17 @@ def test_routing_capture_refuses_process_layouts_it_cannot_hook() -> None:
         engine._start(Path("unused"))
 
 
+def test_a_gpu_kv_cache_size_is_refused_on_cpu() -> None:
+    """``gpu_kv_cache_gb`` sizes a GPU engine's cache (tests/test_vllm_gpu.py); on CPU, where
+    ``cpu_kv_cache_gb`` does, the engine says so before vLLM starts."""
+    from megatron_quads.vllm_plugin.engine import VllmOptions
+
+    engine = VllmRolloutEngine({"max_position_embeddings": 64}, precision=Precision("quads"),
+                               options=VllmOptions(gpu_kv_cache_gb=0.5))
+    with pytest.raises(ValueError, match="cpu_kv_cache_gb sizes"):
+        engine._start(Path("unused"))
+
+
 _MULTIPROCESS = """
 import json, os, sys, torch
 from megatron_quads.precision import Precision

@@ -153,6 +153,26 @@ def test_cuda_graphs_give_the_eager_engines_outputs(model: dict) -> None:
     assert same == len(graphs) and gap == 0.0
 
 
+def test_a_sized_kv_cache_serves_what_a_profiled_one_does(model: dict) -> None:
+    """``gpu_kv_cache_gb`` (several runs sharing a GPU): vLLM takes that size instead of profiling the free
+    memory (a cache far smaller than the profiled share of ``gpu_memory_utilization``) and serves the
+    same greedy tokens."""
+    weights = _quantized(model["weights"])
+    served = {}
+    for name, options in (("profiled", GRAPHS), ("sized", replace(GRAPHS, gpu_kv_cache_gb=0.25))):
+        engine = _engine(model, "quads", options)
+        try:
+            engine.load_weights(weights, version=1)
+            cache = engine.llm.llm_engine.vllm_config.cache_config
+            served[name] = (cache.kv_cache_memory_bytes, cache.num_gpu_blocks, engine.generate(model["prompts"], GREEDY))
+        finally:
+            _close(engine)
+    (_, profiled_blocks, profiled), (sized_bytes, sized_blocks, sized) = served["profiled"], served["sized"]
+    print(f"\n[vllm-gpu] KV blocks: profiled {profiled_blocks}, sized to 0.25 GiB {sized_blocks}")
+    assert sized_bytes == 2**28 and 0 < 10 * sized_blocks < profiled_blocks
+    assert [g.token_ids for g in sized] == [g.token_ids for g in profiled]
+
+
 @pytest.mark.parametrize("precision", ["w4a16", "quads"])
 def test_attention_in_scope_runs_under_cuda_graphs_as_it_does_eagerly(model: dict, precision: str) -> None:
     """Attention q/k/v/o in NVFP4 too (the plugin's dense linear method): the decode graphs capture it

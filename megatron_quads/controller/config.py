@@ -97,6 +97,9 @@ class VllmSection(_Strict):
     max_num_seqs: int = Field(64, ge=1, description="sequences vLLM schedules at once")
     cpu_kv_cache_gb: int = Field(1, ge=1, description="CPU: KV-cache space in GB (VLLM_CPU_KVCACHE_SPACE)")
     gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0, description="GPU: fraction of the GPU vLLM may take")
+    gpu_kv_cache_gb: float | None = Field(
+        None, gt=0, description="GPU: KV-cache size in GB (None: vLLM profiles the free memory for it). Set it when "
+        "several runs share a GPU: the profiling fails when another run's engine sleeps or wakes meanwhile")
     enforce_eager: bool = Field(True, description="false: CUDA graphs on GPU (cudagraph_mode says which)")
     cudagraph_mode: Literal["FULL_DECODE_ONLY", "FULL_AND_PIECEWISE", "PIECEWISE", "FULL"] = Field(
         "FULL_DECODE_ONLY", description="GPU, enforce_eager=false: vLLM's CUDA-graph mode (FULL_DECODE_ONLY: decode steps "

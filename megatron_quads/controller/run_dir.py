@@ -46,6 +46,7 @@ RESUMABLE_KEYS: tuple[str, ...] = (
     "rollout.sync_bucket_mb",                  # the weight sync's buffer size: the same values arrive
     "rollout.vllm.gpu_memory_utilization",     # memory of the engine (e.g. after an out-of-memory stop)
     "rollout.vllm.cpu_kv_cache_gb",
+    "rollout.vllm.gpu_kv_cache_gb",
     "placement.ray_address",                   # which Ray cluster: a restarted job may get another one
     "placement.strategy",                      # how the bundles spread over the nodes
 )

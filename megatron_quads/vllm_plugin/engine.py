@@ -53,6 +53,7 @@ class VllmOptions:
     max_num_seqs: int = 64
     cpu_kv_cache_gb: int = 1  # CPU: VLLM_CPU_KVCACHE_SPACE
     gpu_memory_utilization: float = 0.5  # GPU: the fraction of the GPU vLLM may take
+    gpu_kv_cache_gb: float | None = None  # GPU: the KV cache's size (kv_cache_memory_bytes); None: vLLM profiles
     enforce_eager: bool = True  # False: CUDA graphs on GPU
     cudagraph_mode: str = "FULL_DECODE_ONLY"  # vLLM's CUDAGraphMode name, when not enforce_eager
     compilation_mode: int = 0  # vLLM's torch.compile mode when not enforce_eager (0: none)
@@ -117,6 +118,7 @@ class VllmRolloutEngine:
             raise ValueError("routed experts from vLLM are captured in the routers' hooks: they need the in-process "
                              "engine (rollout.vllm.multiprocess=false, tensor_parallel_size=1) and enforce_eager=true")
         max_len = self.options.max_model_len or int(self.hf_config.get("max_position_embeddings", 2048))
+        kv_cache = self._kv_cache_size()
         graphs = {} if self.options.enforce_eager else {"compilation_config": {
             "mode": self.options.compilation_mode, "cudagraph_mode": self.options.cudagraph_mode}}
         self.llm = LLM(
@@ -127,9 +129,24 @@ class VllmRolloutEngine:
             worker_extension_cls=WORKER_EXTENSION, tensor_parallel_size=self.options.tensor_parallel_size,
             enable_expert_parallel=self.options.enable_expert_parallel,
             # a cached prefix is not computed, so its tokens' routing could not be captured
-            enable_prefix_caching=not self.options.routed_experts, **graphs, **self._precision_override(directory),
+            enable_prefix_caching=not self.options.routed_experts, **graphs, **kv_cache,
+            **self._precision_override(directory),
         )
         self.weight_version = self._version_of(directory)
+
+    def _kv_cache_size(self) -> dict[str, int]:
+        """``kv_cache_memory_bytes`` when ``gpu_kv_cache_gb`` is set: vLLM then skips profiling the
+        GPU's free memory, which fails when another engine on the same GPU sleeps or wakes meanwhile
+        (several runs sharing a GPU). A CPU engine's KV cache is ``cpu_kv_cache_gb``."""
+        gb = self.options.gpu_kv_cache_gb
+        if gb is None:
+            return {}
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            raise ValueError(f"rollout.vllm.gpu_kv_cache_gb={gb} sizes a GPU engine's KV cache; this engine runs on "
+                             f"CPU, whose KV cache rollout.vllm.cpu_kv_cache_gb sizes: unset gpu_kv_cache_gb")
+        return {"kv_cache_memory_bytes": int(gb * 2**30)}
 
     def _precision_override(self, directory: Path) -> dict[str, Any]:
         """``LLM`` arguments that make the plugin serve this engine's precision from a QUADS checkpoint
