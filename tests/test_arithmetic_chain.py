@@ -174,8 +174,11 @@ def test_a_run_config_takes_the_chain_kind_and_bounds_its_prompt() -> None:
         load_config(example, [*chain, "rollout.max_new_tokens=52"])
 
 
-def test_the_gpu_collapse_example_fits_its_task_and_validates(tmp_path) -> None:
-    """examples/collapse: the model file fits the chain task of the GRPO config (prompt and the
+@pytest.mark.parametrize(("model_file", "config_file", "experts"), [
+    ("chain_moe_model.yaml", "chain_grpo_gpu.yaml", 64), ("chain_moe_small.yaml", "chain_grpo_gpu_small.yaml", 32)])
+def test_the_gpu_collapse_example_fits_its_task_and_validates(tmp_path, model_file: str, config_file: str,
+                                                             experts: int) -> None:
+    """examples/collapse: each model file fits the chain task of its GRPO config (prompt and the
     longest worked chain within its positions), and the config validates against a checkpoint of it."""
     import yaml
 
@@ -184,10 +187,10 @@ def test_the_gpu_collapse_example_fits_its_task_and_validates(tmp_path) -> None:
     from megatron_quads.trainer.settings import save_model_config
 
     folder = ROOT / "examples" / "collapse"
-    model = PolicyModelConfig(**yaml.safe_load((folder / "chain_moe_model.yaml").read_text()))
-    assert model.num_experts == 64 and model.num_layers == 8
+    model = PolicyModelConfig(**yaml.safe_load((folder / model_file).read_text()))
+    assert model.num_experts == experts and model.num_layers == 8
     save_model_config(model, tmp_path)
-    cfg = load_config(folder / "chain_grpo_gpu.yaml", [f"model.checkpoint={tmp_path}"])
+    cfg = load_config(folder / config_file, [f"model.checkpoint={tmp_path}"])
     chain = ChainConfig(**cfg.task.options)
     assert cfg.task.kind == "chain" and chain.max_answer_len + 1 <= cfg.rollout.max_new_tokens  # the chain and <eos>
     assert chain.max_prompt_len + 1 + cfg.rollout.max_new_tokens <= model.max_sequence_length  # <bos> first
