@@ -9,7 +9,8 @@ on one CUDA GPU (sm_90), the median over CUDA-graph replays of:
 
 - ``kernel_us``: ``w4a16_ws.grouped_w4a16_ws_into`` at its default config, and per config variant of
   :data:`VARIANTS` (``split_us``: ``WG_SPLIT``, each MMA warpgroup its own partition; ``pipe_us``:
-  ``A_PIPE``, each sub-step dequantized while the previous one's wgmma run), each checked to give the
+  ``A_PIPE``, each sub-step dequantized while the previous one's wgmma run; ``rotated_us`` and
+  ``balanced_us``: the codes in those code orders, ``kernels.code_orders``), each checked to give the
   default's bits;
 - ``no_stream_us``: the same launch with the weight's (and tail's) TMA descriptors spanning the first
   expert only. Every other expert's boxes lie outside them, so TMA fills them with zeros without
@@ -66,8 +67,10 @@ def read_launcher(stack: torch.Tensor, experts: torch.Tensor) -> Callable[[], No
     return lambda: _read_kernel[(experts.numel(), splits)](words, experts, per_expert, sink, BLOCK=1024, num_warps=4)
 
 
-VARIANTS = {"split": {"WG_SPLIT": 1}, "pipe": {"A_PIPE": 1}}
-"""Config variants timed beside the default (each over it), by the name of their ``NAME_us`` field."""
+VARIANTS = {"split": {"WG_SPLIT": 1}, "pipe": {"A_PIPE": 1}, "rotated": {"CODE_ORDER": 1},
+            "balanced": {"CODE_ORDER": 2}}
+"""Config variants timed beside the default (each over it), by the name of their ``NAME_us`` field;
+a ``CODE_ORDER`` variant runs on the weights' codes in that order (``kernels.code_orders``)."""
 
 
 def variant_us(run: Callable[..., None], out: torch.Tensor, config: dict) -> float:
@@ -85,6 +88,7 @@ def floor_case(name: str, n: int, k: int, k2: int, experts: int, topk: int, toke
                generator: torch.Generator) -> dict:
     """The timings of one (projection, tokens) case (module docstring)."""
     from megatron_quads.kernels import w4a16_ws
+    from megatron_quads.kernels.code_orders import CODE_ORDERS, ordered_weight
     from megatron_quads.kernels.dispatch import warp_specialized_tail_width
     from megatron_quads.nvfp4.tensor import NVFP4Tensor
 
@@ -99,8 +103,12 @@ def floor_case(name: str, n: int, k: int, k2: int, experts: int, topk: int, toke
     row_scale = torch.ones(rows, device=device, dtype=torch.float32) if k2 else None
     out = torch.empty(rows, n, device=device, dtype=torch.bfloat16)
 
+    ordered = {order: (ordered_weight(qw, order), None if tail is None else ordered_weight(tail, order))
+               for order in CODE_ORDERS}
+
     def run(config: dict | None = None) -> None:
-        w4a16_ws.grouped_w4a16_ws_into(x, qw, offsets, out, config, tail=tail, row_scale=row_scale)
+        weight, tail_ = ordered.get((config or {}).get("CODE_ORDER", 0), (qw, tail))
+        w4a16_ws.grouped_w4a16_ws_into(x, weight, offsets, out, config, tail=tail_, row_scale=row_scale)
 
     active = torch.nonzero(counts).flatten().to(torch.int32)
     tensors: list[NVFP4Tensor] = [qw] + ([tail] if tail is not None else [])

@@ -58,7 +58,12 @@ from megatron_quads.kernels.w4a16 import (
     _split_counters,
     check_grouped_bf16_call,
 )
+from megatron_quads.kernels.code_orders import CODE_ORDERS
+from megatron_quads.kernels.code_orders import DEQUANT_WORD_PTX as _ORDERED_DEQUANT_PTX
 from megatron_quads.nvfp4.tensor import NVFP4Tensor
+
+_ROTATED_DEQUANT_PTX = gl.constexpr(_ORDERED_DEQUANT_PTX[1])
+_BALANCED_DEQUANT_PTX = gl.constexpr(_ORDERED_DEQUANT_PTX[2])
 
 # --------------------------------------------------------------------------------------------------
 # Register and shared-memory layouts of the weight operand (shared with w4a16_ws_dense)
@@ -146,7 +151,7 @@ def words_ring_layout() -> gl.NVMMASharedLayout:
 
 
 @gluon.jit
-def _dequant_a(words, scale_pairs, A_LAYOUT: gl.constexpr, WORDS: gl.constexpr):
+def _dequant_a(words, scale_pairs, A_LAYOUT: gl.constexpr, WORDS: gl.constexpr, CODE_ORDER: gl.constexpr = 0):
     """Words ``[BN, 4, 4]`` and scale pairs ``[BN, 4]`` (:func:`scale_pairs_layout`) of a 128-wide K step to the A operand
     ``[BN, 128]`` (bf16 ``e2m1 * e4m3 * 2^-8``) in MMA K order: word ``4 t + i``'s nibbles ``q`` and
     ``q + 4`` (``q = 2 q1 + q0``) become logical columns ``32 i + 16 q1 + 8 q0 + 2 t + (0, 1)``."""
@@ -157,7 +162,9 @@ def _dequant_a(words, scale_pairs, A_LAYOUT: gl.constexpr, WORDS: gl.constexpr):
                                               dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
     pairs = gl.join(first, second)  # [BN, 4, 2]: the scales of words (0, 1) and (2, 3)
     pairs = gl.convert_layout(gl.reshape(gl.join(pairs, pairs), (BN, 4, I)), WORDS, assert_trivial=True)
-    o = gl.inline_asm_elementwise(_DEQUANT_WORD_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, pairs],
+    PTX: gl.constexpr = _ROTATED_DEQUANT_PTX if CODE_ORDER == 1 else (_BALANCED_DEQUANT_PTX if CODE_ORDER == 2
+                                                                     else _DEQUANT_WORD_PTX)
+    o = gl.inline_asm_elementwise(PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, pairs],
                                   dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
     # dims after the joins: (BN, t, i, h, q0, q1)
     v = gl.join(gl.join(gl.join(o[0], o[1]), gl.join(o[2], o[3])), gl.join(gl.join(o[4], o[5]), gl.join(o[6], o[7])))
@@ -406,7 +413,7 @@ def _x_operand(ring_x, index, TILE_M: gl.constexpr):
 @gluon.jit
 def _k_loop(acc, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps,
             BLOCK_K: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, SCALE_RING: gl.constexpr,
-            ROW0: gl.constexpr = 0, A_PIPE: gl.constexpr = 0):
+            ROW0: gl.constexpr = 0, A_PIPE: gl.constexpr = 0, CODE_ORDER: gl.constexpr = 0):
     """``acc [BN, BM'] += dq(W) @ x^T`` over all K steps of one token tile (``BM'`` the first rows of
     each x stage), ring steps ``step ..``; returns ``(acc, next step)``. A step of ``BLOCK_K`` 256
     is two 128-wide sub-steps (x's K order is per 128 columns) behind one ring wait and release.
@@ -418,7 +425,7 @@ def _k_loop(acc, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps,
     warpgroups' work."""
     if A_PIPE:
         return _k_loop_overlapped(acc, ring_w, ring_x, ring_s, ready, empty, step, k_steps, BLOCK_K, STAGES,
-                                  NUM_WARPS, ROW0)
+                                  NUM_WARPS, ROW0, CODE_ORDER)
     BLOCK_N: gl.constexpr = acc.shape[0]
     TILE_M: gl.constexpr = acc.shape[1]
     SUBS: gl.constexpr = BLOCK_K // _X_ORDER_BLOCK
@@ -439,7 +446,7 @@ def _k_loop(acc, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps,
         for j in gl.static_range(SUBS):
             if not SCALE_RING:  # the next sub-step's scale pairs from global memory, one sub-step ahead
                 s1 = gl.load(s_ptrs + gl.minimum(kt * SUBS + j + 1, last) * (_X_ORDER_BLOCK // 32))
-            a_lo, a_hi = _k_halves(_dequant_a(words, s0, A_LAYOUT, WORDS), A_HALF)
+            a_lo, a_hi = _k_halves(_dequant_a(words, s0, A_LAYOUT, WORDS, CODE_ORDER), A_HALF)
             x0 = (stage * SUBS + j) * 2
             acc = warpgroup_mma(a_lo, _x_operand(ring_x, x0, TILE_M), acc, is_async=True)
             acc = warpgroup_mma(a_hi, _x_operand(ring_x, x0 + 1, TILE_M), acc, is_async=True)
@@ -461,7 +468,8 @@ def _k_loop(acc, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps,
 
 @gluon.jit
 def _k_loop_overlapped(acc, ring_w, ring_x, ring_s, ready, empty, step, k_steps, BLOCK_K: gl.constexpr,
-                       STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, ROW0: gl.constexpr = 0):
+                       STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, ROW0: gl.constexpr = 0,
+                       CODE_ORDER: gl.constexpr = 0):
     """:func:`_k_loop` (scale bytes in the ring) with each sub-step's dequantization while the previous
     sub-step's wgmma run: the wait for them comes after it, and names their A operand among its
     dependencies so that the compiler keeps it in its own registers until they retire. The same
@@ -476,8 +484,8 @@ def _k_loop_overlapped(acc, ring_w, ring_x, ring_s, ready, empty, step, k_steps,
     WTILE: gl.constexpr = words_tile_layout(BLOCK_N, _X_ORDER_BLOCK, NUM_WARPS)
     SPAIRS: gl.constexpr = scale_pairs_layout(BLOCK_N, NUM_WARPS)
     words = _read_words(ring_w, ready, step, 0, STAGES, WTILE, WORDS, ROW0=ROW0)
-    a_lo, a_hi = _k_halves(_dequant_a(words, _read_scales(ring_s, step, 0, STAGES, SPAIRS, ROW0), A_LAYOUT, WORDS),
-                           A_LAYOUT)
+    a_lo, a_hi = _k_halves(_dequant_a(words, _read_scales(ring_s, step, 0, STAGES, SPAIRS, ROW0), A_LAYOUT, WORDS,
+                                      CODE_ORDER), A_LAYOUT)
     for kt in range(k_steps):
         stage = step % STAGES
         for j in gl.static_range(SUBS):
@@ -487,12 +495,12 @@ def _k_loop_overlapped(acc, ring_w, ring_x, ring_s, ready, empty, step, k_steps,
             if j + 1 < SUBS:
                 words = _read_words(ring_w, ready, step, j + 1, STAGES, WTILE, WORDS, WAIT=False, ROW0=ROW0)
                 n_lo, n_hi = _k_halves(_dequant_a(words, _read_scales(ring_s, step, j + 1, STAGES, SPAIRS, ROW0),
-                                                  A_LAYOUT, WORDS), A_LAYOUT)
+                                                  A_LAYOUT, WORDS, CODE_ORDER), A_LAYOUT)
             else:  # the next stage's first sub-step (the last step: its own stage again, still held)
                 nxt = step + (kt + 1 < k_steps)
                 words = _read_words(ring_w, ready, nxt, 0, STAGES, WTILE, WORDS, ROW0=ROW0)
                 n_lo, n_hi = _k_halves(_dequant_a(words, _read_scales(ring_s, nxt, 0, STAGES, SPAIRS, ROW0),
-                                                  A_LAYOUT, WORDS), A_LAYOUT)
+                                                  A_LAYOUT, WORDS, CODE_ORDER), A_LAYOUT)
             acc, a_lo, a_hi = warpgroup_mma_wait(num_outstanding=0, deps=[acc, a_lo, a_hi])
             a_lo = n_lo
             a_hi = n_hi
@@ -535,12 +543,12 @@ def _token_tile(TILE_M: gl.constexpr, ring_w, ring_x, ring_s, ready, empty, s_pt
                 weight_scale_2, row_scale_ptr, n0, N, m0, hi, stride_ym, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                 STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, Y_MMA_ORDER: gl.constexpr, EVEN_N: gl.constexpr,
                 Y_I32: gl.constexpr, SCALE_RING: gl.constexpr, ROW_SCALE: gl.constexpr, ROW0: gl.constexpr = 0,
-                A_PIPE: gl.constexpr = 0):
+                A_PIPE: gl.constexpr = 0, CODE_ORDER: gl.constexpr = 0):
     """Rows ``m0 .. hi`` (at most ``TILE_M``: the first rows of each x tile) times the N tile
     (output columns ``n0 ..``) over the whole K, stored; returns the next ring step."""
     acc = gl.zeros((BLOCK_N, TILE_M), gl.float32, layout=wgmma_layout(TILE_M, NUM_WARPS))
     acc, step = _k_loop(acc, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps, BLOCK_K, STAGES, NUM_WARPS,
-                        SCALE_RING, ROW0, A_PIPE)
+                        SCALE_RING, ROW0, A_PIPE, CODE_ORDER)
     _store_rows(acc, y_ptr, weight_scale_2, row_scale_ptr, n0, N, m0, hi, stride_ym, NUM_WARPS, Y_MMA_ORDER, EVEN_N,
                 Y_I32, ROW_SCALE)
     return step
@@ -552,7 +560,7 @@ def _mma_tile(tile, lo, hi, weight_scale_2, step, ring_w, ring_x, ring_s, ready,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
               NUM_WARPS: gl.constexpr, Y_MMA_ORDER: gl.constexpr, EVEN_N: gl.constexpr, Y_I32: gl.constexpr,
               SCALE_RING: gl.constexpr, ROW_SCALE: gl.constexpr, N_TILE: gl.constexpr, ROW0: gl.constexpr,
-              A_PIPE: gl.constexpr = 0):
+              A_PIPE: gl.constexpr = 0, CODE_ORDER: gl.constexpr = 0):
     """(expert, N tile) pair ``tile`` (its expert's rows ``lo:hi``): its token tiles in the loader's
     order, each over the whole K from ring step ``step`` on, then stored; returns the next ring step.
     The pair's N tile is ``N_TILE`` rows wide, of which these warps compute ``BLOCK_N`` from ``ROW0``."""
@@ -564,11 +572,11 @@ def _mma_tile(tile, lo, hi, weight_scale_2, step, ring_w, ring_x, ring_s, ready,
         if hi - m0 <= BLOCK_M // 2:  # the last (often only) tile of a small expert: a half-width tile
             step = _token_tile(BLOCK_M // 2, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps, y_ptr,
                                weight_scale_2, row_scale_ptr, n0, N, m0, hi, stride_ym, BLOCK_N, BLOCK_K, STAGES,
-                               NUM_WARPS, Y_MMA_ORDER, EVEN_N, Y_I32, SCALE_RING, ROW_SCALE, ROW0, A_PIPE)
+                               NUM_WARPS, Y_MMA_ORDER, EVEN_N, Y_I32, SCALE_RING, ROW_SCALE, ROW0, A_PIPE, CODE_ORDER)
         else:
             step = _token_tile(BLOCK_M, ring_w, ring_x, ring_s, ready, empty, s_ptrs, step, k_steps, y_ptr,
                                weight_scale_2, row_scale_ptr, n0, N, m0, hi, stride_ym, BLOCK_N, BLOCK_K, STAGES,
-                               NUM_WARPS, Y_MMA_ORDER, EVEN_N, Y_I32, SCALE_RING, ROW_SCALE, ROW0, A_PIPE)
+                               NUM_WARPS, Y_MMA_ORDER, EVEN_N, Y_I32, SCALE_RING, ROW_SCALE, ROW0, A_PIPE, CODE_ORDER)
     return step
 
 
@@ -578,7 +586,8 @@ def _mma_partition(ring_w, ring_x, ring_s, ready, empty, queue, queued, taken, s
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                    NUM_WARPS: gl.constexpr, Y_MMA_ORDER: gl.constexpr, EVEN_N: gl.constexpr,
                    Y_I32: gl.constexpr, SCALE_RING: gl.constexpr, DYNAMIC: gl.constexpr,
-                   ROW_SCALE: gl.constexpr, N_TILE: gl.constexpr, ROW0: gl.constexpr, A_PIPE: gl.constexpr = 0):
+                   ROW_SCALE: gl.constexpr, N_TILE: gl.constexpr, ROW0: gl.constexpr, A_PIPE: gl.constexpr = 0,
+                   CODE_ORDER: gl.constexpr = 0):
     """MMA warps (``NUM_WARPS``): the program's tiles in the loader's order (``DYNAMIC``: as the tile
     queue gives them), each stored while the loader already fills the ring for the next. They compute
     rows ``ROW0 .. ROW0 + BLOCK_N`` of each ``N_TILE``-row tile (``WG_SPLIT``: one warpgroup a
@@ -593,7 +602,7 @@ def _mma_partition(ring_w, ring_x, ring_s, ready, empty, queue, queued, taken, s
             step = _mma_tile(tile, lo, hi, weight_scale_2, step, ring_w, ring_x, ring_s, ready, empty, scales_ptr,
                              y_ptr, row_scale_ptr, N, k_steps, n_tiles, stride_se, stride_sn, stride_ym, BLOCK_M,
                              BLOCK_N, BLOCK_K, STAGES, NUM_WARPS, Y_MMA_ORDER, EVEN_N, Y_I32, SCALE_RING,
-                             ROW_SCALE, N_TILE, ROW0, A_PIPE)
+                             ROW_SCALE, N_TILE, ROW0, A_PIPE, CODE_ORDER)
             count += 1
             tile = _peek_tile(count, queue, queued, NUM_WARPS)
     else:
@@ -602,7 +611,7 @@ def _mma_partition(ring_w, ring_x, ring_s, ready, empty, queue, queued, taken, s
             step = _mma_tile(tile, lo, hi, weight_scale_2, step, ring_w, ring_x, ring_s, ready, empty, scales_ptr,
                              y_ptr, row_scale_ptr, N, k_steps, n_tiles, stride_se, stride_sn, stride_ym, BLOCK_M,
                              BLOCK_N, BLOCK_K, STAGES, NUM_WARPS, Y_MMA_ORDER, EVEN_N, Y_I32, SCALE_RING,
-                             ROW_SCALE, N_TILE, ROW0, A_PIPE)
+                             ROW_SCALE, N_TILE, ROW0, A_PIPE, CODE_ORDER)
 
 
 TILE_QUEUE_SLOTS = 4
@@ -619,7 +628,7 @@ def _grouped_ws_kernel(
     NUM_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, Y_MMA_ORDER: gl.constexpr,
     EVEN_N: gl.constexpr, Y_I32: gl.constexpr, SCALE_RING: gl.constexpr, DYNAMIC: gl.constexpr,
     HAS_TAIL: gl.constexpr, ROW_SCALE: gl.constexpr, WG_SPLIT: gl.constexpr, MMA_REGS: gl.constexpr,
-    A_PIPE: gl.constexpr,
+    A_PIPE: gl.constexpr, CODE_ORDER: gl.constexpr,
 ):
     """Persistent: the ``E * n_tiles`` (expert, N tile) pairs, expert-major (programs running together
     share an expert's x in L2), program ``p`` taking ``p, p + P, ...`` or (``DYNAMIC``) ``p`` and then
@@ -660,11 +669,11 @@ def _grouped_ws_kernel(
             (_mma_partition, (ring_w, ring_x, ring_s, ready, empty, queue, queued, taken, scales_ptr, ws2_ptr,
                               offsets_ptr, y_ptr, row_scale_ptr, N, K, K2, num_tiles, n_tiles, stride_se, stride_sn,
                               stride_w2, stride_ym, BLOCK_M, PART_N, BLOCK_K, STAGES, PART_WARPS, Y_MMA_ORDER,
-                              EVEN_N, Y_I32, SCALE_RING, DYNAMIC, ROW_SCALE, BLOCK_N, 0, A_PIPE)),
+                              EVEN_N, Y_I32, SCALE_RING, DYNAMIC, ROW_SCALE, BLOCK_N, 0, A_PIPE, CODE_ORDER)),
             (_mma_partition, (ring_w, ring_x, ring_s, ready, empty, queue, queued, taken, scales_ptr, ws2_ptr,
                               offsets_ptr, y_ptr, row_scale_ptr, N, K, K2, num_tiles, n_tiles, stride_se, stride_sn,
                               stride_w2, stride_ym, BLOCK_M, PART_N, BLOCK_K, STAGES, PART_WARPS, Y_MMA_ORDER,
-                              EVEN_N, Y_I32, SCALE_RING, DYNAMIC, ROW_SCALE, BLOCK_N, PART_N, A_PIPE)),
+                              EVEN_N, Y_I32, SCALE_RING, DYNAMIC, ROW_SCALE, BLOCK_N, PART_N, A_PIPE, CODE_ORDER)),
             (_load_partition, (w_desc, x_desc, s_desc, t_desc, ts_desc, ring_w, ring_x, ring_s, ready, empty, queue,
                                queued, taken, offsets_ptr, ws2_ptr, sched_ptr, N, K, K2, num_tiles, n_tiles, stride_w2,
                                BLOCK_M, BLOCK_N, BLOCK_K, STAGES, SCALE_RING, DYNAMIC, HAS_TAIL)),
@@ -674,7 +683,7 @@ def _grouped_ws_kernel(
             (_mma_partition, (ring_w, ring_x, ring_s, ready, empty, queue, queued, taken, scales_ptr, ws2_ptr, offsets_ptr,
                               y_ptr, row_scale_ptr, N, K, K2, num_tiles, n_tiles, stride_se, stride_sn, stride_w2,
                               stride_ym, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, NUM_WARPS, Y_MMA_ORDER, EVEN_N, Y_I32,
-                              SCALE_RING, DYNAMIC, ROW_SCALE, BLOCK_N, 0, A_PIPE)),
+                              SCALE_RING, DYNAMIC, ROW_SCALE, BLOCK_N, 0, A_PIPE, CODE_ORDER)),
             (_load_partition, (w_desc, x_desc, s_desc, t_desc, ts_desc, ring_w, ring_x, ring_s, ready, empty, queue, queued,
                                taken, offsets_ptr, ws2_ptr, sched_ptr, N, K, K2, num_tiles, n_tiles, stride_w2, BLOCK_M,
                                BLOCK_N, BLOCK_K, STAGES, SCALE_RING, DYNAMIC, HAS_TAIL)),
@@ -688,7 +697,10 @@ DEFAULT_CONFIG = {"BLOCK_N": 128, "BLOCK_K": 128, "STAGES": 3, "num_warps": 8, "
 the register budget the partitions split (0: the compiler's; two CTAs of 12 warps an SM need 80 or
 fewer). ``BLOCK_K`` 256 brings the scale bytes through the ring (TMA rows of 16 bytes or more);
 ``WG_SPLIT`` (``BLOCK_N`` 128): each MMA warpgroup its own partition, so that no CTA barrier
-spans both (``MMA_REGS`` registers for the second); ``DYNAMIC``: tiles handed out by a shared counter
+spans both (``MMA_REGS`` registers for the second); ``A_PIPE`` (``BLOCK_K`` 256): each sub-step
+dequantized while the previous one's wgmma run; ``CODE_ORDER``: the weight's (and tail's) code words
+are in that order of :mod:`~megatron_quads.kernels.code_orders` (``ordered_weight``), which the
+kernel dequantizes in fewer instructions; ``DYNAMIC``: tiles handed out by a shared counter
 as programs free up instead of ``p, p + P, ...``
 (a token tile of 33-64 rows costs about twice one of 32 or fewer, so the static split ends
 unevenly). :func:`default_config` puts :data:`WIDE_K_CONFIG` or :data:`SHORT_K_CONFIG` over it: the fastest at Qwen3-30B-A3B expert shapes in
@@ -726,6 +738,8 @@ def check_config(cfg: dict[str, Any], n: int, k: int) -> None:
     if block_n not in (64, 128, 256) or warps != block_n // 16:
         raise ValueError(f"BLOCK_N must be 64, 128 or 256 with num_warps = BLOCK_N / 16 (a warpgroup a 64 rows), "
                          f"got {cfg}")
+    if cfg.get("CODE_ORDER", 0) not in (0, *CODE_ORDERS):
+        raise ValueError(f"CODE_ORDER must be 0 (plain codes) or one of {CODE_ORDERS} (kernels.code_orders), got {cfg}")
     if cfg.get("A_PIPE") and not _scale_ring(cfg):
         raise ValueError(f"A_PIPE overlaps the dequantization with the wgmma where the scale bytes come through "
                          f"the ring: BLOCK_K must be {2 * X_ORDER_BLOCK_K}, got {cfg}")
@@ -843,7 +857,7 @@ def _meta(cfg: dict[str, Any], y_mma_order: bool, n: int, y_elements: int, has_t
             "Y_I32": int(y_elements < Y_I32_LIMIT),
             "SCALE_RING": int(_scale_ring(cfg)), "DYNAMIC": cfg.get("DYNAMIC", 0), "HAS_TAIL": int(has_tail),
             "ROW_SCALE": int(row_scale), "WG_SPLIT": cfg.get("WG_SPLIT", 0), "MMA_REGS": cfg.get("MMA_REGS", MMA_REGS),
-            "A_PIPE": cfg.get("A_PIPE", 0)}
+            "A_PIPE": cfg.get("A_PIPE", 0), "CODE_ORDER": cfg.get("CODE_ORDER", 0)}
 
 
 def _launch_options(cfg: dict[str, Any]) -> dict[str, int]:
