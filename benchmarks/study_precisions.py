@@ -389,6 +389,18 @@ def warning_sweep_markdown(runs: dict[str, dict[str, list[dict]]]) -> list[str]:
     return lines
 
 
+def _analysis_tokens(run: Path) -> list[str]:
+    """``analyze``'s token rows for a run: its task's held-out problems where its config names a task
+    (the GPU collapse study's chain task), else the embedded task's."""
+    import yaml
+
+    config = run / "config.yaml"
+    saved = yaml.safe_load(config.read_text()) if config.exists() else {}
+    if (saved or {}).get("task"):
+        return ["--tokens", "run-task", "--run-config", str(config)]
+    return ["--tokens", "embedded-task"]
+
+
 def analyze_runs(args: argparse.Namespace) -> None:
     """``megatron-quads analyze`` on each named run's final checkpoint, into ``results/analysis/<run>.{json,png}``."""
     target = args.results / "analysis"
@@ -397,8 +409,8 @@ def analyze_runs(args: argparse.Namespace) -> None:
         if not steps:
             raise SystemExit(f"{args.out / name} has no checkpoint: train it first (`run`)")
         work = args.out / name / "analysis"
-        command = [*CLI, "analyze", "--checkpoint", str(steps[-1]),
-                   "--out", str(work), "--tokens", "embedded-task", "--sequences", str(ANALYZE_SEQUENCES),
+        command = [*CLI, "analyze", "--checkpoint", str(steps[-1]), "--out", str(work), *_analysis_tokens(args.out / name),
+                   "--sequences", str(ANALYZE_SEQUENCES),
                    "--seq-len", str(ANALYZE_SEQ_LEN), "--ratios", *map(str, ANALYZE_RATIOS)]
         print(f"[study] {name}: {' '.join(command)}", flush=True)
         subprocess.run(command, check=True)

@@ -6,10 +6,14 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from megatron_quads.tasks import Task
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -27,14 +31,32 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_held_out(path: str | None) -> Task:
+    """The held-out problems of the run config at ``path`` (``--tokens run-task``), in the embedded tokenizer."""
+    from megatron_quads.controller.config import load_config
+    from megatron_quads.controller.evaluation import eval_task
+
+    if path is None:
+        raise ValueError("tokens 'run-task' take the run's task from its config: give --run-config RUN_DIR/config.yaml")
+    cfg = load_config(path)
+    if cfg.model.hf_path:
+        raise ValueError(f"{path} trains a Hugging Face model (model.hf_path), whose tokenizer analyze does not "
+                         "encode with: use tokens 'random'")
+    held_out = eval_task(cfg)
+    if held_out is None:
+        raise ValueError(f"{path}: task {cfg.task.kind!r} has no held-out split (task.eval_options): use tokens 'random'")
+    return held_out
+
+
 def _analysis_rows(args: argparse.Namespace) -> dict:
     """``analyze``'s token rows for ``--tokens`` (random: left to the analysis, which knows the vocabulary)."""
     if args.tokens == "random":
         return {}
     from megatron_quads import embedded
 
-    rows = (embedded.task_token_rows(args.sequences, args.seq_len, 2 * args.seed),
-            embedded.task_token_rows(args.sequences, args.seq_len, 2 * args.seed + 1))
+    held_out = _run_held_out(args.run_config) if args.tokens == "run-task" else None
+    rows = (embedded.task_token_rows(args.sequences, args.seq_len, 2 * args.seed, held_out),
+            embedded.task_token_rows(args.sequences, args.seq_len, 2 * args.seed + 1, held_out))
     return {"rows": rows, "token_source": args.tokens, "rows_vocab_size": embedded.model_config_fields()["vocab_size"]}
 
 
@@ -308,8 +330,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--statistics", nargs="+", default=["output_error", "activation_magnitude"],
         choices=["output_error", "residual_energy", "activation_magnitude"], help="RAC channel rankings to compare",
     )
-    analyze.add_argument("--tokens", choices=["random", "embedded-task"], default="random",
-                         help="random ids (any model), or the embedded task's held-out problems and answers (the embedded model)")
+    analyze.add_argument("--tokens", choices=["random", "embedded-task", "run-task"], default="random",
+                         help="random ids (any model), the embedded task's held-out problems and answers (the embedded "
+                         "model), or those of the task of --run-config (a run on the embedded tokenizer)")
+    analyze.add_argument("--run-config", default=None, help="a run's config.yaml (--tokens run-task)")
     analyze.add_argument("--sequences", type=int, default=8)
     analyze.add_argument("--seq-len", type=int, default=64)
     analyze.add_argument("--seed", type=int, default=0)

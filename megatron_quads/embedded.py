@@ -75,14 +75,15 @@ def greedy_accuracy(weights: dict, hf_config, n: int = 200, seed: int = 1, preci
     return sum(heldout.rewards(prompts, [tok.decode(g.token_ids) for g in outs])) / n
 
 
-def task_token_rows(num_sequences: int, seq_len: int, seed: int) -> "torch.Tensor":
-    """``[num_sequences, seq_len]`` ids of the task's held-out problems and their answers (``<bos>``
-    prompt, answer, ``<eos>``), packed back to back and cut into rows: text the embedded model knows."""
+def task_token_rows(num_sequences: int, seq_len: int, seed: int, held_out: Task | None = None) -> "torch.Tensor":
+    """``[num_sequences, seq_len]`` ids of held-out problems and their answers (``<bos>`` prompt,
+    answer, ``<eos>``) in the embedded tokenizer, packed back to back and cut into rows: of the
+    embedded task (text the embedded model knows), or of ``held_out`` (a task's eval split)."""
     import torch
 
     from megatron_quads.tasks import encode_sft_pair
 
-    tok, pairs = tokenizer(), task(split="eval").iter_sft_pairs(seed=seed)
+    tok, pairs = tokenizer(), (held_out or task(split="eval")).iter_sft_pairs(seed=seed)
     ids: list[int] = []
     while len(ids) < num_sequences * seq_len:
         ids += encode_sft_pair(tok, *next(pairs))[0]

@@ -200,3 +200,31 @@ def test_analyze_on_the_embedded_checkpoint_with_its_task_tokens(tmp_path) -> No
     assert report["token_source"] == "embedded-task" and report["tokens"] == 48
     pairs = report["pairs"]
     assert pairs["aqat vs quads@1 (output_error)"]["gap"]["k3_kl"] < pairs["aqat vs w4a4"]["gap"]["k3_kl"]
+
+
+def test_run_task_tokens_are_the_run_configs_held_out_problems(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--tokens run-task --run-config``: rows of the run's task (here the chain task) in its held-out
+    split, on the embedded checkpoint (same tokenizer); without a config, a clear refusal."""
+    from megatron_quads import embedded
+    from megatron_quads.cli import main
+    from megatron_quads.tasks import make_task
+    from megatron_quads.tasks.arithmetic import is_eval_problem
+
+    config = tmp_path / "config.yaml"
+    config.write_text("task:\n  kind: chain\n  options: {min_steps: 2, max_steps: 3}\n")
+    out = tmp_path / "analysis"
+    assert main(["analyze", "--checkpoint", str(embedded.ASSET_DIR / "checkpoint"), "--tokens", "run-task",
+                 "--run-config", str(config), "--out", str(out), "--ratios", "1.0", "--sequences", "2",
+                 "--seq-len", "24"]) == 0
+    report = json.loads((out / "analysis.json").read_text())
+    assert report["token_source"] == "run-task" and report["tokens"] == 48
+
+    held_out = make_task("chain", min_steps=2, max_steps=3, split="eval")
+    rows = embedded.task_token_rows(4, 32, seed=0, held_out=held_out)
+    text = embedded.tokenizer().decode(rows.flatten().tolist(), skip_special_tokens=False)
+    problems = text.split("<bos>")[1:-1]  # whole problems between the first and last <bos>
+    assert problems and all(p.endswith(");<eos>") and "(" in p for p in problems)
+    assert all(is_eval_problem(p.split("=")[0] + "=", held_out.config.eval_fraction) for p in problems)
+
+    assert main(["analyze", "--tokens", "run-task", "--out", str(out), "--sequences", "2", "--seq-len", "8"]) == 2
+    assert "give --run-config RUN_DIR/config.yaml" in capsys.readouterr().err

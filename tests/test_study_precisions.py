@@ -174,3 +174,15 @@ def test_several_seeds_show_their_mean_and_spread(tmp_path: Path) -> None:
     text = report_markdown(load_results(tmp_path), STAMP, tmp_path)
     row = next(line for line in text.splitlines() if line.startswith("| bf16 |"))
     assert "| 2 | 60 | 0.600 ± 0.141 | 0.600 ± 0.141 | 0.300 ± 0.141 |" in row
+
+
+def test_analysis_reads_a_runs_own_task_when_its_config_names_one(tmp_path: Path) -> None:
+    """The GPU collapse study's runs train on the chain task: ``analyze`` measures them on its held-out
+    problems (``--tokens run-task`` with the run's config); a run of the embedded default on the embedded task's."""
+    chain, default = tmp_path / "chain.seed0.none", tmp_path / "bf16.seed0.none"
+    chain.mkdir()
+    default.mkdir()
+    (chain / "config.yaml").write_text("task:\n  kind: chain\n  options: {min_steps: 24}\n")
+    (default / "config.yaml").write_text("task: null\nseed: 0\n")
+    assert study_precisions._analysis_tokens(chain) == ["--tokens", "run-task", "--run-config", str(chain / "config.yaml")]
+    assert study_precisions._analysis_tokens(default) == ["--tokens", "embedded-task"]

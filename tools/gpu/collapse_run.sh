@@ -8,7 +8,10 @@
 #      its runs by lock file), started $SPACING seconds apart (60 by default: an engine whose KV cache is
 #      profiled must start while no other engine sleeps or wakes; with rollout.vllm.gpu_kv_cache_gb set, as
 #      chain_grpo_gpu_small.yaml does, a few seconds do); runs under /tmp/collapse/runs, finished runs'
-#      records under /tmp/bench_out/collapse_results.
+#      records under /tmp/bench_out/collapse_results;
+#   3. `study_precisions.py analyze` on every finished run's final checkpoint (the gap split into weight
+#      and activation error, the RAC sweep, on the chain task's held-out problems), into
+#      /tmp/bench_out/collapse_results/analysis: the checkpoints stay on the machine, the analyses come back.
 #
 #   [MODEL=... CONFIG=... SFT=... SPACING=...] bash tools/gpu/collapse_run.sh PROCESSES SFT_STEPS [study run arguments,
 #       e.g. --steps 300 --seeds 0 --modes bf16 naive-nvfp4]
@@ -38,3 +41,11 @@ for i in $(seq 1 "$procs"); do
   if (( i < procs )); then sleep "$spacing"; fi
 done
 wait
+finished=()
+for record in /tmp/bench_out/collapse_results/*.metrics.jsonl.gz; do
+  [[ -f $record ]] && finished+=("$(basename "$record" .metrics.jsonl.gz)")
+done
+if (( ${#finished[@]} )); then
+  python3 benchmarks/study_precisions.py analyze --out /tmp/collapse/runs --results /tmp/bench_out/collapse_results \
+      "${finished[@]}" > /tmp/bench_out/analyze.log 2>&1
+fi
