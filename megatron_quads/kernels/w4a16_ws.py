@@ -473,8 +473,9 @@ def _k_loop_overlapped(acc, ring_w, ring_x, ring_s, ready, empty, step, k_steps,
     """:func:`_k_loop` (scale bytes in the ring) with each sub-step's dequantization while the previous
     sub-step's wgmma run: the wait for them comes after it, and names their A operand among its
     dependencies so that the compiler keeps it in its own registers until they retire. The same
-    wgmma on the same operands in the same order, so the same bits; the last sub-step of the tile
-    has no next one to dequantize."""
+    wgmma on the same operands in the same order, so the same bits. After the tile's last sub-step it
+    dequantizes its own stage's first sub-step again, unused: a branch there instead made the
+    compiler copy the A operand between registers at every step."""
     BLOCK_N: gl.constexpr = acc.shape[0]
     TILE_M: gl.constexpr = acc.shape[1]
     SUBS: gl.constexpr = BLOCK_K // _X_ORDER_BLOCK
