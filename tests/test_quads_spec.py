@@ -44,6 +44,18 @@ def _forward(model: torch.nn.Module) -> torch.Tensor:
     return model(ids, pos, attention_mask=None)
 
 
+def _load_as_grouped(grouped: torch.nn.Module, state: dict) -> None:
+    """Load a SequentialMLP model's ``state`` into a legacy GroupedMLP model: per expert fc1 [2F, H] ->
+    weight1 [H, E*2F] (Megatron views it as [E, H, 2F]), fc2 [H, F] -> weight2 [E*F, H]."""
+    for layer in range(TINY["num_layers"]):
+        p = f"decoder.layers.{layer}.mlp.experts"
+        fc1 = [state.pop(f"{p}.local_experts.{e}.linear_fc1.weight") for e in range(TINY["num_experts"])]
+        fc2 = [state.pop(f"{p}.local_experts.{e}.linear_fc2.weight") for e in range(TINY["num_experts"])]
+        state[f"{p}.weight1"] = torch.stack([w.t() for w in fc1]).reshape(TINY["hidden_size"], -1)
+        state[f"{p}.weight2"] = torch.stack([w.t() for w in fc2]).reshape(-1, TINY["hidden_size"])
+    grouped.load_state_dict(state, strict=False)
+
+
 def _is_routed_expert_weight(name: str) -> bool:
     return ".mlp.experts." in name and name.endswith("weight")
 
@@ -212,14 +224,7 @@ def test_grouped_mlp_experts_equal_sequential_mlp_with_quads() -> None:
     sequential = build_gpt_model(seq_cfg, ParallelConfig(), QuadsTrainerConfig())
     grouped = build_gpt_model(grouped_cfg, ParallelConfig(), QuadsTrainerConfig())
     assert type(grouped.decoder.layers[0].mlp.experts).__name__ == "FakeQuantGroupedMLP"
-    state = sequential.state_dict()
-    for layer in range(TINY["num_layers"]):  # SequentialMLP fc1 [2F, H] per expert -> GroupedMLP weight1 [H, E*2F]
-        p = f"decoder.layers.{layer}.mlp.experts"
-        fc1 = [state.pop(f"{p}.local_experts.{e}.linear_fc1.weight") for e in range(TINY["num_experts"])]
-        fc2 = [state.pop(f"{p}.local_experts.{e}.linear_fc2.weight") for e in range(TINY["num_experts"])]
-        state[f"{p}.weight1"] = torch.stack([w.t() for w in fc1]).reshape(TINY["hidden_size"], -1)
-        state[f"{p}.weight2"] = torch.stack([w.t() for w in fc2]).reshape(-1, TINY["hidden_size"])
-    grouped.load_state_dict(state, strict=False)
+    _load_as_grouped(grouped, sequential.state_dict())
     experts = grouped.decoder.layers[1].mlp.experts
     q1, _ = experts.quantized_weights()
     seq_fc1 = sequential.decoder.layers[1].mlp.experts.local_experts[2].linear_fc1.quantized_weight()
@@ -228,3 +233,20 @@ def test_grouped_mlp_experts_equal_sequential_mlp_with_quads() -> None:
     assert (out_seq.float() - out_grouped.float()).abs().max() < 0.05  # bf16 matmul order differs
     out_grouped.float().square().mean().backward()
     assert experts.weight1.grad is not None and experts.weight1.grad.abs().sum() > 0
+
+
+def test_grouped_mlp_exports_the_hf_weights_sequential_mlp_does() -> None:
+    """What the rollout engine is sent does not depend on the experts' module (GroupedMLP views its
+    weight1 / weight2 as per-expert [in, out] blocks; SequentialMLP holds [out, in] linears)."""
+    from megatron_quads.trainer.hf_export import export_hf_weights
+
+    torch.manual_seed(0)
+    sequential = build_gpt_model(PolicyModelConfig(**TINY, dtype="bf16"), ParallelConfig(), QuadsTrainerConfig())
+    grouped = build_gpt_model(PolicyModelConfig(**TINY, dtype="bf16", moe_grouped_gemm=True), ParallelConfig(),
+                              QuadsTrainerConfig())
+    _load_as_grouped(grouped, sequential.state_dict())
+    from_sequential, from_grouped = dict(export_hf_weights(sequential)), dict(export_hf_weights(grouped))
+    assert from_sequential.keys() == from_grouped.keys()
+    assert any(".mlp.experts.3.down_proj." in name for name in from_grouped)
+    for name, tensor in from_sequential.items():
+        assert torch.equal(tensor, from_grouped[name]), name

@@ -9,7 +9,8 @@
 - Without Transformer Engine the 0.16.1 router raises ``NameError: te_general_gemm`` on every forward
   (CPU and GPU alike): :func:`fix_router_without_te`.
 - The legacy GroupedMLP needs the CUDA-only ``grouped_gemm`` package: :func:`provide_grouped_gemm_fallback`
-  installs a plain-torch stand-in (one matmul per expert) when it is missing.
+  installs a torch stand-in when it is missing (``torch._grouped_mm`` on CUDA in bf16, one matmul per
+  expert elsewhere).
 - The dist-checkpoint writer collects write results through a ``Manager`` queue started with the
   *spawn* method, which re-imports the parent's main module in a fresh interpreter (seconds per
   process once Megatron is imported): :func:`use_forked_checkpoint_result_queue`.
@@ -125,21 +126,63 @@ def mark_expert_params_for_expert_dp(model: torch.nn.Module) -> int:
 # ----------------------------------------------------------------------------------------------
 # Legacy GroupedMLP without the CUDA-only ``grouped_gemm`` package
 # ----------------------------------------------------------------------------------------------
+GROUP_ROW_ALIGN = 8
+"""Rows each expert's group is padded to a multiple of for ``torch._grouped_mm``: its backward takes
+the weight gradient as one GEMM a group with the tokens as the reduction dim, whose groups must start
+on 16-byte boundaries (8 bf16 rows)."""
+
+
+def padded_group_rows(counts: list[int], align: int = GROUP_ROW_ALIGN) -> tuple[torch.Tensor, list[int]]:
+    """Where each row of groups of ``counts`` rows lands when every group is padded to a multiple of
+    ``align`` rows: (int64 destination row of each source row ``[sum(counts)]``, each padded group's
+    end offset)."""
+    dest, ends, start = [], [], 0
+    for count in counts:
+        dest.append(torch.arange(start, start + count, dtype=torch.int64))
+        start += -(-count // align) * align
+        ends.append(start)
+    return (torch.cat(dest) if dest else torch.zeros(0, dtype=torch.int64)), ends
+
+
+def grouped_mm_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes ``a [T, K] @ b[e] [K, N]`` (CUDA, bf16, sm_80 or newer,
+    K and N multiples of 8 so that every row starts on 16 bytes)."""
+    return (hasattr(torch, "_grouped_mm") and a.is_cuda and a.dtype == b.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(a.device) >= (8, 0)
+            and a.shape[-1] % 8 == 0 and b.shape[-1] % 8 == 0 and b.shape[-2] % 8 == 0)
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """``out[rows of group e] = a[rows of group e] @ b[e]`` as one ``torch._grouped_mm`` (autograd
+    included), the groups' rows padded with zeros to :data:`GROUP_ROW_ALIGN` and taken back out."""
+    if b.stride(-1) != 1 and b.stride(-2) != 1:  # the kernel reads b row- or column-major only
+        b = b.contiguous()
+    if all(count % GROUP_ROW_ALIGN == 0 for count in counts):
+        ends = torch.tensor(counts, dtype=torch.int64).cumsum(0)
+        return torch._grouped_mm(a, b, offs=ends.to(device=a.device, dtype=torch.int32))
+    dest, ends = padded_group_rows(counts)
+    dest = dest.to(a.device, non_blocking=True)
+    padded = a.new_zeros(ends[-1], a.shape[1]).index_copy(0, dest, a)
+    out = torch._grouped_mm(padded, b, offs=torch.tensor(ends, dtype=torch.int32).to(a.device, non_blocking=True))
+    return out.index_select(0, dest)
+
+
 class _TorchGroupedGemmOps:
-    """``grouped_gemm.ops`` stand-in: one matmul per expert over its contiguous slice of tokens."""
+    """``grouped_gemm.ops`` stand-in: one ``torch._grouped_mm`` where it fits (:func:`grouped_mm_fits`),
+    else one matmul per expert over its contiguous slice of tokens."""
 
     @staticmethod
     def gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor, trans_b: bool = False) -> torch.Tensor:
         """``out[rows of expert e] = a[rows of expert e] @ b[e]`` (``b[e].T`` with ``trans_b``)."""
-        outputs = []
-        for e, rows in enumerate(torch.split(a, batch_sizes.tolist())):
-            weight = b[e].t() if trans_b else b[e]
-            outputs.append(rows @ weight)
-        return torch.cat(outputs)
+        weights = b.transpose(1, 2) if trans_b else b
+        counts = batch_sizes.tolist()
+        if grouped_mm_fits(a, weights):
+            return grouped_mm(a, weights, counts)
+        return torch.cat([rows @ weights[e] for e, rows in enumerate(torch.split(a, counts))])
 
 
 def provide_grouped_gemm_fallback() -> bool:
-    """Let Megatron's legacy GroupedMLP run without the ``grouped_gemm`` package (slow, exact).
+    """Let Megatron's legacy GroupedMLP run without the ``grouped_gemm`` package (:class:`_TorchGroupedGemmOps`).
 
     Returns True if the stand-in was installed, False if the real package is present.
     """
