@@ -151,6 +151,45 @@ def test_sft_tool_lowers_the_loss_and_writes_a_loadable_checkpoint(tmp_path) -> 
     assert any(not v.equal(loaded[k]) for k, v in fresh.items() if v.is_floating_point())
 
 
+def _sft(out, *extra: str, steps: int = 8) -> subprocess.CompletedProcess:
+    command = [sys.executable, str(ROOT / "tools" / "sft.py"), "--out", str(out), "--task", "chain",
+               "--steps", str(steps), "--batch", "16", "--lr", "1e-2", "--eval-every", "0", "--eval-problems", "4",
+               *extra]
+    command += [a for kv in TINY for a in ("--set", kv)]
+    command += [a for kv in ("min_steps=2", "max_steps=2", "max_operand=5", "max_value=20") for a in ("--task-option", kv)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run(command, capture_output=True, text=True, check=False, timeout=300, env=env)
+
+
+def test_sft_tool_follows_a_cosine_schedule_and_continues_from_a_checkpoint(tmp_path) -> None:
+    from megatron_quads import manifest
+
+    first = _sft(tmp_path / "a", "--schedule", "cosine", "--warmup", "2", "--min-lr", "1e-3", "--save-every", "3")
+    assert first.returncode == 0, first.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    lrs = [r["lr"] for r in records]
+    assert lrs[:2] == pytest.approx([5e-3, 1e-2]) and lrs[-1] == pytest.approx(1e-3)
+    assert all(a >= b for a, b in zip(lrs[1:], lrs[2:]))  # falls after the warm-up
+    recorded = manifest.verify_manifest(tmp_path / "a" / "checkpoint")
+    assert recorded["steps_done"] == recorded["steps"] == 8 and recorded["schedule"]["kind"] == "cosine"
+
+    resumed = _sft(tmp_path / "b", "--init", str(tmp_path / "a" / "checkpoint"), steps=2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    again = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert again[0]["nll"] < 0.9 * records[0]["nll"]  # starts from the trained weights, not from scratch
+    assert manifest.verify_manifest(tmp_path / "b" / "checkpoint")["init"] == str(tmp_path / "a" / "checkpoint")
+
+
+def test_sft_tool_refuses_an_init_checkpoint_of_another_architecture(tmp_path) -> None:
+    first = _sft(tmp_path / "a", steps=1)
+    assert first.returncode == 0, first.stderr[-3000:]
+    other = _sft(tmp_path / "b", "--init", str(tmp_path / "a" / "checkpoint"), "--set", "num_query_groups=1", steps=1)
+    assert other.returncode != 0 and "num_query_groups" in other.stderr and "--init" in other.stderr
+    assert not (tmp_path / "b").exists()
+    missing = _sft(tmp_path / "c", "--init", str(tmp_path / "nowhere"), steps=1)
+    assert missing.returncode != 0 and "metadata.json" in missing.stderr
+
+
 def test_sft_tool_refuses_a_model_too_short_for_the_task(tmp_path) -> None:
     command = [sys.executable, str(ROOT / "tools" / "sft.py"), "--out", str(tmp_path / "x"), "--task", "chain",
                "--task-option", "max_steps=40", "--task-option", "min_steps=40"]

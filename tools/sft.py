@@ -3,13 +3,20 @@
 
     python tools/sft.py --out runs/chain_sft [--model arch.yaml] [--set num_layers=8 ...]
         [--task chain] [--task-option max_steps=40 ...] [--steps 2000] [--batch 64] [--lr 3e-3] [--seed 0]
+        [--schedule cosine --warmup 100 --min-lr 1e-4] [--init runs/earlier_sft/checkpoint] [--save-every 250]
 
 The architecture is the embedded default's, overlaid with ``--model`` (a YAML mapping of
 ``PolicyModelConfig`` fields) and then each ``--set key=value``. The task is ``make_task(--task,
 **--task-option)``; training draws its train split, evaluation its eval split. Loss is on the
 completion (and ``<eos>``); every ``--eval-every`` steps greedy accuracy on held-out problems is
 measured with the built-in engine. Writes ``<out>/checkpoint`` (model-only Megatron dist checkpoint
-with a sha256 manifest) and ``<out>/metrics.jsonl`` (one record per step).
+with a sha256 manifest; ``steps_done`` in it equals ``steps`` once the run has finished) and
+``<out>/metrics.jsonl`` (one record per step); with ``--save-every`` also every that many steps, each
+write replacing ``<out>`` whole, so a run that is stopped keeps its last one.
+
+The lr is constant, or (``--schedule cosine``) rises over ``--warmup`` steps and falls to ``--min-lr``
+at the last step. ``--init`` starts from another run's model-only checkpoint (the same architecture)
+with a fresh optimizer and schedule: a warm-start carried from another machine continues this way.
 """
 
 from __future__ import annotations
@@ -30,7 +37,9 @@ from megatron_quads.tasks import Task, make_task
 from megatron_quads.trainer.distributed import init_trainer_distributed
 from megatron_quads.trainer.hf_export import qwen3_moe_config
 from megatron_quads.trainer.model import ParallelConfig, PolicyModelConfig
+from megatron_quads.controller.config import RUN_CHOSEN_FIELDS
 from megatron_quads.trainer.policy import OptimConfig, PolicyWorker, PolicyWorkerConfig
+from megatron_quads.trainer.settings import load_model_config
 
 logger = logging.getLogger("sft")
 
@@ -70,6 +79,32 @@ def check_fits(model: PolicyModelConfig, task: Task, vocab_size: int) -> int:
     return cfg.max_answer_len
 
 
+def optim_config(args: argparse.Namespace) -> OptimConfig:
+    """The optimizer and lr schedule of the command line (cosine decays over the run's ``--steps``)."""
+    if args.schedule == "cosine" and args.warmup >= args.steps:
+        raise SystemExit(f"--warmup {args.warmup} must be under --steps {args.steps} with --schedule cosine")
+    try:
+        return OptimConfig(lr=args.lr, weight_decay=0.01, lr_warmup_steps=args.warmup, lr_schedule=args.schedule,
+                           min_lr=args.min_lr if args.schedule == "cosine" else 0.0,
+                           lr_decay_steps=args.steps if args.schedule == "cosine" else None)
+    except ValueError as err:
+        raise SystemExit(f"bad lr schedule: {err}") from None
+
+
+def check_init(path: Path, model: PolicyModelConfig) -> None:
+    """Exits unless ``path`` is a model-only checkpoint of ``model``'s architecture (before any heavy work)."""
+    if not (path / "metadata.json").exists():
+        raise SystemExit(f"--init {path}: not a Megatron dist checkpoint (no metadata.json): give a previous "
+                         "run's <out>/checkpoint")
+    stored = load_model_config(path)
+    if stored is not None:
+        differ = {k: (v, getattr(model, k)) for k, v in stored.model_dump().items()
+                  if k not in RUN_CHOSEN_FIELDS and v != getattr(model, k)}
+        if differ:
+            raise SystemExit(f"--init {path}: its architecture differs from this run's in {differ} "
+                             "(stored, asked): use the same --model and --set")
+
+
 def main() -> None:
     """Train, evaluate, save."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -84,6 +119,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-every", type=int, default=100, help="0: only after the last step")
     parser.add_argument("--eval-problems", type=int, default=100)
+    parser.add_argument("--schedule", choices=("constant", "cosine"), default="constant")
+    parser.add_argument("--warmup", type=int, default=0, help="steps over which the lr rises to --lr")
+    parser.add_argument("--min-lr", type=float, default=0.0, help="cosine: the lr at the last step")
+    parser.add_argument("--init", type=Path, help="a model-only checkpoint to start from (a previous run's <out>/checkpoint)")
+    parser.add_argument("--save-every", type=int, default=0, help="also write <out> every this many steps (0: at the end only)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.manual_seed(args.seed)
@@ -95,15 +135,30 @@ def main() -> None:
     tok = embedded.tokenizer()
     max_new_tokens = check_fits(model_cfg, train_task, tok.vocab_size)
 
+    optim = optim_config(args)
+    if args.init is not None:
+        check_init(args.init, model_cfg)
+
     init_trainer_distributed(1, 0, ParallelConfig(), seed=args.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    worker = PolicyWorker(PolicyWorkerConfig(model=model_cfg, optim=OptimConfig(lr=args.lr, weight_decay=0.01),
-                                             micro_batch_size=args.batch, seed=args.seed))
+    worker = PolicyWorker(PolicyWorkerConfig(model=model_cfg, optim=optim, micro_batch_size=args.batch, seed=args.seed))
+    if args.init is not None:
+        worker.load_checkpoint(args.init, with_optimizer=False)
     pairs = train_task.iter_sft_pairs(seed=args.seed)
     records, accuracy, start = [], 0.0, time.time()
+
+    def save(steps_done: int) -> None:
+        save_model(worker, args.out, {
+            "steps": args.steps, "steps_done": steps_done, "heldout_greedy_accuracy": accuracy,
+            "command": "python tools/sft.py", "model": model_cfg.model_dump(),
+            "task": {"kind": args.task, "options": options}, "batch": args.batch, "lr": args.lr,
+            "schedule": {"kind": args.schedule, "warmup": args.warmup, "min_lr": args.min_lr},
+            "init": None if args.init is None else str(args.init), "seed": args.seed, "device": device,
+        }, files={"metrics.jsonl": "".join(json.dumps(r) + "\n" for r in records)})
+
     for step in range(1, args.steps + 1):
         metrics = worker.train_step(sft_batch([next(pairs) for _ in range(args.batch)], tok), masked_nll)
-        record = {"step": step, "nll": metrics["nll"], "time_s": time.time() - start}
+        record = {"step": step, "nll": metrics["nll"], "lr": metrics["lr"], "time_s": time.time() - start}
         if step == args.steps or (args.eval_every and step % args.eval_every == 0):
             accuracy = embedded.greedy_accuracy(dict(worker.export_hf_weights()), qwen3_moe_config(model_cfg),
                                                 n=args.eval_problems, heldout=heldout, max_new_tokens=max_new_tokens,
@@ -114,11 +169,8 @@ def main() -> None:
         else:
             logger.info("step %d nll %.3f", step, metrics["nll"])
         records.append(record)
-    save_model(worker, args.out, {
-        "steps": args.steps, "heldout_greedy_accuracy": accuracy, "command": "python tools/sft.py",
-        "model": model_cfg.model_dump(), "task": {"kind": args.task, "options": options},
-        "batch": args.batch, "lr": args.lr, "seed": args.seed, "device": device,
-    }, files={"metrics.jsonl": "".join(json.dumps(r) + "\n" for r in records)})
+        if step == args.steps or (args.save_every and step % args.save_every == 0):
+            save(step)
     logger.info("wrote %s (held-out greedy accuracy %.3f after %d steps)", args.out, accuracy, args.steps)
 
 

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # On the GPU machine after install.sh (bundle staged with tools/gpu/trainer_wheels.sh), in the foreground
 # (tools/gpu/queue_start.sh "collapse P S ARGS" runs it detached): the GPU collapse study.
-#   1. SFT of $MODEL on the chain task (tools/sft.py) into $SFT, unless a finished one is there (one
-#      unpacked there by tools/gpu/unpack.sh, or one of this machine's earlier calls); log and metrics
-#      under /tmp/bench_out;
+#   1. SFT of $MODEL on the chain task (tools/sft.py $SFT_ARGS) into $SFT, unless a finished one is there
+#      (one unpacked there by tools/gpu/unpack.sh, or one of this machine's earlier calls); one that was
+#      stopped before its last step starts again from its last save (tools/sft.py --init), as it does
+#      from $SFT_INIT where that is set; log and metrics under /tmp/bench_out;
 #   2. the grid: PROCESSES `benchmarks/study_precisions.py run --config $CONFIG` sharing it (each claims
 #      its runs by lock file), started $SPACING seconds apart (60 by default: an engine whose KV cache is
 #      profiled must start while no other engine sleeps or wakes; with rollout.vllm.gpu_kv_cache_gb set, as
@@ -13,10 +14,10 @@
 #      and activation error, the RAC sweep, on the chain task's held-out problems), into
 #      /tmp/bench_out/collapse_results/analysis: the checkpoints stay on the machine, the analyses come back.
 #
-#   [MODEL=... CONFIG=... SFT=... SPACING=...] bash tools/gpu/collapse_run.sh PROCESSES SFT_STEPS [study run arguments,
-#       e.g. --steps 300 --seeds 0 --modes bf16 naive-nvfp4]
+#   [MODEL=... CONFIG=... SFT=... SPACING=... SFT_ARGS=... SFT_INIT=...] bash tools/gpu/collapse_run.sh PROCESSES
+#       SFT_STEPS [study run arguments, e.g. --steps 300 --seeds 0 --modes bf16 naive-nvfp4]
 #   defaults: MODEL=examples/collapse/chain_moe_model.yaml CONFIG=examples/collapse/chain_grpo_gpu.yaml
-#             SFT=/tmp/collapse/sft SPACING=60
+#             SFT=/tmp/collapse/sft SPACING=60 SFT_ARGS="--batch 64 --lr 1e-3 --eval-every 500" SFT_INIT= (none)
 set -euo pipefail
 procs=${1:?usage: collapse_run.sh PROCESSES SFT_STEPS [study run arguments]}
 sft_steps=${2:?usage: collapse_run.sh PROCESSES SFT_STEPS [study run arguments]}
@@ -25,12 +26,23 @@ model=${MODEL:-examples/collapse/chain_moe_model.yaml}
 config=${CONFIG:-examples/collapse/chain_grpo_gpu.yaml}
 sft=${SFT:-/tmp/collapse/sft}
 spacing=${SPACING:-60}
+read -r -a sft_args <<< "${SFT_ARGS:---batch 64 --lr 1e-3 --eval-every 500}"
+init=${SFT_INIT:-}
 mkdir -p /tmp/bench_out /tmp/collapse
 export PYTHONPATH=/tmp/site:$PWD/tools
-if [[ ! -f $sft/checkpoint/model_config.json ]]; then
+# finished: a manifest whose steps_done (absent in older checkpoints: finished) equals its steps
+finished=$(python3 -c 'import json, sys
+try: m = json.load(open(sys.argv[1]))
+except OSError: print(0); sys.exit()
+print(int(m.get("steps_done", m.get("steps")) == m.get("steps")))' "$sft/checkpoint/manifest.json")
+if [[ $finished != 1 ]]; then
+  if [[ -z $init && -f $sft/checkpoint/metadata.json ]]; then
+    init=$sft/checkpoint.start
+    rm -rf "$init" && cp -r "$sft/checkpoint" "$init"  # the run replaces $sft whole as it saves
+  fi
   python3 tools/sft.py --out "$sft" --model "$model" --task chain \
-      --task-option min_steps=24 --task-option max_steps=40 --steps "$sft_steps" --batch 64 --lr 1e-3 --eval-every 500 \
-      > /tmp/bench_out/sft.log 2>&1
+      --task-option min_steps=24 --task-option max_steps=40 --steps "$sft_steps" "${sft_args[@]}" \
+      ${init:+--init "$init"} --save-every 250 > /tmp/bench_out/sft.log 2>&1
   cp "$sft/metrics.jsonl" /tmp/bench_out/sft_metrics.jsonl
 fi
 (( procs > 0 )) || exit 0

@@ -11,17 +11,20 @@
 #   "grpo ARGS"             benchmarks/bench_controller_gpu.py ARGS (controller_gpu.json)
 #   "collapse P S ARGS"     tools/gpu/collapse_run.sh P S ARGS (the GPU collapse study: SFT, then P study processes)
 #   "collapse-small P S ARGS"  the same on examples/collapse/chain_moe_small.yaml and chain_grpo_gpu_small.yaml
-#                           (SFT in /tmp/collapse/sft_small unless one was unpacked there; runs 10 s apart)
+#                           (SFT in /tmp/collapse/sft_small unless one was unpacked there: batch 256, cosine lr;
+#                           runs 10 s apart)
 #   "ncu ARGS"              tools/gpu/ncu_grouped.sh ARGS (Nsight Compute of one grouped-kernel launch)
 #   "floor ARGS"            tools/grouped_ws_floor.py ARGS (the grouped kernel against its stream and compute floors)
 #
 # A job that fails does not stop the ones after it; tests, vllm-tests, grpo and ncu are stopped after
 # 15 minutes so that one that hangs does not hold up the queue.
 set -euo pipefail
-(( $# )) || { sed -n 2,19p "$0" >&2; exit 2; }
+(( $# )) || { sed -n 2,20p "$0" >&2; exit 2; }
 for job in "$@"; do
   case ${job%% *} in tests|vllm-tests|bench|grpo|collapse|collapse-small|ncu|floor) ;; *) echo "unknown job: $job" >&2; exit 2 ;; esac
 done
+# the smaller setting's SFT: batch 256 costs a step about what batch 64 does on the H200 (launch-bound)
+SMALL_SFT_ARGS="--batch 256 --lr 1e-3 --schedule cosine --warmup 100 --min-lr 1e-4 --eval-every 250"
 rm -rf /tmp/bench_repo /tmp/bench_out && mkdir -p /tmp/bench_out
 cp -r . /tmp/bench_repo
 cd /tmp/bench_repo
@@ -36,7 +39,7 @@ script=/tmp/bench_out/queue.sh
       bench) echo "python3 benchmarks/bench_vllm.py --profile gpu --out /tmp/bench_out/vllm.json --results-dir /tmp/bench_out $args > /tmp/bench_out/bench.log 2>&1" ;;
       grpo) echo "timeout -k 30 900 python3 benchmarks/bench_controller_gpu.py --out /tmp/bench_out/controller_gpu.json $args > /tmp/bench_out/grpo.log 2>&1" ;;
       collapse) echo "bash tools/gpu/collapse_run.sh $args > /tmp/bench_out/collapse.log 2>&1" ;;
-      collapse-small) echo "MODEL=examples/collapse/chain_moe_small.yaml CONFIG=examples/collapse/chain_grpo_gpu_small.yaml SFT=/tmp/collapse/sft_small SPACING=10 bash tools/gpu/collapse_run.sh $args > /tmp/bench_out/collapse.log 2>&1" ;;
+      collapse-small) echo "MODEL=examples/collapse/chain_moe_small.yaml CONFIG=examples/collapse/chain_grpo_gpu_small.yaml SFT=/tmp/collapse/sft_small SPACING=10 SFT_ARGS='$SMALL_SFT_ARGS' bash tools/gpu/collapse_run.sh $args > /tmp/bench_out/collapse.log 2>&1" ;;
       ncu) echo "OUT=/tmp/bench_out timeout -k 30 900 bash tools/gpu/ncu_grouped.sh $args > /tmp/bench_out/ncu.log 2>&1" ;;
       floor) echo "timeout -k 30 600 python3 tools/grouped_ws_floor.py --out /tmp/bench_out/grouped_ws_floor.json $args > /tmp/bench_out/floor.log 2>&1" ;;
     esac
