@@ -25,7 +25,7 @@ FAST = ["grpo.prompts_per_step=4", "grpo.responses_per_prompt=4", "rollout.max_n
 
 @pytest.fixture(scope="module", autouse=True)
 def _ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

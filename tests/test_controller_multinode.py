@@ -91,3 +91,21 @@ def test_a_run_whose_engine_node_is_lost_restarts_the_engine_on_a_spare_node(clu
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     assert all(r["train/update_successful"] == 1.0 for r in records)
     assert records[-1]["rollout_restarts"] >= 1  # a running count
+
+
+def test_a_run_without_a_ray_address_starts_its_own_instance_beside_a_running_cluster(cluster) -> None:
+    """``placement.ray_address`` unset means a local Ray instance of its own, even while another
+    cluster runs on the machine (a plain ``ray.init`` would join that one and refuse ``num_cpus``)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import ray\nfrom megatron_quads.controller.config import load_config\n"
+            "from megatron_quads.controller.run import _init_ray\n"
+            f"_init_ray(load_config({str(EXAMPLE)!r}, []))\n"
+            "print(int(ray.cluster_resources()['CPU']), len(ray.nodes()))\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    cpus, nodes = map(int, result.stdout.split()[-2:])
+    assert (cpus, nodes) == (max(2, os.cpu_count() or 2), 1)  # not the fixture's 3 one-CPU nodes

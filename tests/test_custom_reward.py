@@ -141,7 +141,7 @@ def test_a_run_with_a_reward_file_logs_its_extra_metric(reward_file: Path, tmp_p
     cfg = load_config(EXAMPLE, ["grpo.prompts_per_step=4", "grpo.responses_per_prompt=4", "rollout.max_new_tokens=5",
                                 "logging.wandb=disabled", "rollout.engine=torch", "grpo.steps=2", "checkpoint.every=0",
                                 f"run_dir={tmp_path / 'run'}", "task.kind=qa", *task, f"reward.path={reward_file}"])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         records = [json.loads(line) for line in run(cfg).read_text().splitlines()]
     finally:

@@ -117,7 +117,7 @@ def test_observed_run_logs_tensorboard_samples_plots_and_lr_and_a_resume_continu
     reward.write_text("def compute_score(prompt, response, row):\n"
                       "    return {'score': float(response.startswith(row['answer'])), 'chars': float(len(response))}\n")
     observed = [*FAST, *OBSERVED, f"reward.path={reward}"]
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         full, split = tmp_path / "full", tmp_path / "split"
         records = read_records(run(load_config(EXAMPLE, [*observed, f"run_dir={full}", "grpo.steps=3"])))

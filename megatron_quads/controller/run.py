@@ -38,7 +38,8 @@ def _init_ray(cfg: RunConfig) -> None:
     if cfg.placement.ray_address:
         ray.init(address=cfg.placement.ray_address, log_to_driver=False)
     else:
-        ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False)
+        # "local": a new instance even where another cluster runs (ray.init would join that one and refuse num_cpus)
+        ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False)
 
 
 def run(cfg: RunConfig, force_config: bool = False) -> Path:
