@@ -14,17 +14,19 @@ from megatron_quads.trainer.megatron_fixes import (
     padded_group_rows,
 )
 
-COUNTS = [5, 0, 16, 3, 8, 11]  # empty, aligned and unaligned groups
+COUNTS = [5, 0, 16, 3, 8, 11]  # empty, aligned and unaligned groups: the padded path
+ALIGNED = [8, 0, 16, 24, 8, 8]  # every group on an 8-row boundary: the path without padding
 
 
 def _per_expert(a: torch.Tensor, b: torch.Tensor, counts: list[int]) -> torch.Tensor:
     return torch.cat([rows @ b[e] for e, rows in enumerate(torch.split(a, counts))])
 
 
-def _operands(device: str, dtype: torch.dtype, k: int = 32, n: int = 48) -> tuple[torch.Tensor, torch.Tensor]:
+def _operands(device: str, dtype: torch.dtype, k: int = 32, n: int = 48,
+              counts: list[int] = COUNTS) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
-    a = torch.randn(sum(COUNTS), k, generator=generator).to(device, dtype)
-    b = torch.randn(len(COUNTS), k, n, generator=generator).to(device, dtype)
+    a = torch.randn(sum(counts), k, generator=generator).to(device, dtype)
+    b = torch.randn(len(counts), k, n, generator=generator).to(device, dtype)
     return a, b
 
 
@@ -37,10 +39,11 @@ def test_padded_group_rows_start_every_group_on_an_aligned_row() -> None:
     assert all(end % GROUP_ROW_ALIGN == 0 for end in ends)
 
 
-def test_grouped_mm_over_padded_groups_gives_each_groups_product() -> None:
+@pytest.mark.parametrize("counts", [COUNTS, ALIGNED])
+def test_grouped_mm_gives_each_groups_product(counts: list[int]) -> None:
     """CPU: torch's grouped GEMM forward (its CPU backward is not used here; CUDA below)."""
-    a, b = _operands("cpu", torch.float32)
-    torch.testing.assert_close(grouped_mm(a, b, COUNTS), _per_expert(a, b, COUNTS), rtol=1e-5, atol=1e-5)
+    a, b = _operands("cpu", torch.float32, counts=counts)
+    torch.testing.assert_close(grouped_mm(a, b, counts), _per_expert(a, b, counts), rtol=1e-5, atol=1e-5)
 
 
 def test_the_stand_in_loops_over_experts_off_cuda_with_gradients() -> None:
@@ -55,21 +58,22 @@ def test_the_stand_in_loops_over_experts_off_cuda_with_gradients() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("counts", [COUNTS, ALIGNED])
 @pytest.mark.parametrize("trans_b", [False, True])
-def test_cuda_grouped_mm_gives_the_per_expert_products_and_gradients(trans_b: bool) -> None:
+def test_cuda_grouped_mm_gives_the_per_expert_products_and_gradients(trans_b: bool, counts: list[int]) -> None:
     """bf16 on CUDA: outputs and both gradients against an fp32 per-expert reference, within bf16
     rounding of the inputs' products (relative error of each tensor's norm under 1e-2)."""
-    a, b = _operands("cuda", torch.bfloat16, k=64, n=128)
+    a, b = _operands("cuda", torch.bfloat16, k=64, n=128, counts=counts)
     weights = (b.transpose(1, 2).contiguous() if trans_b else b).requires_grad_(True)
     a.requires_grad_(True)
     assert grouped_mm_fits(a, b)
-    out = _TorchGroupedGemmOps.gmm(a, weights, torch.tensor(COUNTS), trans_b=trans_b)
+    out = _TorchGroupedGemmOps.gmm(a, weights, torch.tensor(counts), trans_b=trans_b)
     grad_out = torch.randn_like(out)
     out.backward(grad_out)
 
     a32 = a.detach().float().requires_grad_(True)
     w32 = weights.detach().float().requires_grad_(True)
-    ref = _per_expert(a32, w32.transpose(1, 2) if trans_b else w32, COUNTS)
+    ref = _per_expert(a32, w32.transpose(1, 2) if trans_b else w32, counts)
     ref.backward(grad_out.float())
     for got, want in ((out, ref), (a.grad, a32.grad), (weights.grad, w32.grad)):
         assert got.dtype == torch.bfloat16 and got.shape == want.shape

@@ -157,7 +157,7 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, counts: list[int]) -> torch.Ten
     included), the groups' rows padded with zeros to :data:`GROUP_ROW_ALIGN` and taken back out."""
     if b.stride(-1) != 1 and b.stride(-2) != 1:  # the kernel reads b row- or column-major only
         b = b.contiguous()
-    if all(count % GROUP_ROW_ALIGN == 0 for count in counts):
+    if a.data_ptr() % 16 == 0 and a.is_contiguous() and all(count % GROUP_ROW_ALIGN == 0 for count in counts):
         ends = torch.tensor(counts, dtype=torch.int64).cumsum(0)
         return torch._grouped_mm(a, b, offs=ends.to(device=a.device, dtype=torch.int32))
     dest, ends = padded_group_rows(counts)
