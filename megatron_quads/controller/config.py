@@ -154,7 +154,8 @@ class PlacementSection(_Strict):
     trainer_gpus_per_worker: int = Field(0, ge=0, le=1, description="0: CPU trainer ranks; 1: one GPU per rank")
     cpus_per_worker: float = Field(0.5, gt=0, description="CPU share of each placement bundle")
     strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field("PACK", description="Ray placement strategy")
-    ray_address: str | None = Field(None, description="join this Ray cluster (e.g. 'auto'); default: start a local one")
+    ray_address: str | None = Field(None, description="join this Ray cluster (e.g. 'auto'); default: start a local "
+                                    "one (also where another cluster runs on the machine)")
 
 
 class GRPOSection(_Strict):
