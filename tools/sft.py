@@ -33,11 +33,11 @@ import yaml
 from train_tiny_sft import masked_nll, save_model, sft_batch
 
 from megatron_quads import embedded
+from megatron_quads.controller.config import architecture_differences
 from megatron_quads.tasks import Task, make_task
 from megatron_quads.trainer.distributed import init_trainer_distributed
 from megatron_quads.trainer.hf_export import qwen3_moe_config
 from megatron_quads.trainer.model import ParallelConfig, PolicyModelConfig
-from megatron_quads.controller.config import RUN_CHOSEN_FIELDS
 from megatron_quads.trainer.policy import OptimConfig, PolicyWorker, PolicyWorkerConfig
 from megatron_quads.trainer.settings import load_model_config
 
@@ -98,8 +98,7 @@ def check_init(path: Path, model: PolicyModelConfig) -> None:
                          "run's <out>/checkpoint")
     stored = load_model_config(path)
     if stored is not None:
-        differ = {k: (v, getattr(model, k)) for k, v in stored.model_dump().items()
-                  if k not in RUN_CHOSEN_FIELDS and v != getattr(model, k)}
+        differ = {k: (getattr(stored, k), getattr(model, k)) for k in architecture_differences(stored, model)}
         if differ:
             raise SystemExit(f"--init {path}: its architecture differs from this run's in {differ} "
                              "(stored, asked): use the same --model and --set")

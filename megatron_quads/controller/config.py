@@ -39,6 +39,12 @@ RUN_CHOSEN_FIELDS = ("max_sequence_length", "init_method_std", "moe_token_dispat
 change what the stored weights mean)."""
 
 
+def architecture_differences(recorded: PolicyModelConfig, asked: PolicyModelConfig) -> list[str]:
+    """The fields, outside :data:`RUN_CHOSEN_FIELDS`, in which ``asked`` differs from the architecture a
+    checkpoint ``recorded``: weights of one do not load as the other."""
+    return [k for k, v in recorded.model_dump().items() if k not in RUN_CHOSEN_FIELDS and getattr(asked, k) != v]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -387,8 +393,7 @@ class RunConfig(_Strict):
                 "checkpoint with a model_config.json beside it (megatron-quads convert hf-to-megatron writes one)"
             )
         if model.architecture is not None and recorded is not None:
-            differ = [k for k, v in recorded.model_dump().items()
-                      if k not in RUN_CHOSEN_FIELDS and getattr(model.architecture, k) != v]
+            differ = architecture_differences(recorded, model.architecture)
             if differ:
                 where = f"{model.hf_path}/config.json" if model.hf_path else f"{model.checkpoint}/model_config.json"
                 raise ValueError(

@@ -149,7 +149,7 @@ def grouped_mm_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
     K and N multiples of 8 so that every row starts on 16 bytes)."""
     return (hasattr(torch, "_grouped_mm") and a.is_cuda and a.dtype == b.dtype == torch.bfloat16
             and torch.cuda.get_device_capability(a.device) >= (8, 0)
-            and a.shape[-1] % 8 == 0 and b.shape[-1] % 8 == 0 and b.shape[-2] % 8 == 0)
+            and a.shape[-1] % 8 == 0 and b.shape[-1] % 8 == 0)
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -157,14 +157,13 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, counts: list[int]) -> torch.Ten
     included), the groups' rows padded with zeros to :data:`GROUP_ROW_ALIGN` and taken back out."""
     if b.stride(-1) != 1 and b.stride(-2) != 1:  # the kernel reads b row- or column-major only
         b = b.contiguous()
-    if a.data_ptr() % 16 == 0 and a.is_contiguous() and all(count % GROUP_ROW_ALIGN == 0 for count in counts):
-        ends = torch.tensor(counts, dtype=torch.int64).cumsum(0)
-        return torch._grouped_mm(a, b, offs=ends.to(device=a.device, dtype=torch.int32))
     dest, ends = padded_group_rows(counts)
+    offs = torch.tensor(ends, dtype=torch.int32).to(a.device, non_blocking=True)
+    if ends[-1] == a.shape[0] and a.is_contiguous() and a.data_ptr() % 16 == 0:  # no group needs padding
+        return torch._grouped_mm(a, b, offs=offs)
     dest = dest.to(a.device, non_blocking=True)
     padded = a.new_zeros(ends[-1], a.shape[1]).index_copy(0, dest, a)
-    out = torch._grouped_mm(padded, b, offs=torch.tensor(ends, dtype=torch.int32).to(a.device, non_blocking=True))
-    return out.index_select(0, dest)
+    return torch._grouped_mm(padded, b, offs=offs).index_select(0, dest)
 
 
 class _TorchGroupedGemmOps:
