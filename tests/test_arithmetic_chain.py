@@ -171,13 +171,48 @@ def test_sft_tool_follows_a_cosine_schedule_and_continues_from_a_checkpoint(tmp_
     assert lrs[:2] == pytest.approx([5e-3, 1e-2]) and lrs[-1] == pytest.approx(1e-3)
     assert all(a >= b for a, b in zip(lrs[1:], lrs[2:]))  # falls after the warm-up
     recorded = manifest.verify_manifest(tmp_path / "a" / "checkpoint")
-    assert recorded["steps_done"] == recorded["steps"] == 8 and recorded["schedule"]["kind"] == "cosine"
+    assert recorded["steps_done"] == recorded["steps"] == 8 and recorded["finished"]
+    assert recorded["schedule"]["kind"] == "cosine"
 
     resumed = _sft(tmp_path / "b", "--init", str(tmp_path / "a" / "checkpoint"), steps=2)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     again = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert again[0]["nll"] < 0.9 * records[0]["nll"]  # starts from the trained weights, not from scratch
     assert manifest.verify_manifest(tmp_path / "b" / "checkpoint")["init"] == str(tmp_path / "a" / "checkpoint")
+
+
+def test_sft_tool_ends_at_the_first_evaluation_that_reaches_the_asked_accuracy(tmp_path, monkeypatch) -> None:
+    """--stop-at-accuracy: the run saves and ends at the evaluation that first reaches it, marked finished."""
+    import importlib.util
+
+    from megatron_quads import manifest
+
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    spec = importlib.util.spec_from_file_location("sft_under_test", ROOT / "tools" / "sft.py")
+    sft = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sft)
+    measured = iter([0.2, 0.6, 0.9])  # the evaluations' accuracies, in order
+    monkeypatch.setattr(sft.embedded, "greedy_accuracy", lambda *args, **kwargs: next(measured))
+    argv = ["sft.py", "--out", str(tmp_path / "a"), "--task", "chain", "--steps", "20", "--batch", "4",
+            "--eval-every", "2", "--stop-at-accuracy", "0.5", "--save-every", "1"]
+    argv += [a for kv in TINY for a in ("--set", kv)]
+    argv += [a for kv in ("min_steps=2", "max_steps=2", "max_operand=5", "max_value=20") for a in ("--task-option", kv)]
+    monkeypatch.setattr(sys, "argv", argv)
+    sft.main()
+
+    recorded = manifest.verify_manifest(tmp_path / "a" / "checkpoint")
+    assert (recorded["steps_done"], recorded["steps"], recorded["finished"]) == (4, 20, True)
+    assert recorded["heldout_greedy_accuracy"] == 0.6 and recorded["stop_at_accuracy"] == 0.5
+    records = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert [r.get("heldout_greedy_accuracy") for r in records] == [None, 0.2, None, 0.6]
+
+
+def test_sft_tool_refuses_an_accuracy_target_it_would_never_check(tmp_path) -> None:
+    never = _sft(tmp_path / "a", "--stop-at-accuracy", "0.5")  # --eval-every 0
+    assert never.returncode != 0 and "--eval-every" in never.stderr and not (tmp_path / "a").exists()
+    beyond = _sft(tmp_path / "b", "--stop-at-accuracy", "1.5", "--eval-every", "2")
+    assert beyond.returncode != 0 and "(0, 1]" in beyond.stderr and not (tmp_path / "b").exists()
 
 
 def test_sft_tool_refuses_an_init_checkpoint_of_another_architecture(tmp_path) -> None:

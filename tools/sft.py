@@ -4,15 +4,19 @@
     python tools/sft.py --out runs/chain_sft [--model arch.yaml] [--set num_layers=8 ...]
         [--task chain] [--task-option max_steps=40 ...] [--steps 2000] [--batch 64] [--lr 3e-3] [--seed 0]
         [--schedule cosine --warmup 100 --min-lr 1e-4] [--init runs/earlier_sft/checkpoint] [--save-every 250]
+        [--eval-every 50 --eval-problems 50 --stop-at-accuracy 0.5]
 
 The architecture is the embedded default's, overlaid with ``--model`` (a YAML mapping of
 ``PolicyModelConfig`` fields) and then each ``--set key=value``. The task is ``make_task(--task,
 **--task-option)``; training draws its train split, evaluation its eval split. Loss is on the
 completion (and ``<eos>``); every ``--eval-every`` steps greedy accuracy on held-out problems is
 measured with the built-in engine. Writes ``<out>/checkpoint`` (model-only Megatron dist checkpoint
-with a sha256 manifest; ``steps_done`` in it equals ``steps`` once the run has finished) and
-``<out>/metrics.jsonl`` (one record per step); with ``--save-every`` also every that many steps, each
-write replacing ``<out>`` whole, so a run that is stopped keeps its last one.
+with a sha256 manifest; ``finished`` in it is true once the run has ended, ``steps_done`` the steps it
+took) and ``<out>/metrics.jsonl`` (one record per step); with ``--save-every`` also every that many
+steps, each write replacing ``<out>`` whole, so a run that is stopped keeps its last one.
+``--stop-at-accuracy A`` ends the run at the first evaluation whose held-out greedy accuracy is at
+least A: a warm start of a stated capability (GRPO needs rewards that vary), whatever the run-to-run
+spread of the steps it takes to get there.
 
 The lr is constant, or (``--schedule cosine``) rises over ``--warmup`` steps and falls to ``--min-lr``
 at the last step. ``--init`` starts from another run's model-only checkpoint (the same architecture)
@@ -123,7 +127,16 @@ def main() -> None:
     parser.add_argument("--min-lr", type=float, default=0.0, help="cosine: the lr at the last step")
     parser.add_argument("--init", type=Path, help="a model-only checkpoint to start from (a previous run's <out>/checkpoint)")
     parser.add_argument("--save-every", type=int, default=0, help="also write <out> every this many steps (0: at the end only)")
+    parser.add_argument("--stop-at-accuracy", type=float, metavar="A",
+                        help="end the run at the first evaluation with held-out greedy accuracy >= A (0 < A <= 1)")
     args = parser.parse_args()
+    if args.steps < 1:
+        raise SystemExit(f"--steps {args.steps}: give at least 1")
+    if args.stop_at_accuracy is not None and not 0.0 < args.stop_at_accuracy <= 1.0:
+        raise SystemExit(f"--stop-at-accuracy {args.stop_at_accuracy}: give an accuracy in (0, 1]")
+    if args.stop_at_accuracy is not None and args.eval_every == 0:
+        raise SystemExit("--stop-at-accuracy needs --eval-every N > 0 (the run evaluates only after its last step "
+                         "otherwise)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.manual_seed(args.seed)
 
@@ -146,9 +159,10 @@ def main() -> None:
     pairs = train_task.iter_sft_pairs(seed=args.seed)
     records, accuracy, start = [], 0.0, time.time()
 
-    def save(steps_done: int) -> None:
+    def save(steps_done: int, finished: bool) -> None:
         save_model(worker, args.out, {
-            "steps": args.steps, "steps_done": steps_done, "heldout_greedy_accuracy": accuracy,
+            "steps": args.steps, "steps_done": steps_done, "finished": finished,
+            "stop_at_accuracy": args.stop_at_accuracy, "heldout_greedy_accuracy": accuracy,
             "command": "python tools/sft.py", "model": model_cfg.model_dump(),
             "task": {"kind": args.task, "options": options}, "batch": args.batch, "lr": args.lr,
             "schedule": {"kind": args.schedule, "warmup": args.warmup, "min_lr": args.min_lr},
@@ -163,14 +177,19 @@ def main() -> None:
                                                 n=args.eval_problems, heldout=heldout, max_new_tokens=max_new_tokens,
                                                 device=device)
             record["heldout_greedy_accuracy"] = accuracy
-            logger.info("step %d nll %.3f held-out accuracy %.3f (%.0fs)", step, metrics["nll"], accuracy,
+            logger.info("step %d nll %.4f held-out accuracy %.3f (%.0fs)", step, metrics["nll"], accuracy,
                         record["time_s"])
         else:
-            logger.info("step %d nll %.3f", step, metrics["nll"])
+            logger.info("step %d nll %.4f", step, metrics["nll"])
         records.append(record)
-        if step == args.steps or (args.save_every and step % args.save_every == 0):
-            save(step)
-    logger.info("wrote %s (held-out greedy accuracy %.3f after %d steps)", args.out, accuracy, args.steps)
+        reached = (args.stop_at_accuracy is not None and "heldout_greedy_accuracy" in record
+                   and accuracy >= args.stop_at_accuracy)
+        finished = step == args.steps or reached
+        if finished or (args.save_every and step % args.save_every == 0):
+            save(step, finished)
+        if finished:
+            break
+    logger.info("wrote %s (held-out greedy accuracy %.3f after %d steps)", args.out, accuracy, step)
 
 
 if __name__ == "__main__":

@@ -135,7 +135,8 @@ def build_gpt_model(
     config = build_transformer_config(model, parallel, initialize, routing_replay)
     fix_router_without_te()
     if model.moe_grouped_gemm and provide_grouped_gemm_fallback():
-        logger.warning("grouped_gemm is not installed: GroupedMLP uses a per-expert torch matmul loop")
+        logger.warning("grouped_gemm is not installed: GroupedMLP uses torch._grouped_mm (CUDA, bf16) or a "
+                       "per-expert torch matmul loop (elsewhere)")
     if config.sequence_parallel and isinstance(spec, ModuleSpec) and parallel.transformer_impl == "local":
         spec = sequence_parallel_block_spec(spec, config)  # torch norms that accept SP (TE's norms do)
     if quads is not None:

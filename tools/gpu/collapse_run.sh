@@ -30,11 +30,11 @@ read -r -a sft_args <<< "${SFT_ARGS:---batch 64 --lr 1e-3 --eval-every 500}"
 init=${SFT_INIT:-}
 mkdir -p /tmp/bench_out /tmp/collapse
 export PYTHONPATH=/tmp/site:$PWD/tools
-# finished: a manifest whose steps_done (absent in older checkpoints: finished) equals its steps
+# finished: a manifest that says so (older ones: whose steps_done, where present, equals its steps)
 finished=$(python3 -c 'import json, sys
 try: m = json.load(open(sys.argv[1]))
 except OSError: print(0); sys.exit()
-print(int(m.get("steps_done", m.get("steps")) == m.get("steps")))' "$sft/checkpoint/manifest.json")
+print(int(m.get("finished", m.get("steps_done", m.get("steps")) == m.get("steps"))))' "$sft/checkpoint/manifest.json")
 if [[ $finished != 1 ]]; then
   if [[ -z $init && -f $sft/checkpoint/metadata.json ]]; then
     init=$sft/checkpoint.start
