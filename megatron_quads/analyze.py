@@ -128,7 +128,9 @@ def load_megatron_tiny(checkpoint: str | None, seed: int) -> Target:
 def build_tiny_model(checkpoint: str | None, seed: int) -> torch.nn.Module:
     """A Megatron GPT-MoE in fp32 on one CPU rank: the architecture a dist checkpoint's
     ``model_config.json`` records, loaded from it; without a checkpoint (or that file) the tiny
-    default architecture, random or loaded."""
+    default architecture, random or loaded. Its experts are always SequentialMLP linears, one module
+    per expert for the analysis to hook: Megatron's dist checkpoints of GroupedMLP experts load into
+    them weight for weight."""
     from megatron_quads.trainer.checkpoint_audit import audit_dist_checkpoint, load_dist_checkpoint
     from megatron_quads.trainer.distributed import init_trainer_distributed
     from megatron_quads.trainer.model import (
@@ -145,7 +147,8 @@ def build_tiny_model(checkpoint: str | None, seed: int) -> torch.nn.Module:
         audit_dist_checkpoint(checkpoint)  # before any work
     init_trainer_distributed(1, 0, ParallelConfig(), seed=seed)
     recorded = load_model_config(checkpoint) if checkpoint else None
-    cfg = (recorded or PolicyModelConfig(init_method_std=0.05)).model_copy(update={"dtype": "fp32"})
+    cfg = (recorded or PolicyModelConfig(init_method_std=0.05)).model_copy(
+        update={"dtype": "fp32", "moe_grouped_gemm": False})
     model = build_gpt_model(cfg, ParallelConfig())
     if checkpoint:
         state = load_dist_checkpoint({"model": model.sharded_state_dict()}, checkpoint)

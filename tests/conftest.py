@@ -50,7 +50,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 _XDIST_GROUPS = {
-    "ray": ("test_controller.py", "test_controller_multinode.py", "test_interrupted_runs.py", "test_readme.py"),
+    "ray": ("test_collapse_run.py", "test_controller.py", "test_controller_multinode.py", "test_interrupted_runs.py",
+            "test_readme.py"),
     "vllm": ("test_convert_to_quads.py", "test_vllm_engine.py", "test_vllm_fp4_gemm.py", "test_vllm_linear_method.py",
              "test_vllm_serving.py"),
 }

@@ -120,6 +120,36 @@ def test_analyze_reads_the_architecture_of_a_dist_checkpoint(tmp_path) -> None:
     assert str(checkpoint) in report["model"]
 
 
+def test_a_grouped_experts_checkpoint_is_analysed_per_expert(tmp_path) -> None:
+    """A dist checkpoint of GroupedMLP experts (what the GPU collapse study trains) loads into the
+    analysis model's per-expert linears weight for weight, and every one of them is in scope."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_quads.trainer.distributed import init_trainer_distributed
+    from megatron_quads.trainer.model import ParallelConfig, PolicyModelConfig, build_gpt_model
+    from megatron_quads.trainer.settings import save_model_config
+
+    cfg = PolicyModelConfig(num_layers=2, hidden_size=32, num_attention_heads=2, num_query_groups=1, num_experts=4,
+                            moe_router_topk=2, moe_ffn_hidden_size=16, ffn_hidden_size=32, vocab_size=32,
+                            max_sequence_length=32, dtype="bf16", moe_grouped_gemm=True)
+    init_trainer_distributed(1, 0, ParallelConfig(), seed=0)
+    grouped = build_gpt_model(cfg, ParallelConfig())
+    dist_checkpointing.save({"model": grouped.sharded_state_dict()}, str(tmp_path))
+    save_model_config(cfg, tmp_path)
+
+    model = build_tiny_model(str(tmp_path), seed=0)
+    linears = megatron_expert_linears(model)
+    assert len(linears) == cfg.num_layers * cfg.num_experts * 2
+    for layer in range(cfg.num_layers):
+        experts = grouped.decoder.layers[layer].mlp.experts
+        fc1 = experts.weight1.view(cfg.num_experts, cfg.hidden_size, -1)
+        fc2 = experts.weight2.view(cfg.num_experts, -1, cfg.hidden_size)
+        for e in range(cfg.num_experts):
+            prefix = f"decoder.layers.{layer}.mlp.experts.local_experts.{e}"
+            assert torch.equal(linears[f"{prefix}.linear_fc1"].weight, fc1[e].t().float())
+            assert torch.equal(linears[f"{prefix}.linear_fc2"].weight, fc2[e].t().float())
+
+
 def _tiny_qwen3_moe(path) -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.Qwen3MoeConfig(

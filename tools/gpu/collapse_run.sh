@@ -15,9 +15,11 @@
 #      /tmp/bench_out/collapse_results/analysis: the checkpoints stay on the machine, the analyses come back.
 #
 #   [MODEL=... CONFIG=... SFT=... SPACING=... SFT_ARGS=... SFT_INIT=...] bash tools/gpu/collapse_run.sh PROCESSES
-#       SFT_STEPS [study run arguments, e.g. --steps 300 --seeds 0 --modes bf16 naive-nvfp4]
+#       SFT_STEPS [study run arguments: options and key=value overrides, e.g. --steps 300 --seeds 0
+#       --modes bf16 naive-nvfp4 grpo.prompts_per_step=32]
 #   defaults: MODEL=examples/collapse/chain_moe_model.yaml CONFIG=examples/collapse/chain_grpo_gpu.yaml
 #             SFT=/tmp/collapse/sft SPACING=60 SFT_ARGS="--batch 64 --lr 1e-3 --eval-every 500" SFT_INIT= (none)
+#             BENCH_OUT=/tmp/bench_out (logs, records, analyses) RUNS=/tmp/collapse/runs (run directories)
 set -euo pipefail
 procs=${1:?usage: collapse_run.sh PROCESSES SFT_STEPS [study run arguments]}
 sft_steps=${2:?usage: collapse_run.sh PROCESSES SFT_STEPS [study run arguments]}
@@ -25,10 +27,12 @@ shift 2
 model=${MODEL:-examples/collapse/chain_moe_model.yaml}
 config=${CONFIG:-examples/collapse/chain_grpo_gpu.yaml}
 sft=${SFT:-/tmp/collapse/sft}
+out=${BENCH_OUT:-/tmp/bench_out}
+runs=${RUNS:-/tmp/collapse/runs}
 spacing=${SPACING:-60}
 read -r -a sft_args <<< "${SFT_ARGS:---batch 64 --lr 1e-3 --eval-every 500}"
 init=${SFT_INIT:-}
-mkdir -p /tmp/bench_out /tmp/collapse
+mkdir -p "$out" "$runs"
 export PYTHONPATH=/tmp/site:$PWD/tools
 # finished: a manifest that says so (older ones: whose steps_done, where present, equals its steps)
 finished=$(python3 -c 'import json, sys
@@ -42,22 +46,32 @@ if [[ $finished != 1 ]]; then
   fi
   python3 tools/sft.py --out "$sft" --model "$model" --task chain \
       --task-option min_steps=24 --task-option max_steps=40 --steps "$sft_steps" "${sft_args[@]}" \
-      ${init:+--init "$init"} --save-every 250 > /tmp/bench_out/sft.log 2>&1
-  cp "$sft/metrics.jsonl" /tmp/bench_out/sft_metrics.jsonl
+      ${init:+--init "$init"} --save-every 250 > "$out/sft.log" 2>&1
+  cp "$sft/metrics.jsonl" "$out/sft_metrics.jsonl"
 fi
 (( procs > 0 )) || exit 0
+# the runs' key=value overrides go first, with this script's own: `study_precisions.py run` takes its
+# positional overrides in one piece, before options such as --modes that take several values
+overrides=() options=()
+for arg in "$@"; do
+  if [[ $arg == *=* && $arg != -* ]]; then overrides+=("$arg"); else options+=("$arg"); fi
+done
+pids=()
 for i in $(seq 1 "$procs"); do
   python3 benchmarks/study_precisions.py run "model.checkpoint=$sft/checkpoint" checkpoint.every=50 \
-      --config "$config" --out /tmp/collapse/runs \
-      --results /tmp/bench_out/collapse_results "$@" > "/tmp/bench_out/study_$i.log" 2>&1 &
+      "${overrides[@]}" --config "$config" --out "$runs" \
+      --results "$out/collapse_results" "${options[@]}" > "$out/study_$i.log" 2>&1 &
+  pids+=($!)
   if (( i < procs )); then sleep "$spacing"; fi
 done
-wait
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=1; done
 finished=()
-for record in /tmp/bench_out/collapse_results/*.metrics.jsonl.gz; do
+for record in "$out"/collapse_results/*.metrics.jsonl.gz; do
   [[ -f $record ]] && finished+=("$(basename "$record" .metrics.jsonl.gz)")
 done
 if (( ${#finished[@]} )); then
-  python3 benchmarks/study_precisions.py analyze --out /tmp/collapse/runs --results /tmp/bench_out/collapse_results \
-      "${finished[@]}" > /tmp/bench_out/analyze.log 2>&1
+  python3 benchmarks/study_precisions.py analyze --out "$runs" --results "$out/collapse_results" \
+      "${finished[@]}" > "$out/analyze.log" 2>&1
 fi
+exit "$status"
