@@ -16,7 +16,8 @@ long). Several ``run`` processes can share a grid: each claims a run with a lock
 and ``eval.jsonl`` are copied, gzip-compressed, to ``--results``
 (``benchmarks/results/study/<run>.{metrics,eval}.jsonl.gz``),
 the files the report reads. A grid given overrides of its own (``key=value`` after ``run``) needs
-its own ``--out`` and ``--results``; they and the config are recorded in ``<results>/grid.json``.
+its own ``--out`` and ``--results``; they, the config and the devices that ran the grid are recorded
+in ``<results>/grid.json``.
 
 ``analyze`` runs ``megatron-quads analyze`` on runs' final checkpoints over the task's held-out
 problems with their answers (the gap split into weight and activation error per layer, and AQAT
@@ -26,7 +27,7 @@ against W4A4 + RAC at each ratio) into
 ``report`` writes ``benchmarks/results/<results folder>.md`` (``study.md`` by default: per mode and
 correction, means over seeds: reward, held-out pass@1, max and mean |Δlogp| and k3 KL over the last
 steps; whether and when the reward collapsed; the early warning's lead and false alarms; the RAC
-ratio sweep of the max gap; the grid's overrides) and ``<results folder>_curves.png`` beside it, and
+ratio sweep of the max gap; the grid's overrides and devices) and ``<results folder>_curves.png`` beside it, and
 draws each analysis's plot ``analysis/<run>.png`` from its ``analysis/<run>.json`` (git keeps the
 JSON only).
 """
@@ -46,7 +47,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from bench_device import record_stamp
+from bench_device import device_name, record_stamp
 
 from megatron_quads.atomic_io import save_figure_atomic, write_atomic, write_text_atomic
 from megatron_quads.controller.report import read_records
@@ -169,27 +170,37 @@ def _config_name(config: Path) -> str:
     return str(resolved.relative_to(REPO)) if resolved.is_relative_to(REPO) else str(resolved)
 
 
-def record_overrides(results: Path, overrides: list[str], config: Path = CONFIG) -> None:
-    """Record the grid's config and own overrides in ``results``; a results folder holds one grid, so
-    another config or other overrides than those recorded there are refused (give such a grid its own
-    ``--results`` and ``--out``)."""
+def record_overrides(results: Path, overrides: list[str], config: Path = CONFIG, device: str | None = None) -> None:
+    """Record the grid's config, own overrides and the devices that ran it (``device``, default this
+    machine's) in ``results``; a results folder holds one grid, so another config or other overrides than
+    those recorded there are refused (give such a grid its own ``--results`` and ``--out``)."""
     path = results / GRID_FILE
     grid = {"overrides": overrides, "config": _config_name(config)}
+    devices = [device or device_name()]
     if path.is_file():
         recorded = json.loads(path.read_text())
         recorded.setdefault("config", _config_name(CONFIG))
+        known = recorded.pop("devices", [])
         if recorded != grid:
             raise SystemExit(f"{results} holds a grid run with {recorded}, not {grid}: give this grid its own --results "
                              "and --out")
-        return
+        if devices[0] in known:
+            return
+        devices = known + devices
     results.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, json.dumps(grid) + "\n")
+    write_text_atomic(path, json.dumps({**grid, "devices": devices}) + "\n")
 
 
 def grid_overrides(results: Path) -> list[str]:
     """The overrides recorded for the grid in ``results`` (none recorded: none)."""
     path = results / GRID_FILE
     return json.loads(path.read_text())["overrides"] if path.is_file() else []
+
+
+def grid_devices(results: Path) -> list[str]:
+    """The devices recorded as having run the grid in ``results`` (none recorded: an empty list)."""
+    path = results / GRID_FILE
+    return json.loads(path.read_text()).get("devices", []) if path.is_file() else []
 
 
 def grid_config(results: Path) -> str:
@@ -282,8 +293,10 @@ def report_markdown(runs: dict[str, dict[str, list[dict]]], stamp: dict[str, str
     given = f" with {', '.join(f'`{o}`' for o in overrides)}" if overrides else ""
     config = grid_config(results)
     subject = "the embedded default" if config == _config_name(CONFIG) else f"`{config}`"
-    lines = [f"# Precision study on {subject}{given} ({stamp['date']}, {stamp['device']})", "",
-             f"Command: `{stamp['command']}`, over the runs in {_shown(results)}. Means over seeds of "
+    ran_on = ", ".join(grid_devices(results)) or stamp["device"]
+    lines = [f"# Precision study on {subject}{given} ({stamp['date']}, {ran_on})", "",
+             f"Runs on {ran_on}. Command: `{stamp['command']}` (on {stamp['device']}), over the runs in "
+             f"{_shown(results)}. Means over seeds of "
              f"the last {TAIL_STEPS} steps of each run (± the standard deviation over seeds, with several). The early "
              f"warning is replayed over the recorded metrics with the default `monitor` settings (window {GapMonitorConfig().window}, threshold "
              f"{GapMonitorConfig().threshold}, patience {GapMonitorConfig().patience}, `{GapMonitorConfig().metric}`).", "",

@@ -156,6 +156,21 @@ def test_a_grids_overrides_are_named_in_its_report_and_other_overrides_are_refus
     assert "with `grpo.optim.lr=0.001`" in text.splitlines()[0]
 
 
+def test_a_grid_records_every_device_that_ran_it_and_its_report_names_them(tmp_path: Path) -> None:
+    results = tmp_path / "study_gpu"
+    record_overrides(results, [], device="NVIDIA H200")
+    record_overrides(results, [], device="NVIDIA H200")
+    record_overrides(results, [], device="NVIDIA H100")
+    assert study_precisions.grid_devices(results) == ["NVIDIA H200", "NVIDIA H100"]
+    with pytest.raises(SystemExit, match="its own --results"):
+        record_overrides(results, ["grpo.optim.lr=0.001"], device="NVIDIA H200")
+    records = [{"reward": 0.5, "mismatch/gap_max_abs": 0.1, "mismatch/gap_mean_abs": 0.01, "mismatch/k3_kl": 1e-3}] * 3
+    _write_records(results / f"bf16.seed0.none{METRICS_SUFFIX}", records)
+    title, _, body = report_markdown(load_results(results), STAMP, results).splitlines()[:3]
+    assert title.endswith("NVIDIA H200, NVIDIA H100)") and STAMP["device"] not in title
+    assert body.startswith("Runs on NVIDIA H200, NVIDIA H100. Command:") and f"(on {STAMP['device']})" in body
+
+
 def test_a_grid_of_another_config_is_named_in_its_report_and_kept_apart(tmp_path: Path) -> None:
     results = tmp_path / "study_chain"
     config = study_precisions.REPO / "examples" / "collapse" / "chain_grpo_gpu.yaml"
