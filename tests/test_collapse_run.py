@@ -70,6 +70,10 @@ def test_the_collapse_job_trains_its_sft_its_runs_and_their_analyses(tmp_path: P
     assert config["task"]["options"] == {"min_steps": 2, "max_steps": 3}  # the overrides reached the run
     analysis = json.loads((results / "analysis" / f"{run}.json").read_text())
     assert "step_2" in analysis["model"] and "aqat vs quads@0.25 (output_error)" in analysis["pairs"]
+    report = (tmp_path / "out" / "collapse_results.md").read_text()  # the grid's report, made on the machine
+    assert report.startswith("# Precision study on `examples/collapse/chain_grpo_gpu_small.yaml`")
+    assert "| quads-0.25 | none | 1 | 2 |" in report and (tmp_path / "out" / "collapse_results_curves.png").is_file()
+    assert json.loads((results / "grid.json").read_text())["devices"]  # the machine that ran the grid
 
     manifest = tmp_path / "sft" / "checkpoint" / "manifest.json"
     written = manifest.stat().st_mtime_ns

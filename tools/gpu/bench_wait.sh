@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: wait up to SECONDS for the jobs of tools/gpu/queue_start.sh, then put what they
 # wrote so far into $OUT/bench_out.tgz (one file: a call brings back at most 8) with each
-# collapse-study run's metrics so far, and print the queue's progress and the ends of the logs.
+# collapse-study run's metrics and evaluations so far, and print the queue's progress and the ends of the logs.
 set -uo pipefail
 limit=${1:?usage: tools/gpu/bench_wait.sh SECONDS}
 end=$((SECONDS + limit))
@@ -10,7 +10,9 @@ while (( SECONDS < end )) && running; do sleep 5; done
 running && echo "still running" || echo "finished"
 mkdir -p /tmp/bench_out/partial
 for run in /tmp/collapse/runs/*/; do  # the collapse study's runs so far
-  [[ -f $run/metrics.jsonl ]] && cp "$run/metrics.jsonl" "/tmp/bench_out/partial/$(basename "$run").metrics.jsonl"
+  for records in metrics eval; do
+    [[ -f $run/$records.jsonl ]] && cp "$run/$records.jsonl" "/tmp/bench_out/partial/$(basename "$run").$records.jsonl"
+  done
 done
 tar -czf "${OUT:-/tmp}/bench_out.tgz" -C /tmp bench_out
 cat /tmp/bench_out/queue.log 2>/dev/null

@@ -10,9 +10,10 @@
 #      profiled must start while no other engine sleeps or wakes; with rollout.vllm.gpu_kv_cache_gb set, as
 #      chain_grpo_gpu_small.yaml does, a few seconds do); runs under /tmp/collapse/runs, finished runs'
 #      records under /tmp/bench_out/collapse_results;
-#   3. `study_precisions.py analyze` on every finished run's final checkpoint (the gap split into weight
-#      and activation error, the RAC sweep, on the chain task's held-out problems), into
-#      /tmp/bench_out/collapse_results/analysis: the checkpoints stay on the machine, the analyses come back.
+#   3. `study_precisions.py analyze` on each run's final checkpoint as soon as the run has finished (the
+#      gap split into weight and activation error, the RAC sweep, on the chain task's held-out problems),
+#      into /tmp/bench_out/collapse_results/analysis: the checkpoints stay on the machine, the analyses
+#      come back; at the end `study_precisions.py report` (/tmp/bench_out/collapse_results.md, _curves.png).
 #
 #   [MODEL=... CONFIG=... SFT=... SPACING=... SFT_ARGS=... SFT_INIT=...] bash tools/gpu/collapse_run.sh PROCESSES
 #       SFT_STEPS [study run arguments: options and key=value overrides, e.g. --steps 300 --seeds 0
@@ -64,14 +65,29 @@ for i in $(seq 1 "$procs"); do
   pids+=($!)
   if (( i < procs )); then sleep "$spacing"; fi
 done
+# analyse each run as soon as its records are complete (the machine may go back before the last run ends)
+attempted=" "
+analyze_finished() {
+  local record name todo=()
+  for record in "$out"/collapse_results/*.metrics.jsonl.gz; do
+    [[ -f $record ]] || continue
+    name=$(basename "$record" .metrics.jsonl.gz)
+    [[ $attempted == *" $name "* || -f $out/collapse_results/analysis/$name.json ]] || todo+=("$name")
+  done
+  (( ${#todo[@]} )) || return 0
+  attempted+="${todo[*]} "  # a failed analysis is not tried again every round
+  python3 benchmarks/study_precisions.py analyze --out "$runs" --results "$out/collapse_results" \
+      "${todo[@]}" >> "$out/analyze.log" 2>&1 || echo "analysis of ${todo[*]} failed (see analyze.log)" >&2
+}
+while kill -0 "${pids[@]}" 2> /dev/null; do  # true while any study process runs
+  analyze_finished
+  sleep 10
+done
 status=0
 for pid in "${pids[@]}"; do wait "$pid" || status=1; done
-finished=()
-for record in "$out"/collapse_results/*.metrics.jsonl.gz; do
-  [[ -f $record ]] && finished+=("$(basename "$record" .metrics.jsonl.gz)")
-done
-if (( ${#finished[@]} )); then
-  python3 benchmarks/study_precisions.py analyze --out "$runs" --results "$out/collapse_results" \
-      "${finished[@]}" > "$out/analyze.log" 2>&1
+analyze_finished
+# the grid's tables and curves, stamped with this machine: $out/collapse_results.md and _curves.png
+if compgen -G "$out/collapse_results/*.metrics.jsonl.gz" > /dev/null; then
+  python3 benchmarks/study_precisions.py report --results "$out/collapse_results" >> "$out/analyze.log" 2>&1 || status=1
 fi
 exit "$status"
