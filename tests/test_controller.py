@@ -177,6 +177,53 @@ def test_kl_penalty_to_the_starting_policy_under_router_replay(tmp_path: Path) -
         assert r["calibration/tokens"] == distinct and r["time/calibrate"] > 0
 
 
+def test_rac_channels_are_re_chosen_every_calibrate_every_steps(tmp_path: Path) -> None:
+    """precision.calibrate_every=3: 7 steps calibrate at steps 0, 3 and 6; the steps between record no
+    calibration time or tokens, and the final evaluation (step 7) serves the kept channels. A run
+    resumed at step 5 calibrates at its first step, then at 6."""
+    overrides = ("precision.mode=quads", "precision.calibrate_every=3", "eval.every=4", "eval.prompts=8")
+    records = _run(tmp_path / "full", "grpo.steps=7", "checkpoint.every=0", *overrides)
+    assert [r["step"] for r in records] == list(range(7))
+    calibrated = [r["step"] for r in records if r["calibration/tokens"] > 0]
+    assert calibrated == [0, 3, 6] and all(records[s]["time/calibrate"] > 0 for s in calibrated)
+    assert all(r["time/calibrate"] == 0.0 for r in records if r["step"] not in calibrated)
+    evals = [json.loads(line) for line in (tmp_path / "full" / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 4, 7]
+    _run(tmp_path / "resumed", "grpo.steps=5", "checkpoint.every=5", *overrides)
+    resumed = _run(tmp_path / "resumed", "grpo.steps=7", "checkpoint.every=5", *overrides)
+    assert [r["step"] for r in resumed if r["calibration/tokens"] > 0] == [0, 3, 5, 6]
+
+
+def test_a_restarted_engine_serves_the_channels_the_others_keep(tmp_path: Path) -> None:
+    """Channels chosen on the first weights, kept over a sync of other weights (no calibration): an
+    engine killed then is restarted with those channels, so it computes exactly what the engine that
+    kept them computes."""
+    from megatron_quads.controller.actor_groups import Rollouts, Trainers
+    from megatron_quads.controller.workers import start_checkpoint
+    from megatron_quads.rollout.engine import SamplingParams
+
+    cfg = load_config(EXAMPLE, [f"run_dir={tmp_path}", "precision.mode=quads", "rollout.num_workers=2",
+                                "rollout.engine=torch", "rollout.timeout_s=120"])
+    trainers, rollouts = Trainers(cfg), Rollouts(cfg)
+    prompt = [1, 4, 13, 5, 17]
+    params = SamplingParams(max_new_tokens=4, temperature=0.0)
+    try:
+        rollouts.sync(trainers, 1)  # the trainer's fresh initialisation
+        rollouts.calibrate([prompt, [1, 6, 14, 3, 17]])
+        trainers.load(start_checkpoint(cfg), with_optimizer=False)
+        rollouts.sync(trainers, 2)  # other weights, the channels kept
+        ray.kill(rollouts.workers[1], no_restart=True)
+        kept, restarted = rollouts.generate([prompt, prompt], params)  # engine 1 restarts
+        held = ray.get([w.residual_channels.remote() for w in rollouts.workers])
+    finally:
+        trainers.kill()
+        rollouts.kill()
+    assert rollouts.restarts == 1
+    assert held[0].keys() == held[1].keys() == rollouts.channels.keys()
+    assert all(torch.equal(held[1][k], held[0][k]) and held[0][k].numel() for k in held[0])
+    assert restarted.token_ids == kept.token_ids and restarted.logprobs == kept.logprobs
+
+
 def test_engines_generate_concurrently() -> None:
     """Every engine's request is in flight at once: the engines' busy intervals overlap."""
     from megatron_quads.controller.actor_groups import Rollouts
@@ -406,6 +453,10 @@ def test_a_vllm_rollout_worker_killed_inside_its_weight_load_is_restarted_and_re
         (["rollout.router_replay=r2"], r"rollout\.router_replay"),
         (["grpo.steps=true"], r"grpo\.steps: a boolean .* where a number is expected"),
         (["precision.rac_ratio=on", "checkpoint.every=false"], r"precision\.rac_ratio, checkpoint\.every: a boolean"),
+        (["precision.calibrate_every=0"], r"precision\.calibrate_every: 0 is not a step count: set "
+                                          r"precision\.calibrate_every to an integer >= 1"),
+        (["precision.calibrate_every=1.5"], r"precision\.calibrate_every: 1\.5 is not a step count"),
+        (["precision.calibrate_every=true"], r"precision\.calibrate_every: a boolean"),
         (["grpo.optim.lr=yes"], r"grpo\.optim\.lr: a boolean"),
         (["=3"], "key=value"),
         (["grpo.steps=[1"], r"'grpo\.steps=\[1': its value is not valid YAML"),
@@ -435,14 +486,15 @@ def test_settings_without_effect_are_warned_about(caplog: pytest.LogCaptureFixtu
     assert config_warnings(load_config(EXAMPLE)) == []
     assert config_warnings(load_config(EXAMPLE, ["precision.mode=bf16"])) == []  # rac_ratio at its default
     with caplog.at_level("WARNING"):
-        cfg = load_config(EXAMPLE, ["precision.mode=aqat", "precision.rac_ratio=0.5", "checkpoint.every=30",
+        cfg = load_config(EXAMPLE, ["precision.mode=aqat", "precision.rac_ratio=0.5", "precision.calibrate_every=2",
+                                    "checkpoint.every=30",
                                     "rollout.engine=torch", "rollout.vllm.max_num_seqs=8", "eval.samples=4",
                                     "grpo.loss.eps_high=0.28", "grpo.loss.correction.c_high=3"])
     warned = config_warnings(cfg)
     assert [w.split(" ", 1)[0] for w in warned] == [
-        "precision.rac_ratio=0.5", "rollout.vllm.max_num_seqs", "grpo.loss.eps_high", "grpo.loss.correction.c_high",
-        "checkpoint.every=30", "eval.samples"]
-    assert "no checkpoint will be written" in warned[4] and all(w in caplog.text for w in warned)
+        "precision.rac_ratio=0.5", "precision.calibrate_every=2", "rollout.vllm.max_num_seqs", "grpo.loss.eps_high",
+        "grpo.loss.correction.c_high", "checkpoint.every=30", "eval.samples"]
+    assert "no checkpoint will be written" in warned[5] and all(w in caplog.text for w in warned)
     from megatron_quads.controller.saved_config import save_config
 
     save_config(load_config(EXAMPLE, ["precision.mode=bf16"]), tmp_path / "config.yaml")

@@ -260,9 +260,11 @@ if __name__ == "__main__":
                                dtype=torch.float32, options=VllmOptions(multiprocess=True), checkpoint=checkpoint)
     worker = engine.llm.collective_rpc("quads_plugin_status")[0]
     served = [g.token_ids for g in engine.generate(prompts, greedy)]
+    channels = {name: c.tolist() for name, c in engine.residual_channels().items()}
     engine.load_weights(load_quantized_weights(update), version=2)
     updated = [g.token_ids for g in engine.generate(prompts, greedy)]
-    print("RESULT", json.dumps({"worker": worker, "script_pid": os.getpid(), "served": served, "updated": updated}))
+    print("RESULT", json.dumps({"worker": worker, "script_pid": os.getpid(), "served": served, "updated": updated,
+                                "channels": channels}))
     engine.close()
 """
 
@@ -270,7 +272,8 @@ if __name__ == "__main__":
 def test_the_plugin_registers_in_vllms_engine_process(model: dict, tmp_path: Path) -> None:
     """Multiprocess mode: the worker runs in another process, which loads the plugin through its
     entry point (nothing here registers it there), serves the checkpoint as the built-in engine
-    does and takes an in-place update (through a file: RPC cannot carry tensors there)."""
+    does, reports its channel sets and takes an in-place update (through a file: RPC cannot carry
+    tensors there)."""
     update = calibrated_weights(model["update"], model["hf_config"], model["calibration"], version=2)
     checkpoint = save_quantized_weights(model["quantized"], tmp_path / "ckpt", model_config=model["config_json"])
     update_dir = save_quantized_weights(update, tmp_path / "update", model_config=model["config_json"])
@@ -282,6 +285,7 @@ def test_the_plugin_registers_in_vllms_engine_process(model: dict, tmp_path: Pat
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads([line for line in result.stdout.splitlines() if line.startswith("RESULT ")][-1][len("RESULT "):])
     assert report["worker"]["registered"] and report["worker"]["pid"] != report["script_pid"]
+    assert report["channels"] == {m: lin.residual_channels.tolist() for m, lin in model["quantized"].quantized.items()}
     for weights, key in ((model["quantized"], "served"), (update, "updated")):
         reference = TorchRolloutEngine(model["hf_config"], precision=Precision("quads", RATIO), dtype=torch.float32)
         reference.load_weights(weights, version=1)
@@ -418,9 +422,11 @@ def test_a_plain_modelopt_checkpoint_is_served_as_w4a4_when_asked(model: dict, t
     assert [list(o.outputs[0].token_ids) for o in outputs] == [g.token_ids for g in reference.generate(model["prompts"], GREEDY)]
 
 
-def _wire_payload(weights: dict[str, torch.Tensor], ratio: float) -> dict[str, torch.Tensor]:
-    """The embedded model's weights as the trainer's sync sends them: expert stacks in NVFP4 with
-    ``num_residual_channels(K, ratio)`` channels per expert (the first ones, a valid set)."""
+def _wire_payload(weights: dict[str, torch.Tensor], ratio: float | None = None,
+                  channels: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The embedded model's weights in the sync's wire format: expert stacks in NVFP4 with
+    ``num_residual_channels(K, ratio)`` channels per expert (the first ones, a valid set), or the
+    wire-form ``channels``, or (neither) no channels, as the trainer's export sends them."""
     import re
 
     from megatron_quads.rollout.rac import num_residual_channels
@@ -434,16 +440,66 @@ def _wire_payload(weights: dict[str, torch.Tensor], ratio: float) -> dict[str, t
             dense[name] = tensor
         else:
             per_layer.setdefault(int(match.group(1)), {})[(int(match.group(2)), match.group(3))] = tensor
-    named, channels = list(dense.items()), {}
+    named, first = list(dense.items()), {}
     for layer, parts in per_layer.items():
         n = 1 + max(e for e, _ in parts)
         stacks = {"gate_up_proj": torch.stack([torch.cat([parts[e, "gate_proj"], parts[e, "up_proj"]]) for e in range(n)]),
                   "down_proj": torch.stack([parts[e, "down_proj"] for e in range(n)])}
         for projection, stack in stacks.items():
             named.append((f"{stack_module(layer, 0, n, projection)}.weight", stack))
-            width = num_residual_channels(stack.shape[2], ratio)
-            channels[channels_key(layer, projection)] = torch.arange(width, dtype=torch.int32).expand(n, width)
-    return encode_wire(named, quantized=True, dtype=torch.float32, residual_channels=channels)
+            width = num_residual_channels(stack.shape[2], ratio or 0.0)
+            first[channels_key(layer, projection)] = torch.arange(width, dtype=torch.int32).expand(n, width)
+    return encode_wire(named, quantized=True, dtype=torch.float32,
+                       residual_channels=first if ratio is not None else channels)
+
+
+@pytest.mark.parametrize("engine", ["torch", "vllm"])
+def test_a_sync_without_calibration_serves_the_last_calibrations_channels(model: dict, engine: str,
+                                                                         tmp_path: Path) -> None:
+    """The trainer's sync carries no RAC channels; a rollout worker keeps its last calibration's sets
+    across syncs. After a sync of new weights without calibration the engine serves the chosen sets,
+    not the placeholder an engine that keeps none loads, with ``W_S`` re-blocked from the new
+    ``q(W)``: it generates what an engine given the new weights with those channels generates."""
+    from megatron_quads.controller.config import load_config
+    from megatron_quads.controller.weight_sync import to_buckets
+    from megatron_quads.controller.workers import RolloutWorker
+    from megatron_quads.rollout.wire import channel_stacks, decode_wire
+
+    cfg = load_config(Path(__file__).parents[1] / "examples" / "embedded_default.yaml",
+                      [f"run_dir={tmp_path}", f"rollout.engine={engine}", "precision.mode=quads",
+                       f"precision.rac_ratio={RATIO}", "logging.wandb=disabled"])
+
+    def synced(worker: RolloutWorker, weights: dict[str, torch.Tensor], version: int) -> dict[str, torch.Tensor]:
+        """Sync ``weights`` as the trainer does; returns the channel sets the engine then serves."""
+        worker.load_weights(to_buckets(_wire_payload(weights), version, quantized=True), version)
+        return worker.engine.residual_channels()
+
+    worker = RolloutWorker(cfg)
+    try:
+        synced(worker, model["weights"], 1)
+        worker.calibrate(model["calibration"])
+        chosen = worker.engine.residual_channels()
+        kept = synced(worker, model["update"], 2)
+        served = worker.engine.generate(model["prompts"], GREEDY)
+    finally:
+        if engine == "vllm":
+            worker.engine.close()
+    fresh = RolloutWorker(cfg)
+    try:
+        placeholder = synced(fresh, model["update"], 2)
+    finally:
+        if engine == "vllm":
+            fresh.engine.close()
+    assert kept.keys() == chosen.keys() == placeholder.keys()
+    assert all(torch.equal(kept[n], chosen[n]) for n in chosen)
+    assert sum(not torch.equal(placeholder[n], chosen[n]) for n in chosen) > len(chosen) // 2
+    precision = cfg.run_precision()
+    reference = TorchRolloutEngine(model["hf_config"], precision=precision, dtype=torch.float32)
+    update = _wire_payload(model["update"], channels=channel_stacks(chosen))
+    reference.load_weights(decode_wire(update, True, 2, precision), version=2)
+    expected = reference.generate(model["prompts"], GREEDY)
+    assert [g.token_ids for g in served] == [g.token_ids for g in expected]
+    assert max_logprob_gap(served, expected) < (LOGPROB_TOL if engine == "vllm" else 1e-6)
 
 
 @pytest.mark.parametrize("ratio", [0.25, 0.5])

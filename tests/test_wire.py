@@ -7,7 +7,15 @@ import torch
 
 from megatron_quads.rollout.quantize_model import quantize_hf_weights
 from megatron_quads.rollout.scopes import routed_expert_scope
-from megatron_quads.rollout.wire import WIRE_FIELDS, channels_key, decode_wire, encode_wire, stack_module
+from megatron_quads.rollout.wire import (
+    WIRE_FIELDS,
+    channel_stacks,
+    channels_key,
+    decode_wire,
+    encode_wire,
+    stack_module,
+    with_channels,
+)
 
 EXPERTS, HIDDEN, FFN = 4, 64, 32
 
@@ -177,6 +185,36 @@ def test_payloads_of_several_senders_decode_to_one_model() -> None:
                            (f"{stack_module(0, 1, 3, 'down_proj')}.weight", whole.down[1:])], quantized=True, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="overlap"):
         decode_wire({**halves[0], **overlap}, quantized=True, weight_version=1)
+
+
+def test_kept_channels_on_a_payload_sent_without_them_decode_as_if_sent_with_them() -> None:
+    """An engine's channel sets by checkpoint module, stacked per layer (:func:`channel_stacks`) and
+    put on two expert-parallel senders' payloads that carry none (the trainer's export): the decoded
+    weights are byte for byte those of a sender that sent the channels (``W_S`` of the new weights)."""
+    whole = _stack(0, 11)
+    channels = {channels_key(0, "gate_up_proj"): _channels(HIDDEN, 32, 3), channels_key(0, "down_proj"): _channels(FFN, 16, 4)}
+    sent_with = decode_wire(encode_wire(whole.named(), quantized=True, dtype=torch.bfloat16, residual_channels=channels),
+                            quantized=True, weight_version=1)
+    reported = {m: lin.residual_channels for m, lin in sent_with.quantized.items()}  # what an engine reports
+    kept = channel_stacks(reported)
+    assert kept.keys() == channels.keys() and all(torch.equal(kept[k], channels[k]) for k in channels)
+    halves = {}
+    for first in (0, 2):
+        halves.update(encode_wire([(f"{stack_module(0, first, 2, 'gate_up_proj')}.weight", whole.gate_up[first : first + 2]),
+                                   (f"{stack_module(0, first, 2, 'down_proj')}.weight", whole.down[first : first + 2])],
+                                  quantized=True, dtype=torch.bfloat16))
+    assert all(t.shape[1] == 0 for n, t in halves.items() if n.endswith(".residual_channels"))
+    decoded = decode_wire(with_channels(halves, kept), quantized=True, weight_version=1)
+    assert decoded.state_dict().keys() == sent_with.state_dict().keys()
+    for name, tensor in sent_with.state_dict().items():
+        assert torch.equal(_raw(decoded.state_dict()[name]), _raw(tensor)), name
+    with pytest.raises(ValueError, match=r"experts\.0-1\.down_proj\.residual_channels': the kept channel sets hold none"):
+        with_channels(halves, {channels_key(0, "gate_up_proj"): kept[channels_key(0, "gate_up_proj")]})
+    up = "model.layers.0.mlp.experts.1.up_proj"
+    with pytest.raises(ValueError, match="gate_proj and up_proj read the same input"):
+        channel_stacks({**reported, up: reported[up].flip(0)})
+    with pytest.raises(ValueError, match=r"experts\.(gate_up|down)_proj' lack experts \[2\]"):
+        channel_stacks({m: c for m, c in reported.items() if ".experts.2." not in m})
 
 
 def test_the_stack_quantizer_holds_one_stack_back_and_gives_what_quantize_stack_gives() -> None:

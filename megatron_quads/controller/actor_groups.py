@@ -159,7 +159,9 @@ class Trainers:
 
 class Rollouts:
     """Rollout engines as Ray actors; an engine that dies or hangs in any call (weight sync,
-    calibration, sleep, generation, evaluation) is restarted, re-synced and the call retried."""
+    calibration, sleep, generation, evaluation) is restarted, re-synced and the call retried. In quads
+    the engines keep the RAC channels of the last calibration across weight syncs; the controller
+    keeps a copy (:attr:`channels`) for the engines it restarts."""
 
     def __init__(self, cfg: RunConfig, slots: list[Slot] | None = None) -> None:
         self.cfg = cfg
@@ -174,6 +176,7 @@ class Rollouts:
         self.group_generation = 0  # 0: no weight-broadcast group yet (collective transport)
         self.version = -1
         self.calibration: list[list[int]] = []
+        self.channels: dict[str, torch.Tensor] | None = None  # the last calibration's channel sets (wire form)
         self.restarts = 0
 
     def kill(self) -> None:
@@ -206,8 +209,8 @@ class Rollouts:
 
     def _retrying(self, what: str, call: Callable[[], T]) -> T:
         """``call()``; when it fails and some engines are dead (or, after a timeout, hung), those are restarted (each
-        re-synced to the current weights and re-calibrated, :meth:`_restart`) and the whole call is
-        made again, up to ``rollout.max_retries`` times. A failure with every engine answering is
+        re-synced to the current weights with the kept RAC channels, :meth:`_restart`) and the whole call
+        is made again, up to ``rollout.max_retries`` times. A failure with every engine answering is
         raised as it is (it is not an engine death)."""
         for attempt in range(self.cfg.rollout.max_retries + 1):
             try:
@@ -282,29 +285,35 @@ class Rollouts:
         slowest = {k: max(t[k] for _, t in loaded) for k in loaded[0][1]}
         return {k: float(v) for k, v in {**stats, **slowest}.items()}
 
-    def calibrate(self, prompts: list[list[int]], workers: list | None = None) -> dict[str, float]:
-        """Every engine (or ``workers``) re-chooses its RAC channels on ``prompts`` (quads mode; the
-        others return at once), all at the same time, on the same prompts, so they choose the same
-        channels. Returns the slowest engine's seconds and the prompt tokens."""
+    def calibrate(self, prompts: list[list[int]]) -> dict[str, float]:
+        """Every engine re-chooses its RAC channels on ``prompts`` (quads mode; the others return at
+        once), all at the same time, on the same prompts, so they choose the same channels, and keeps
+        them for the weight syncs until the next calibration; engine 0's are kept here for restarts.
+        Returns the slowest engine's seconds and the prompt tokens."""
         self.calibration = prompts
-        if workers is not None:  # engines just restarted (the retry is the caller's)
-            done = ray.get([w.calibrate.remote(prompts) for w in workers], timeout=self.cfg.rollout.timeout_s)
-        else:
-            done = self._retrying("RAC calibration", lambda: ray.get(
-                [w.calibrate.remote(prompts) for w in self.workers], timeout=self.cfg.rollout.timeout_s))
+        timeout = self.cfg.rollout.timeout_s
+
+        def calibrate_all() -> list[dict[str, float]]:
+            done = ray.get([w.calibrate.remote(prompts) for w in self.workers], timeout=timeout)
+            self.channels = ray.get(self.workers[0].residual_channels.remote(), timeout=timeout)
+            return done
+
+        done = self._retrying("RAC calibration", calibrate_all)
         return {k: max(d[k] for d in done) for k in done[0]}
 
     def _restart(self, index: int) -> None:
+        """Replace engine ``index`` by a new one that serves the current weights with the kept RAC
+        channels (those the other engines serve), without a calibration of its own."""
         ray.kill(self.workers[index], no_restart=True)
         self.workers[index] = self.factories[index].remote(self.cfg)
+        if self.channels is not None:
+            ray.get(self.workers[index].keep_channels.remote(self.channels), timeout=self.cfg.rollout.timeout_s)
         if self.cfg.weight_transport() == "collective":
             # a broadcast needs every member: rebuild every sender's group and re-send to all engines
             self._form_sync_groups(self.trainers)
             self._load(self.trainers, list(range(len(self.workers))), self.version)
         else:  # re-export: IPC buffers are freed after each sync
             self._load(self.trainers, [index], self.version)
-        if self.calibration:
-            self.calibrate(self.calibration, [self.workers[index]])
         self.restarts += 1
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list:

@@ -15,7 +15,7 @@ import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from megatron_quads.controller.config_file import ConfigError, read_config  # noqa: F401 (re-exported)
 from megatron_quads.controller.config_checks import RUN_CHECKS, learning_signal_warnings
@@ -94,6 +94,19 @@ class PrecisionSection(_Strict):
     )
     rac_ratio: float = Field(0.25, ge=0.0, le=1.0, description="RAC residual-channel ratio (quads mode; other modes "
                              "ignore it)")
+    calibrate_every: int = Field(
+        1, description="N: the engines re-choose the RAC channels at steps 0, N, 2N, ... and at a resumed run's first "
+        "step; in between they serve the last chosen channels, W_S recomputed for each sync's weights (1: every step; "
+        "quads mode, other modes ignore it)")
+
+    @field_validator("calibrate_every", mode="before")
+    @classmethod
+    def _a_step_count(cls, value: Any) -> Any:
+        """A whole number of steps, at least 1."""
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{value!r} is not a step count: set precision.calibrate_every to an integer >= 1 (1: the "
+                             "RAC channels are re-chosen every step, N: at every N-th step)")
+        return value
 
 
 class VllmSection(_Strict):
@@ -455,6 +468,11 @@ class RunConfig(_Strict):
         return Precision.from_config_mode(self.precision.mode, self.precision.rac_ratio,
                                           trainer_block_2d=quads.block_2d, scope=quads.scope.value)
 
+    def calibrates_at(self, step: int, first: int = 0) -> bool:
+        """Whether GRPO step ``step`` re-chooses the RAC channels: ``step % precision.calibrate_every == 0``,
+        and the run's ``first`` step (a resumed run's engines start without channels)."""
+        return step == first or step % self.precision.calibrate_every == 0
+
     def trainer_quads(self) -> QuadsTrainerConfig:
         """The trainer's fake-quant settings of the run's precision."""
         precision = self.run_precision()
@@ -489,6 +507,9 @@ def config_warnings(cfg: RunConfig) -> list[str]:
     if not cfg.run_precision().uses_rac and _changed(cfg.precision, "rac_ratio"):
         out.append(f"precision.rac_ratio={cfg.precision.rac_ratio} has no effect with precision.mode={mode}: "
                    "only quads rollouts add residual channels")
+    if not cfg.run_precision().uses_rac and _changed(cfg.precision, "calibrate_every"):
+        out.append(f"precision.calibrate_every={cfg.precision.calibrate_every} has no effect with precision.mode={mode}: "
+                   "only quads rollouts calibrate residual channels")
     roll = cfg.rollout
     vllm = _changed(roll.vllm, *type(roll.vllm).model_fields)
     if roll.engine != "vllm" and vllm:

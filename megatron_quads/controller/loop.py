@@ -32,10 +32,12 @@ def train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts, stop: StopSign
           force_config: bool = False) -> Path:
     """GRPO from the starting policy, or from the newest checkpoint that loads, to ``grpo.steps``;
     returns the metrics file. Each step: sync the weights to the engines (quantized once), refresh
-    the RAC channels, evaluate when due, generate, reward (a few generations logged when due), score
-    under the trainer, update the policy at the step's lr, record (the plot redrawn when due),
-    checkpoint when due. A stop signal that comes during the update waits for the step's end.
-    With evaluation on, the final weights are evaluated too."""
+    the RAC channels when due (:meth:`RunConfig.calibrates_at`; between refreshes the engines serve
+    the last chosen channels on the new weights), evaluate when due, generate, reward (a few
+    generations logged when due), score under the trainer, update the policy at the step's lr,
+    record (the plot redrawn when due), checkpoint when due. A stop signal that comes during the
+    update waits for the step's end. With evaluation on, the final weights are evaluated too (their
+    channels refreshed as a step ``grpo.steps`` would)."""
     task, tok = task_and_tokenizer(cfg)
     custom = CustomReward.from_config(cfg.reward.path, cfg.reward.name) if cfg.reward.path else None
     stream = task.stream(seed=cfg.seed)
@@ -56,7 +58,8 @@ def train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts, stop: StopSign
             prompt_ids = [ids for ids in drawn.ids for _ in range(n)]
             sync = rollouts.sync(trainers, step)                                     # weight sync (quantize once)
             clock.lap("sync")
-            calibration = rollouts.calibrate(drawn.ids)                              # RAC channel refresh (quads)
+            calibration = (rollouts.calibrate(drawn.ids)                             # RAC channel refresh (quads)
+                           if cfg.calibrates_at(step, start) else None)
             clock.lap("calibrate")
             if held_out is not None and step % cfg.eval.every == 0:
                 records.log_eval(evaluate(cfg, rollouts, held_out, tok, step))       # evaluation
@@ -87,6 +90,7 @@ def train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts, stop: StopSign
             progress.set_postfix(reward=f"{record['reward']:.3f}", gap=f"{record['mismatch/gap_max_abs']:.3f}")
     if held_out is not None and start < cfg.grpo.steps:  # the final weights
         rollouts.sync(trainers, cfg.grpo.steps)
-        rollouts.calibrate(rollouts.calibration)
+        if cfg.calibrates_at(cfg.grpo.steps, start):
+            rollouts.calibrate(rollouts.calibration)
         records.log_eval(evaluate(cfg, rollouts, held_out, tok, cfg.grpo.steps))
     return records.close()

@@ -26,13 +26,15 @@ class PhaseClock:
 
 def step_record(step: int, *, rewards: torch.Tensor, mask: torch.Tensor, skipped_prompts: int,
                 mismatch: dict[str, float], train: dict[str, float], clock: PhaseClock,
-                calibration: dict[str, float], sync: dict[str, float], restarts: int, freed_bytes: int,
+                calibration: dict[str, float] | None, sync: dict[str, float], restarts: int, freed_bytes: int,
                 reward_metrics: dict[str, float] | None = None) -> dict:
     """Step ``step``'s record: mean reward and response length (``mask``: the response tokens), prompts
     skipped as too long, the rollout-vs-trainer ``mismatch``, the policy updates' metrics (``train/*``),
-    each phase's seconds (``time/*``), the RAC calibration's prompt tokens, the engines restarted so
-    far, the weight sync's figures (``sync/*``), the GPU bytes the engines released for training and the
-    reward function's extra metrics (``reward/*``, each averaged over the step's responses)."""
+    each phase's seconds (``time/*``), the RAC calibration's prompt tokens (``calibration`` None: the
+    step kept the last channels, and ``time/calibrate`` and ``calibration/tokens`` are 0), the engines
+    restarted so far, the weight sync's figures (``sync/*``), the GPU bytes the engines released for
+    training and the reward function's extra metrics (``reward/*``, each averaged over the step's
+    responses)."""
     times = clock.seconds
     return {
         "step": step, "reward": float(rewards.mean()), **(reward_metrics or {}),
@@ -40,8 +42,9 @@ def step_record(step: int, *, rewards: torch.Tensor, mask: torch.Tensor, skipped
         "prompts/skipped_too_long": float(skipped_prompts),
         **mismatch,
         **{f"train/{k}": v for k, v in train.items()},
-        "time/sync": times["sync"], "time/calibrate": times["calibrate"], "time/generate": times["generate"],
-        "time/reward": times["reward"], "calibration/tokens": calibration["calibration_tokens"],
+        "time/sync": times["sync"], "time/calibrate": times["calibrate"] if calibration is not None else 0.0,
+        "time/generate": times["generate"], "time/reward": times["reward"],
+        "calibration/tokens": calibration["calibration_tokens"] if calibration is not None else 0.0,
         "time/logprobs": times["logprobs"], "time/train": times["train"],
         "rollout_restarts": restarts,
         **{f"sync/{k}": v for k, v in sync.items()}, "rollout/gpu_bytes_released": float(freed_bytes),

@@ -213,7 +213,9 @@ class TrainerWorker:
 
 
 class RolloutWorker:
-    """A rollout engine that generates responses with the weights it was last sent."""
+    """A rollout engine that generates responses with the weights it was last sent. In quads it keeps
+    the RAC channel sets of its last calibration (:attr:`channels`) and serves them on every weight
+    sync until the next calibration, their ``W_S`` re-blocked from each sync's weights."""
 
     def __init__(self, cfg: RunConfig) -> None:
         from megatron_quads.trainer.hf_export import qwen3_moe_config
@@ -239,6 +241,7 @@ class RolloutWorker:
             )
         self.asleep = False
         self.sync_groups: list = []  # collective transport: one WeightSyncGroup per sender, in sender order
+        self.channels: dict[str, torch.Tensor] | None = None  # wire form (rollout.wire.channel_stacks); None: none chosen
 
     def join_sync_groups(self, endpoints: list[tuple[str, int]], rank: int, world: int, generation: int) -> None:
         """Join every sender's weight-broadcast group (``endpoints[k]``: sender k's store) as receiver
@@ -259,7 +262,7 @@ class RolloutWorker:
         import ray
 
         from megatron_quads.controller.weight_sync import from_buckets
-        from megatron_quads.rollout.wire import decode_wire
+        from megatron_quads.rollout.wire import decode_wire, with_channels
 
         start = time.perf_counter()
         self.wake_up()
@@ -270,6 +273,8 @@ class RolloutWorker:
         if sent_version != version:
             raise ValueError(f"weight buckets have version {sent_version}, the controller expected {version}")
         receive_s = _elapsed(start)
+        if quantized and self.channels is not None:  # the trainer sends no channels: serve the kept ones
+            tensors = with_channels(tensors, self.channels)
         weights = decode_wire(tensors, quantized, sent_version, self.engine.precision if quantized else None)
         del tensors, received
         self.engine.load_weights(weights, version)
@@ -277,13 +282,26 @@ class RolloutWorker:
         return self.engine.weight_version, {"wake_s": wake_s, "receive_s": receive_s, "load_s": _elapsed(start) - receive_s}
 
     def calibrate(self, prompts: list[list[int]]) -> dict[str, float]:
-        """Re-choose the RAC channels on ``prompts`` (quads; a no-op otherwise): seconds and prompt tokens."""
+        """Re-choose the RAC channels on ``prompts`` and keep them for the syncs to come (quads; a no-op
+        otherwise): seconds and prompt tokens."""
+        from megatron_quads.rollout.wire import channel_stacks
+
         if not self.engine.precision.uses_rac:
             return {"calibrate_s": 0.0, "calibration_tokens": 0.0}
         self.wake_up()
         start = time.perf_counter()
         self.engine.calibrate(prompts)
+        self.channels = channel_stacks(self.engine.residual_channels())
         return {"calibrate_s": _elapsed(start), "calibration_tokens": float(sum(len(p) for p in prompts))}
+
+    def residual_channels(self) -> dict[str, torch.Tensor] | None:
+        """The RAC channel sets this engine keeps across weight syncs (None before its first calibration)."""
+        return self.channels
+
+    def keep_channels(self, channels: dict[str, torch.Tensor] | None) -> None:
+        """Serve ``channels`` (another engine's :meth:`residual_channels`) from the next weight sync on:
+        a restarted engine takes the channels the others serve."""
+        self.channels = channels
 
     def generate(self, prompts: list[list[int]], params) -> list:
         """Generations for ``prompts`` (see TorchRolloutEngine.generate)."""

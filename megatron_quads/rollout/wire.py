@@ -15,7 +15,9 @@ A sender's payload is one ``{name: tensor}`` dict:
 of every sender's payloads into what engines load (BF16 tensors by HF name, or a
 :class:`~megatron_quads.rollout.model_weights.QuantizedModelWeights` whose expert linears are views
 of the stacks, which it keeps as ``expert_stacks`` for engines that hold experts stacked). Neither
-reads a value on the host per tensor: each checks its values once per payload.
+reads a value on the host per tensor: each checks its values once per payload. The trainer's export
+sends no channels (``[n, 0]``); an engine that keeps the channel sets of its last RAC calibration
+puts them on each payload it receives (:func:`with_channels`) before decoding it.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ _LINEARS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",
 WIRE_FIELDS = ("weight", "weight_scale", "weight_scale_2", "residual_channels")
 """The fields of an NVFP4 expert stack on the wire (``W_S`` is rebuilt by the receiver)."""
 _STACK_NAME = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)-(\d+)\.(gate_up_proj|down_proj)\.(\w+)$")
+_EXPERT_LINEAR = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)$")
 
 
 def stack_module(layer: int, first: int, count: int, projection: str) -> str:
@@ -102,6 +105,49 @@ def encode_wire(
         store(quantizer.add(tensor.detach(), None, what=module, key=(module, tensor.device, channels)))
     store(quantizer.finish())
     checks.raise_if_failed()
+    return out
+
+
+def channel_stacks(sets: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert channel sets by checkpoint module (``model.layers.<L>.mlp.experts.<e>.<linear>``, as
+    the engines report them) as the wire's per-layer form: :func:`channels_key` -> int32 ``[experts,
+    |S|]`` (gate_up_proj: the set gate_proj and up_proj share). Sets that do not cover experts
+    0..E-1 of a layer, or a gate and up set that differ, raise ValueError."""
+    by_key: dict[str, dict[int, torch.Tensor]] = {}
+    for module, channels in sets.items():
+        match = _EXPERT_LINEAR.match(module)
+        if match is None:
+            raise ValueError(f"'{module}' is not a routed expert's linear (model.layers.<L>.mlp.experts.<e>.<linear>)")
+        layer, expert, linear = int(match.group(1)), int(match.group(2)), match.group(3)
+        per_expert = by_key.setdefault(channels_key(layer, "down_proj" if linear == "down_proj" else "gate_up_proj"), {})
+        if expert in per_expert and not torch.equal(per_expert[expert], channels):
+            raise ValueError(f"'{module}': gate_proj and up_proj read the same input, so they need the same channels")
+        per_expert[expert] = channels
+    out = {}
+    for key, per_expert in by_key.items():
+        missing = sorted(set(range(max(per_expert) + 1)) - set(per_expert))
+        if missing:
+            raise ValueError(f"the channel sets of '{key}' lack experts {missing[:8]}: every expert 0..E-1 needs one")
+        out[key] = torch.stack([per_expert[e].to(torch.int32) for e in range(len(per_expert))])
+    return out
+
+
+def with_channels(tensors: Mapping[str, torch.Tensor], channels: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A received payload whose NVFP4 stacks carry ``channels`` (:func:`channel_stacks` form) instead
+    of the channels they were sent with: :func:`decode_wire` then re-blocks ``W_S`` from the payload's
+    ``q(W)`` on them. A stack whose projection ``channels`` lacks or does not cover raises ValueError."""
+    out = dict(tensors)
+    for name, tensor in tensors.items():
+        match = _STACK_NAME.match(name)
+        if match is None or match.group(5) != "residual_channels":
+            continue
+        layer, first, last, projection, _ = match.groups()
+        kept = channels.get(channels_key(int(layer), projection))
+        if kept is None or kept.shape[0] <= int(last):
+            held = "none" if kept is None else f"{kept.shape[0]} experts"
+            raise ValueError(f"'{name}': the kept channel sets hold {held} for this layer's projection; the stack "
+                             f"holds experts {first}..{last}")
+        out[name] = kept[int(first) : int(last) + 1].to(device=tensor.device, dtype=torch.int32)
     return out
 
 

@@ -265,6 +265,18 @@ class VllmRolloutEngine:
         self.llm.reset_prefix_cache()
         return tokens
 
+    def residual_channels(self) -> dict[str, torch.Tensor]:
+        """The RAC channel set (CPU int32) of every routed expert linear, by checkpoint module name
+        (every vLLM worker's experts under expert parallelism)."""
+        if not self.precision.uses_rac:
+            raise ValueError(f"RAC channels are held in the quads precision; this engine serves {self.precision}")
+        if self.llm is None:
+            raise RuntimeError("no weights loaded: call load_weights first")
+        sets: dict[str, torch.Tensor] = {}
+        for part in self.llm.collective_rpc("quads_residual_channels", args=(not self.in_process,)):
+            sets.update({name: torch.as_tensor(channels, dtype=torch.int32) for name, channels in part.items()})
+        return sets
+
     def _abandon_calibration(self) -> None:
         """After a failed calibration prefill: every layer stops recording and keeps its channels. A
         failure here is only logged, so the prefill's own error is the one the caller sees."""

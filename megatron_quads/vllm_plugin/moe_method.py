@@ -240,13 +240,13 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
         layer.quads_calibration = {p: [ChannelStats(layer.quads_sizes[p][1]) for _ in range(experts)] for p in ("w13", "w2")}
 
     def residual_channel_sets(self, layer: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """Every local expert's RAC channel set (CPU int32) by checkpoint module name (gate_proj and
-        up_proj: w13's set; down_proj: w2's)."""
+        """Every local expert's RAC channel set (CPU int32) by checkpoint module name, under its global
+        expert id (gate_proj and up_proj: w13's set; down_proj: w2's)."""
         sets = {}
         for projection, shards in (("w13", ("w1", "w3")), ("w2", ("w2",))):
             for e, channels in enumerate(_channels(layer, projection).cpu()):
                 for shard in shards:
-                    sets[_checkpoint_name(layer, e, shard, "")[:-1]] = channels.clone()
+                    sets[_checkpoint_name(layer, _global_expert(layer, e), shard, "")[:-1]] = channels.clone()
         return sets
 
     def routed_token_counts(self, layer: torch.nn.Module) -> list[int]:

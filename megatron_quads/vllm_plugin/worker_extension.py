@@ -111,14 +111,14 @@ class QuadsWorkerExtension:
                 counts[name] = counts.get(name, 0) + 1
         return counts
 
-    def quads_residual_channels(self) -> dict[str, torch.Tensor]:
-        """Every routed expert's RAC channel set (CPU int32) by checkpoint module name (in-process
-        engines: tensors)."""
+    def quads_residual_channels(self, as_lists: bool = False) -> dict[str, torch.Tensor | list[int]]:
+        """This worker's routed experts' RAC channel sets (CPU int32) by checkpoint module name;
+        ``as_lists``: as lists of ints (workers in another process: RPC carries no tensors there)."""
         sets: dict[str, torch.Tensor] = {}
         for _, module in self._quads_layers():
             if hasattr(module.quant_method, "residual_channel_sets"):
                 sets.update(module.quant_method.residual_channel_sets(module))
-        return sets
+        return {name: channels.tolist() for name, channels in sets.items()} if as_lists else sets
 
     def quads_routed_token_counts(self) -> list[list[int]]:
         """Per MoE layer of a calibration in progress, the routed tokens each local expert has seen
