@@ -127,9 +127,15 @@ def test_ppo_epochs_and_mini_batches_make_the_ratio_clip(tmp_path: Path) -> None
 
 
 def test_evaluation_before_every_other_step_and_after_the_last(tmp_path: Path) -> None:
+    """Also: with precision.calibrate_every=2 the RAC channels are re-chosen at steps 0 and 2 only; the
+    step between records no calibration time or tokens, and the final evaluation serves the kept channels."""
     from megatron_quads import embedded
 
-    _run(tmp_path, "grpo.steps=3", "checkpoint.every=0", "eval.every=2", "eval.prompts=32", "rollout.max_new_tokens=8")
+    records = _run(tmp_path, "grpo.steps=3", "checkpoint.every=0", "eval.every=2", "eval.prompts=32",
+                   "rollout.max_new_tokens=8", "precision.mode=quads", "precision.calibrate_every=2")
+    calibrated = [r["step"] for r in records if r["calibration/tokens"] > 0]
+    assert calibrated == [0, 2] and all(records[s]["time/calibrate"] > 0 for s in calibrated)
+    assert records[1]["time/calibrate"] == 0.0
     evals = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [0, 2, 3]
     # greedy on held-out problems: the warm-started model's accuracy, not a random init's
@@ -177,21 +183,13 @@ def test_kl_penalty_to_the_starting_policy_under_router_replay(tmp_path: Path) -
         assert r["calibration/tokens"] == distinct and r["time/calibrate"] > 0
 
 
-def test_rac_channels_are_re_chosen_every_calibrate_every_steps(tmp_path: Path) -> None:
-    """precision.calibrate_every=3: 7 steps calibrate at steps 0, 3 and 6; the steps between record no
-    calibration time or tokens, and the final evaluation (step 7) serves the kept channels. A run
-    resumed at step 5 calibrates at its first step, then at 6."""
-    overrides = ("precision.mode=quads", "precision.calibrate_every=3", "eval.every=4", "eval.prompts=8")
-    records = _run(tmp_path / "full", "grpo.steps=7", "checkpoint.every=0", *overrides)
-    assert [r["step"] for r in records] == list(range(7))
-    calibrated = [r["step"] for r in records if r["calibration/tokens"] > 0]
-    assert calibrated == [0, 3, 6] and all(records[s]["time/calibrate"] > 0 for s in calibrated)
-    assert all(r["time/calibrate"] == 0.0 for r in records if r["step"] not in calibrated)
-    evals = [json.loads(line) for line in (tmp_path / "full" / "eval.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in evals] == [0, 4, 7]
-    _run(tmp_path / "resumed", "grpo.steps=5", "checkpoint.every=5", *overrides)
-    resumed = _run(tmp_path / "resumed", "grpo.steps=7", "checkpoint.every=5", *overrides)
-    assert [r["step"] for r in resumed if r["calibration/tokens"] > 0] == [0, 3, 5, 6]
+def test_a_resumed_run_re_chooses_the_rac_channels_at_its_first_step(tmp_path: Path) -> None:
+    """Its engines start without channels: with precision.calibrate_every=3, a run stopped after step 0
+    and resumed calibrates at step 1 as well as at step 0."""
+    overrides = ("precision.mode=quads", "precision.calibrate_every=3", "checkpoint.every=1")
+    _run(tmp_path, "grpo.steps=1", *overrides)
+    resumed = _run(tmp_path, "grpo.steps=2", *overrides)
+    assert [r["step"] for r in resumed if r["calibration/tokens"] > 0] == [0, 1]
 
 
 def test_a_restarted_engine_serves_the_channels_the_others_keep(tmp_path: Path) -> None:
