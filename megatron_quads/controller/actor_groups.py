@@ -295,7 +295,8 @@ class Rollouts:
 
         def calibrate_all() -> list[dict[str, float]]:
             done = ray.get([w.calibrate.remote(prompts) for w in self.workers], timeout=timeout)
-            self.channels = ray.get(self.workers[0].residual_channels.remote(), timeout=timeout)
+            if self.cfg.run_precision().uses_rac:  # other precisions keep no channels
+                self.channels = ray.get(self.workers[0].residual_channels.remote(), timeout=timeout)
             return done
 
         done = self._retrying("RAC calibration", calibrate_all)
