@@ -44,7 +44,7 @@ def megatron_layer_of(name: str) -> str:
 
 
 def _megatron_forward(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
     return model(tokens, positions, None)
 
 
@@ -126,11 +126,12 @@ def load_megatron_tiny(checkpoint: str | None, seed: int) -> Target:
 
 
 def build_tiny_model(checkpoint: str | None, seed: int) -> torch.nn.Module:
-    """A Megatron GPT-MoE in fp32 on one CPU rank: the architecture a dist checkpoint's
+    """A Megatron GPT-MoE in fp32 on one rank: the architecture a dist checkpoint's
     ``model_config.json`` records, loaded from it; without a checkpoint (or that file) the tiny
     default architecture, random or loaded. Its experts are always SequentialMLP linears, one module
     per expert for the analysis to hook: Megatron's dist checkpoints of GroupedMLP experts load into
-    them weight for weight."""
+    them weight for weight. On the current CUDA device where there is one (Megatron's rotary
+    embedding computes there whenever CUDA is available), else on the CPU."""
     from megatron_quads.trainer.checkpoint_audit import audit_dist_checkpoint, load_dist_checkpoint
     from megatron_quads.trainer.distributed import init_trainer_distributed
     from megatron_quads.trainer.model import (
@@ -153,6 +154,8 @@ def build_tiny_model(checkpoint: str | None, seed: int) -> torch.nn.Module:
     if checkpoint:
         state = load_dist_checkpoint({"model": model.sharded_state_dict()}, checkpoint)
         model.load_state_dict(state["model"])
+    if torch.cuda.is_available():
+        model.cuda()
     return model.eval()
 
 
@@ -237,6 +240,8 @@ def run(
                          f"vocabulary is {target.vocab_size}: use tokens 'random'")
     else:
         calib, tokens = rows
+    device = next(target.model.parameters()).device
+    calib, tokens = calib.to(device), tokens.to(device)
     analysis = QuantAnalysis(target.model, target.modules, target.forward)
     report: dict = {"model": target.description, "tokens": tokens.numel(), "token_source": token_source,
                     "ratios": list(ratios), "pairs": {}}

@@ -258,3 +258,22 @@ def test_run_task_tokens_are_the_run_configs_held_out_problems(tmp_path, capsys:
 
     assert main(["analyze", "--tokens", "run-task", "--out", str(out), "--sequences", "2", "--seq-len", "8"]) == 2
     assert "give --run-config RUN_DIR/config.yaml" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_analysis_of_a_checkpoint_runs_on_the_gpu(tmp_path) -> None:
+    """Where CUDA is available the analysis model and its token rows are on the GPU (Megatron's rotary
+    embedding computes there), and the decomposition holds: zero weight error for the AQAT trainer,
+    RAC at ratio 1 below W4A4 in k3 KL."""
+    from megatron_quads import embedded
+    from megatron_quads.cli import main
+
+    config = tmp_path / "config.yaml"
+    config.write_text("task:\n  kind: chain\n  options: {min_steps: 2, max_steps: 3}\n")
+    assert next(build_tiny_model(str(embedded.ASSET_DIR / "checkpoint"), seed=0).parameters()).is_cuda
+    assert main(["analyze", "--checkpoint", str(embedded.ASSET_DIR / "checkpoint"), "--tokens", "run-task",
+                 "--run-config", str(config), "--out", str(tmp_path / "analysis"), "--ratios", "1.0",
+                 "--sequences", "2", "--seq-len", "24"]) == 0
+    pairs = json.loads((tmp_path / "analysis" / "analysis.json").read_text())["pairs"]
+    assert all(layer["weight_rel"] == 0.0 for layer in pairs["aqat vs w4a4"]["layers"].values())
+    assert pairs["aqat vs quads@1 (output_error)"]["gap"]["k3_kl"] < pairs["aqat vs w4a4"]["gap"]["k3_kl"]
