@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -147,7 +148,9 @@ def test_evaluation_before_every_other_step_and_after_the_last(tmp_path: Path) -
 def test_prompts_too_long_for_the_model_are_skipped_and_counted(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A data file with prompts past the embedded model's 64 positions, on vLLM in quads mode (which
     refuses such a prompt in the RAC calibration): each one that leaves fewer than max_new_tokens (5)
-    positions is skipped, in training and in evaluation, and counted; the one that leaves exactly 5 runs."""
+    positions is skipped, in training and in evaluation, and counted; the one that leaves exactly 5 runs.
+    Also: ``profile.steps=[1]`` writes step 1's trace and table for the driver, the trainer rank and the
+    engine (whose table splits the step into its marked phases), and nothing for step 0."""
     pytest.importorskip("vllm")
     questions = ["1+2=", "3+4=", "5-1=", "1+" * 28 + "1=",  # 58 characters + <bos>: 59 tokens, 5 left
                  "1+" * 29 + "=",                          # 60 tokens: 4 left, skipped
@@ -158,8 +161,19 @@ def test_prompts_too_long_for_the_model_are_skipped_and_counted(tmp_path: Path, 
     options = [f"task.{o}.{k}='{v}'" for o in ("options", "eval_options") for k, v in task.items()]
     with caplog.at_level("WARNING", logger="megatron_quads.controller"):
         records = _run(tmp_path / "run", "task.kind=qa", *options, "rollout.engine=vllm", "precision.mode=quads",
-                       "grpo.steps=2", "checkpoint.every=0", "eval.every=2", "eval.prompts=6")
+                       "grpo.steps=2", "checkpoint.every=0", "eval.every=2", "eval.prompts=6", "profile.steps=[1]")
     assert [r["step"] for r in records] == [0, 1]
+    profiled = tmp_path / "run" / "profile"
+    assert [d.name for d in profiled.iterdir()] == ["step_1"]
+    names = ("driver", "trainer_rank0", "rollout_engine0")
+    assert sorted(f.name for f in (profiled / "step_1").iterdir()) == sorted(
+        f"{n}{suffix}" for n in names for suffix in (".trace.json.gz", ".txt"))
+    events = json.loads(gzip.decompress((profiled / "step_1" / "rollout_engine0.trace.json.gz").read_bytes()))["traceEvents"]
+    assert any(e.get("name") == "quads/generate" for e in events)
+    engine_table = (profiled / "step_1" / "rollout_engine0.txt").read_text()
+    assert all(f"quads/{phase}" in engine_table for phase in ("sync_decode", "sync_load", "calibrate_prefill",
+                                                                "calibrate_choose", "generate"))
+    assert "quads/trainer_train_step" in (profiled / "step_1" / "trainer_rank0.txt").read_text()
     # two steps take 8 of the 4 fitting prompts: the whole first pass, both long prompts of it included
     assert 2 <= sum(r["prompts/skipped_too_long"] for r in records) <= 4
     evals = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
@@ -456,6 +470,8 @@ def test_a_vllm_rollout_worker_killed_inside_its_weight_load_is_restarted_and_re
         (["precision.calibrate_every=1.5"], r"precision\.calibrate_every: 1\.5 is not a step count"),
         (["precision.calibrate_every=true"], r"precision\.calibrate_every: a boolean"),
         (["grpo.optim.lr=yes"], r"grpo\.optim\.lr: a boolean"),
+        (["profile.steps=[2,2]"], r"profile\.steps: \[2, 2\] is not a list of distinct GRPO steps"),
+        (["profile.steps=[-1]"], r"profile\.steps: \[-1\] is not a list of distinct GRPO steps"),
         (["=3"], "key=value"),
         (["grpo.steps=[1"], r"'grpo\.steps=\[1': its value is not valid YAML"),
         (["model.embedded_default=false", "model.checkpoint=/no/such/checkpoint"],
@@ -487,12 +503,13 @@ def test_settings_without_effect_are_warned_about(caplog: pytest.LogCaptureFixtu
         cfg = load_config(EXAMPLE, ["precision.mode=aqat", "precision.rac_ratio=0.5", "precision.calibrate_every=2",
                                     "checkpoint.every=30",
                                     "rollout.engine=torch", "rollout.vllm.max_num_seqs=8", "eval.samples=4",
-                                    "grpo.loss.eps_high=0.28", "grpo.loss.correction.c_high=3"])
+                                    "grpo.loss.eps_high=0.28", "grpo.loss.correction.c_high=3", "profile.steps=[1,40]"])
     warned = config_warnings(cfg)
     assert [w.split(" ", 1)[0] for w in warned] == [
-        "precision.rac_ratio=0.5", "precision.calibrate_every=2", "rollout.vllm.max_num_seqs", "grpo.loss.eps_high",
-        "grpo.loss.correction.c_high", "checkpoint.every=30", "eval.samples"]
-    assert "no checkpoint will be written" in warned[5] and all(w in caplog.text for w in warned)
+        "precision.rac_ratio=0.5", "precision.calibrate_every=2", "profile.steps", "rollout.vllm.max_num_seqs",
+        "grpo.loss.eps_high", "grpo.loss.correction.c_high", "checkpoint.every=30", "eval.samples"]
+    assert "no checkpoint will be written" in warned[6] and all(w in caplog.text for w in warned)
+    assert "profile.steps [40] have no effect: the run's steps are 0..19" in warned[2]
     from megatron_quads.controller.saved_config import save_config
 
     save_config(load_config(EXAMPLE, ["precision.mode=bf16"]), tmp_path / "config.yaml")

@@ -272,6 +272,26 @@ class LoggingSection(_Strict):
                             "last only)")
 
 
+class ProfileSection(_Strict):
+    """``torch.profiler`` over chosen GRPO steps in every process of the run (docs/controller.md)."""
+
+    steps: list[int] = Field(default_factory=list, description="GRPO steps to profile: the driver, each trainer rank and "
+                             "each rollout engine write a trace and a table of their costliest operators to "
+                             "RUN_DIR/profile/step_N/ (empty: none)")
+    record_shapes: bool = Field(False, description="also record operator input shapes")
+    with_stack: bool = Field(False, description="also record the Python stack of each operator (larger traces)")
+
+    @field_validator("steps", mode="before")
+    @classmethod
+    def _step_numbers(cls, value: Any) -> Any:
+        """A list of distinct step numbers >= 0."""
+        steps = value if isinstance(value, list | tuple) else [value]
+        if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in steps) or len(set(steps)) != len(steps):
+            raise ValueError(f"{value!r} is not a list of distinct GRPO steps: set profile.steps to step numbers >= 0, "
+                             "e.g. profile.steps=[5] (a step after the first, whose time is mostly start-up)")
+        return sorted(steps)
+
+
 class RewardSection(_Strict):
     """A reward function of the user's own, in place of the task's (as verl's ``custom_reward_function``):
     ``name(prompt, response, row) -> float | {"score": float, other numeric metrics}`` (docs/rewards.md)."""
@@ -340,6 +360,7 @@ class RunConfig(_Strict):
     reward: RewardSection = Field(RewardSection(), description="a reward function of the user's own (docs/rewards.md)")
     monitor: GapMonitorConfig = Field(GapMonitorConfig(), description="the collapse early warning: the trend of the "
                                       "rollout-vs-trainer gap (monitor/gap_trend) and a logged warning when it rises")
+    profile: ProfileSection = Field(ProfileSection(), description="torch.profiler traces of chosen steps in every process")
 
     @model_validator(mode="before")
     @classmethod
@@ -510,6 +531,10 @@ def config_warnings(cfg: RunConfig) -> list[str]:
     if not cfg.run_precision().uses_rac and _changed(cfg.precision, "calibrate_every"):
         out.append(f"precision.calibrate_every={cfg.precision.calibrate_every} has no effect with precision.mode={mode}: "
                    "only quads rollouts calibrate residual channels")
+    outside = [s for s in cfg.profile.steps if s >= cfg.grpo.steps]
+    if outside:
+        out.append(f"profile.steps {outside} have no effect: the run's steps are 0..{cfg.grpo.steps - 1} "
+                   f"(grpo.steps={cfg.grpo.steps})")
     roll = cfg.rollout
     vllm = _changed(roll.vllm, *type(roll.vllm).model_fields)
     if roll.engine != "vllm" and vllm:

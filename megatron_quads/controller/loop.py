@@ -15,6 +15,7 @@ from megatron_quads.controller.config import RunConfig
 from megatron_quads.controller.custom_reward import CustomReward
 from megatron_quads.controller.evaluation import eval_task, evaluate
 from megatron_quads.controller.preemption import StopSignals
+from megatron_quads.controller.profiling import StepProfiler, step_directory
 from megatron_quads.controller.prompts import draw_prompts, prompt_limit
 from megatron_quads.controller.report import RunRecords
 from megatron_quads.controller.rewards import response_rewards
@@ -37,7 +38,8 @@ def train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts, stop: StopSign
     generations logged when due), score under the trainer, update the policy at the step's lr,
     record (the plot redrawn when due), checkpoint when due. A stop signal that comes during the
     update waits for the step's end. With evaluation on, the final weights are evaluated too (their
-    channels refreshed as a step ``grpo.steps`` would)."""
+    channels refreshed as a step ``grpo.steps`` would). A step of ``profile.steps`` is recorded with
+    ``torch.profiler`` in every process (traces and tables in ``RUN_DIR/profile/step_N``)."""
     task, tok = task_and_tokenizer(cfg)
     custom = CustomReward.from_config(cfg.reward.path, cfg.reward.name) if cfg.reward.path else None
     stream = task.stream(seed=cfg.seed)
@@ -48,8 +50,12 @@ def train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts, stop: StopSign
     checkpoints.resumed_at(start, stream)
     n, limit, kl = cfg.grpo.responses_per_prompt, prompt_limit(cfg), cfg.grpo.loss.kl_beta > 0
     release_gpu = cfg.placement.mode == "colocated" and cfg.rollout_on_gpu() and cfg.rollout.release_memory_during_training
+    driver_profiler = StepProfiler()
     with tqdm(range(start, cfg.grpo.steps), initial=start, total=cfg.grpo.steps, desc="GRPO", unit="step") as progress:
         for step in progress:
+            profiled = step in cfg.profile.steps
+            if profiled:
+                start_profiles(cfg, trainers, rollouts, driver_profiler)
             clock = PhaseClock()
             drawn = draw_prompts(stream, tok, cfg.grpo.prompts_per_step, limit,     # too-long prompts skipped
                                  chat=cfg.data.apply_chat_template)
@@ -87,6 +93,8 @@ def train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts, stop: StopSign
                 checkpoints.finished(step + 1, stream)
                 if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0:
                     checkpoints.save()                                               # checkpoint
+            if profiled:
+                stop_profiles(cfg, trainers, rollouts, driver_profiler, step)
             progress.set_postfix(reward=f"{record['reward']:.3f}", gap=f"{record['mismatch/gap_max_abs']:.3f}")
     if held_out is not None and start < cfg.grpo.steps:  # the final weights
         rollouts.sync(trainers, cfg.grpo.steps)
@@ -94,3 +102,17 @@ def train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts, stop: StopSign
             rollouts.calibrate(rollouts.calibration)
         records.log_eval(evaluate(cfg, rollouts, held_out, tok, cfg.grpo.steps))
     return records.close()
+
+
+def start_profiles(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts, driver: StepProfiler) -> None:
+    """Start recording a profiled step in every process: trainer ranks, rollout engines, this driver."""
+    trainers.start_profile(cfg.profile.record_shapes, cfg.profile.with_stack)
+    rollouts.start_profile(cfg.profile.record_shapes, cfg.profile.with_stack)
+    driver.start(cfg.profile.record_shapes, cfg.profile.with_stack)
+
+
+def stop_profiles(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts, driver: StepProfiler, step: int) -> None:
+    """Stop recording step ``step`` everywhere and write each process's trace and table."""
+    directory = step_directory(cfg.run_dir, step)
+    written = driver.stop(directory, "driver") + trainers.stop_profile(directory) + rollouts.stop_profile(directory)
+    logger.info("step %d profiled: %d files in %s", step, len(written), directory)

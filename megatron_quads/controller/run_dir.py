@@ -37,6 +37,7 @@ RESUMABLE_KEYS: tuple[str, ...] = (
     "model.hf_cache_dir",                      # where model.hf_path's conversion is kept, not what it holds
     "grpo.steps",                              # how far the run goes: extend or shorten it
     "logging",                                 # where the metrics also go (wandb mode, project)
+    "profile",                                 # which steps are profiled: recording changes no value
     "eval",                                    # evaluation reads the weights, never changes them or the prompt stream
     "checkpoint.every",                        # saving reads the state, never changes it
     "checkpoint.keep_last",

@@ -11,6 +11,7 @@ import torch
 
 from megatron_quads.controller.config import RunConfig
 from megatron_quads.controller.faults import checkpoint_write_error, is_storage_fault, storage_error
+from megatron_quads.controller.profiling import ProfiledWorker
 from megatron_quads.rollout.engine import logprob_temperature
 
 
@@ -42,7 +43,7 @@ def start_checkpoint(cfg: RunConfig) -> str | None:
     return None
 
 
-class TrainerWorker:
+class TrainerWorker(ProfiledWorker):
     """One rank of the Megatron trainer (a PolicyWorker) in the trainers' process group.
 
     Built in two steps so ranks on several nodes can meet: :meth:`rendezvous_address` on rank 0
@@ -116,7 +117,8 @@ class TrainerWorker:
     def compute_logprobs(self, tokens: torch.Tensor, routed_experts: torch.Tensor | None = None) -> torch.Tensor:
         """Per-token log-probs of this rank's shard under the current weights (replaying
         ``routed_experts`` under router replay)."""
-        return self.worker.compute_logprobs(tokens, logprob_temperature(self.cfg.rollout.temperature), routed_experts)
+        with torch.profiler.record_function("quads/trainer_logprobs"):
+            return self.worker.compute_logprobs(tokens, logprob_temperature(self.cfg.rollout.temperature), routed_experts)
 
     def routing_counts(self) -> tuple[int, int]:
         """(routed (token, layer) pairs, pairs the router's own top-k would have routed elsewhere) of
@@ -134,8 +136,9 @@ class TrainerWorker:
 
     def train_step(self, batch: dict[str, torch.Tensor], step: int) -> dict[str, float]:
         """One optimizer step on this rank's shard with the GRPO policy loss, at GRPO step ``step``'s lr."""
-        return self.worker.train_step(batch, self.loss, temperature=logprob_temperature(self.cfg.rollout.temperature),
-                                      schedule_step=step)
+        with torch.profiler.record_function("quads/trainer_train_step"):
+            return self.worker.train_step(batch, self.loss, temperature=logprob_temperature(self.cfg.rollout.temperature),
+                                          schedule_step=step)
 
     def weight_sender(self) -> tuple[int, int] | None:
         """(this rank's sender index, number of senders) if it sends rollout weights, else None."""
@@ -164,7 +167,8 @@ class TrainerWorker:
         start = time.perf_counter()
         dtype = policy_model_config(self.cfg).torch_dtype
         weight_format = self.cfg.run_precision().weight_format
-        tensors = export_rollout_tensors(self.worker.model, weight_format, dtype)
+        with torch.profiler.record_function("quads/trainer_export"):
+            tensors = export_rollout_tensors(self.worker.model, weight_format, dtype)
         sender = weight_sender()
         if (tensors is None) != (sender is None):
             raise RuntimeError(f"trainer rank {self.rank}: export_rollout_tensors returned "
@@ -212,7 +216,7 @@ class TrainerWorker:
         return self.release_sync_buffers()
 
 
-class RolloutWorker:
+class RolloutWorker(ProfiledWorker):
     """A rollout engine that generates responses with the weights it was last sent. In quads it keeps
     the RAC channel sets of its last calibration (:attr:`channels`) and serves them on every weight
     sync until the next calibration, their ``W_S`` re-blocked from each sync's weights."""
@@ -268,16 +272,19 @@ class RolloutWorker:
         self.wake_up()
         wake_s = _elapsed(start)
         start = time.perf_counter()
-        received = [ray.get(b) if isinstance(b, ray.ObjectRef) else b for b in buckets]
-        tensors, quantized, sent_version = from_buckets(received, device=self.device, groups=self.sync_groups)
+        with torch.profiler.record_function("quads/sync_receive"):
+            received = [ray.get(b) if isinstance(b, ray.ObjectRef) else b for b in buckets]
+            tensors, quantized, sent_version = from_buckets(received, device=self.device, groups=self.sync_groups)
         if sent_version != version:
             raise ValueError(f"weight buckets have version {sent_version}, the controller expected {version}")
         receive_s = _elapsed(start)
         if quantized and self.channels is not None:  # the trainer sends no channels: serve the kept ones
             tensors = with_channels(tensors, self.channels)
-        weights = decode_wire(tensors, quantized, sent_version, self.engine.precision if quantized else None)
+        with torch.profiler.record_function("quads/sync_decode"):
+            weights = decode_wire(tensors, quantized, sent_version, self.engine.precision if quantized else None)
         del tensors, received
-        self.engine.load_weights(weights, version)
+        with torch.profiler.record_function("quads/sync_load"):
+            self.engine.load_weights(weights, version)
         del weights
         return self.engine.weight_version, {"wake_s": wake_s, "receive_s": receive_s, "load_s": _elapsed(start) - receive_s}
 
@@ -290,8 +297,10 @@ class RolloutWorker:
             return {"calibrate_s": 0.0, "calibration_tokens": 0.0}
         self.wake_up()
         start = time.perf_counter()
-        self.engine.calibrate(prompts)
-        self.channels = channel_stacks(self.engine.residual_channels())
+        with torch.profiler.record_function("quads/calibrate"):
+            self.engine.calibrate(prompts)
+        with torch.profiler.record_function("quads/calibrate_keep_channels"):
+            self.channels = channel_stacks(self.engine.residual_channels())
         return {"calibrate_s": _elapsed(start), "calibration_tokens": float(sum(len(p) for p in prompts))}
 
     def residual_channels(self) -> dict[str, torch.Tensor] | None:
@@ -306,7 +315,8 @@ class RolloutWorker:
     def generate(self, prompts: list[list[int]], params) -> list:
         """Generations for ``prompts`` (see TorchRolloutEngine.generate)."""
         self.wake_up()
-        return self.engine.generate(prompts, params)
+        with torch.profiler.record_function("quads/generate"):
+            return self.engine.generate(prompts, params)
 
     def sleep(self) -> int:
         """Move the engine's weights off the GPU and free its cached memory; returns bytes freed

@@ -257,11 +257,13 @@ class VllmRolloutEngine:
         self.llm.reset_prefix_cache()  # every prompt token goes through the experts
         self.llm.collective_rpc("quads_begin_calibration")
         try:
-            self.llm.generate(self._prompts(prompts), VllmSamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+            with torch.profiler.record_function("quads/calibrate_prefill"):
+                self.llm.generate(self._prompts(prompts), VllmSamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
         except BaseException:  # vLLM's own error is the one raised: the layers stop recording, choosing nothing
             self._abandon_calibration()
             raise
-        tokens = self.llm.collective_rpc("quads_finish_calibration", args=(statistic.value,))[0]
+        with torch.profiler.record_function("quads/calibrate_choose"):
+            tokens = self.llm.collective_rpc("quads_finish_calibration", args=(statistic.value,))[0]
         self.llm.reset_prefix_cache()
         return tokens
 
