@@ -7,12 +7,16 @@ phase into its parts."""
 
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from megatron_quads.atomic_io import write_atomic, write_text_atomic
+
+logger = logging.getLogger(__name__)
 
 TABLE_ROWS = 50
 """Rows of the summary table: the operators and regions with the most self time."""
@@ -32,19 +36,34 @@ class StepProfiler:
         return self._profile is not None
 
     def start(self, record_shapes: bool = False, with_stack: bool = False) -> None:
-        """Record from now on: CPU operators, and CUDA kernels where CUDA is available."""
+        """Record from now on: CPU operators, and CUDA kernels where CUDA is available. A profiler that
+        fails to start is logged and the step runs unrecorded: profiling never stops a run."""
         if self._profile is not None:
             raise RuntimeError("a step is already being profiled in this process: stop it first")
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-        self._profile = profile(activities=activities, record_shapes=record_shapes, with_stack=with_stack)
-        self._profile.start()
+        try:
+            self._profile = profile(activities=activities, record_shapes=record_shapes, with_stack=with_stack)
+            self._profile.start()
+        except Exception:
+            logger.warning("torch.profiler did not start in process %d: this step is not recorded", os.getpid(),
+                           exc_info=True)
+            self._profile = None
 
     def stop(self, directory: Path, name: str) -> list[str]:
         """Stop recording and write ``directory/name.trace.json.gz`` and ``directory/name.txt``; returns
-        their paths (none when nothing was being recorded, e.g. an engine restarted during the step)."""
+        their paths (none when nothing was being recorded, e.g. an engine restarted during the step, or
+        when writing failed: logged, the run goes on)."""
         if self._profile is None:
             return []
         recorded, self._profile = self._profile, None
+        try:
+            return self._write(recorded, directory, name)
+        except Exception:
+            logger.warning("the profile of %s could not be written to %s", name, directory, exc_info=True)
+            return []
+
+    @staticmethod
+    def _write(recorded: profile, directory: Path, name: str) -> list[str]:
         recorded.stop()
         directory.mkdir(parents=True, exist_ok=True)
         trace = write_atomic(directory / f"{name}.trace.json.gz", lambda tmp: recorded.export_chrome_trace(str(tmp)))
