@@ -143,16 +143,6 @@ class Trainers:
         """Free every rank's CUDA IPC / broadcast buffers once every engine has them."""
         trainer_get([a.release_sync_buffers.remote() for a in self.actors])
 
-    def start_profile(self, record_shapes: bool, with_stack: bool) -> None:
-        """Every rank records its work with ``torch.profiler`` until :meth:`stop_profile`."""
-        trainer_get([a.start_profile.remote(record_shapes, with_stack) for a in self.actors])
-
-    def stop_profile(self, directory: Path) -> list[str]:
-        """Every rank writes what it recorded as ``directory/trainer_rank<r>.*``; returns the paths."""
-        written = trainer_get([a.stop_profile.remote(str(directory), f"trainer_rank{rank}")
-                               for rank, a in enumerate(self.actors)])
-        return [path for paths in written for path in paths]
-
     def kill(self) -> None:
         """End every rank's actor."""
         for actor in self.actors:
@@ -188,19 +178,6 @@ class Rollouts:
         self.calibration: list[list[int]] = []
         self.channels: dict[str, torch.Tensor] | None = None  # the last calibration's channel sets (wire form)
         self.restarts = 0
-
-    def start_profile(self, record_shapes: bool, with_stack: bool) -> None:
-        """Every engine records its work with ``torch.profiler`` until :meth:`stop_profile` (vLLM's
-        engine core too where it runs in the worker, as it does unless ``rollout.vllm.multiprocess``)."""
-        ray.get([w.start_profile.remote(record_shapes, with_stack) for w in self.workers],
-                timeout=self.cfg.rollout.timeout_s)
-
-    def stop_profile(self, directory: Path) -> list[str]:
-        """Every engine writes what it recorded as ``directory/rollout_engine<i>.*`` (an engine restarted
-        during the step has nothing); returns the paths."""
-        written = ray.get([w.stop_profile.remote(str(directory), f"rollout_engine{index}")
-                           for index, w in enumerate(self.workers)], timeout=self.cfg.rollout.timeout_s)
-        return [path for paths in written for path in paths]
 
     def kill(self) -> None:
         """End every engine's actor."""
@@ -367,6 +344,22 @@ class Rollouts:
         for index, out in enumerate(outputs):
             merged[index::n] = out
         return merged
+
+
+def start_worker_profiles(trainers: Trainers, rollouts: Rollouts, record_shapes: bool, with_stack: bool) -> None:
+    """Every trainer rank and every engine records its work with ``torch.profiler`` until
+    :func:`finish_worker_profiles` (vLLM's engine core too where it runs in the rollout worker, as it does
+    unless ``rollout.vllm.multiprocess``)."""
+    workers = [*trainers.actors, *rollouts.workers]
+    ray.get([w.start_profile.remote(record_shapes, with_stack) for w in workers], timeout=rollouts.cfg.rollout.timeout_s)
+
+
+def finish_worker_profiles(trainers: Trainers, rollouts: Rollouts, directory: Path) -> list:
+    """Every trainer rank and engine stops recording and writes ``directory/trainer_rank<r>.*`` and
+    ``rollout_engine<i>.*``, all at once; returns the calls' refs (each gives its paths; an engine
+    restarted during the step has none)."""
+    return ([a.stop_profile.remote(str(directory), f"trainer_rank{rank}") for rank, a in enumerate(trainers.actors)]
+            + [w.stop_profile.remote(str(directory), f"rollout_engine{i}") for i, w in enumerate(rollouts.workers)])
 
 
 def record_placement(path: Path, trainers: Trainers, rollouts: Rollouts) -> dict[str, list[str]]:

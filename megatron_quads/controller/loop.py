@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from megatron_quads.controller.actor_groups import Rollouts, Trainers
+from megatron_quads.controller.actor_groups import Rollouts, Trainers, finish_worker_profiles, start_worker_profiles
 from megatron_quads.controller.batch import build_batch
 from megatron_quads.controller.checkpoints import Checkpoints, load_policy
 from megatron_quads.controller.config import RunConfig
@@ -106,13 +106,16 @@ def train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts, stop: StopSign
 
 def start_profiles(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts, driver: StepProfiler) -> None:
     """Start recording a profiled step in every process: trainer ranks, rollout engines, this driver."""
-    trainers.start_profile(cfg.profile.record_shapes, cfg.profile.with_stack)
-    rollouts.start_profile(cfg.profile.record_shapes, cfg.profile.with_stack)
+    start_worker_profiles(trainers, rollouts, cfg.profile.record_shapes, cfg.profile.with_stack)
     driver.start(cfg.profile.record_shapes, cfg.profile.with_stack)
 
 
 def stop_profiles(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts, driver: StepProfiler, step: int) -> None:
-    """Stop recording step ``step`` everywhere and write each process's trace and table."""
+    """Stop recording step ``step`` everywhere; every process writes its trace and table at once."""
+    import ray
+
     directory = step_directory(cfg.run_dir, step)
-    written = driver.stop(directory, "driver") + trainers.stop_profile(directory) + rollouts.stop_profile(directory)
+    pending = finish_worker_profiles(trainers, rollouts, directory)
+    written = driver.stop(directory, "driver")
+    written += [path for paths in ray.get(pending, timeout=cfg.rollout.timeout_s) for path in paths]
     logger.info("step %d profiled: %d files in %s", step, len(written), directory)
