@@ -244,6 +244,40 @@ def collapse_step(rewards: Sequence[float]) -> int | None:
     return None
 
 
+def deepest_fall(rewards: Sequence[float]) -> tuple[float, int] | None:
+    """The lowest ratio of the rolling mean reward to the best rolling mean before it, and its step,
+    over the steps :func:`collapse_step` judges (a collapse is a ratio below :data:`COLLAPSE_FRACTION`);
+    None for a run too short to judge."""
+    smooth = rolling_mean(rewards, COLLAPSE_WINDOW)
+    best, deepest = float("-inf"), None
+    for step, value in enumerate(smooth):
+        if step >= COLLAPSE_WINDOW and best > 0 and (deepest is None or value / best < deepest[0]):
+            deepest = (value / best, step)
+        best = max(best, value)
+    return deepest
+
+
+def run_row(name: str, metrics: list[dict], evals: list[dict]) -> str:
+    """One run's line of the per-run table: steps, reward over its first and last :data:`TAIL_STEPS`
+    steps, held-out pass@1 at the first evaluation / the lowest after it / the last, the gap measures
+    averaged over every step, and :func:`deepest_fall`."""
+    rewards = [r["reward"] for r in metrics]
+    first = statistics.fmean(rewards[:TAIL_STEPS])
+    last = statistics.fmean(rewards[-TAIL_STEPS:])
+    if evals:
+        lowest = min(evals[1:] or evals, key=lambda e: e["eval/pass@1"])
+        pass1 = (f"{evals[0]['eval/pass@1']:.3f}, {lowest['eval/pass@1']:.3f} (step {lowest['step']}), "
+                 f"{evals[-1]['eval/pass@1']:.3f} (step {evals[-1]['step']})")
+    else:
+        pass1 = "none recorded"
+    gaps = {key: statistics.fmean(r[key] for r in metrics)
+            for key in ("mismatch/gap_mean_abs", "mismatch/gap_max_abs", "mismatch/k3_kl")}
+    fall = deepest_fall(rewards)
+    fell = f"{fall[0]:.2f} (step {fall[1]})" if fall else ""
+    return (f"| {name} | {len(metrics)} | {first:.3f} | {last:.3f} | {pass1} | {gaps['mismatch/gap_mean_abs']:.5f} | "
+            f"{gaps['mismatch/gap_max_abs']:.2f} | {gaps['mismatch/k3_kl']:.1e} | {fell} |")
+
+
 def first_warning(records: Sequence[dict], config: GapMonitorConfig | None = None) -> int | None:
     """The first step where the early warning (``config``, default: the run config's default) turns
     on, replayed over a run's records (None: never)."""
@@ -320,6 +354,15 @@ def report_markdown(runs: dict[str, dict[str, list[dict]]], stamp: dict[str, str
                      f"{with_spread(tails['reward'], 3)} | {pass1} | {with_spread(tails['mismatch/gap_max_abs'], 3)} | "
                      f"{statistics.fmean(tails['mismatch/gap_mean_abs']):.4f} | "
                      f"{statistics.fmean(tails['mismatch/k3_kl']):.2e} | {collapsed} | {warned} |")
+    lines += ["", "## Each run", "",
+              f"Reward: the mean over the run's first and last {TAIL_STEPS} steps. Held-out pass@1: at the first "
+              "evaluation, the lowest after it, the last. The gap columns: means over every step. Deepest fall: the "
+              f"lowest {COLLAPSE_WINDOW}-step mean reward as a fraction of the best before it (a collapse is below "
+              f"{COLLAPSE_FRACTION}).", "",
+              "| run | steps | reward, first steps | reward, last steps | held-out pass@1: first, lowest, last | "
+              "mean \\|Δlogp\\| | max \\|Δlogp\\| | k3 KL | deepest fall |",
+              "|---|---:|---:|---:|---|---:|---:|---:|---|"]
+    lines += [run_row(name, runs[name]["metrics"], runs[name]["eval"]) for name in sorted(runs)]
     sweep = []
     for mode, ratio in RAC_SWEEP.items():
         names = [n for (m, c), group in _groups(runs).items() if m == mode and c == "none" for n in group]

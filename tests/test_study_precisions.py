@@ -75,6 +75,13 @@ def test_the_report_names_collapses_the_warnings_lead_and_the_rac_sweep(tmp_path
     assert f"step {false_alarm} (false alarm)" in next(line for line in text.splitlines() if line.startswith("| quads-0.5 |"))
     assert "| 0.0 | 0.600 | 1 |" in text and "| 1.0 | 0.400 | 1 |" in text
     assert "falls monotonically with the ratio" in text
+    # each run's line: first and last 50 steps' reward, the final evaluation, the deepest fall (0.05 against
+    # the best 10-step mean before it, 0.6725 at step 99, from step 109 on, when the window holds no higher reward)
+    assert "| naive-nvfp4.seed0.none | 160 | 0.323 | 0.050 | 0.050, 0.050 (step 160), 0.050 (step 160) | 0.09000 | " \
+           "0.90 |" in text
+    assert next(line for line in text.splitlines() if line.startswith("| naive-nvfp4.seed0.none |")).endswith(
+        "| 0.07 (step 109) |")
+    assert next(line for line in text.splitlines() if line.startswith("| aqat.seed0.none |")).endswith("| 1.00 (step 10) |")
 
 
 def test_the_analysis_section_lists_each_layers_errors_and_the_rac_pairs(tmp_path: Path) -> None:
