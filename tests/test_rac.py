@@ -7,7 +7,7 @@ import torch
 
 from megatron_quads.nvfp4 import quantize
 from megatron_quads.nvfp4.reblock import reblock_columns
-from megatron_quads.rollout.calibration import ChannelStats, RacCalibrator, pool_stats
+from megatron_quads.rollout.calibration import ChannelStats, RacCalibrator, pool_stats, select_from_stats, select_stack_channels
 from megatron_quads.rollout.rac import (
     ChannelStatistic,
     num_residual_channels,
@@ -251,3 +251,36 @@ def test_unseen_modules_take_the_channels_of_their_pool() -> None:
     bad.detach()
     with pytest.raises(ValueError, match="mixes modules"):
         bad.select(0.25, ChannelStatistic.RESIDUAL_ENERGY, pools={"a": "p", "b": "p"})
+
+
+@pytest.mark.parametrize("statistic", list(ChannelStatistic))
+def test_a_stacks_channels_chosen_at_once_are_each_experts_own_choice(statistic: ChannelStatistic,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """select_stack_channels (all experts of a projection at once, the vLLM plugin's calibration) picks, row
+    by row, what select_from_stats picks expert by expert with the experts pooled: also for an expert that
+    saw no input, for tied scores (a dead input channel) and when the weight is scored in chunks."""
+    from megatron_quads.nvfp4.stacked import expert_weight, quantize_experts
+    from megatron_quads.rollout import calibration
+
+    torch.manual_seed(0)
+    experts, n, k = 5, 24, 64
+    weights = torch.randn(experts, n, k)
+    stack = quantize_experts(weights, weights.abs().amax(dim=(1, 2)))
+    stats = [ChannelStats(k) for _ in range(experts)]
+    for e, s in enumerate(stats):
+        if e == 2:
+            continue  # nothing routed to expert 2
+        x = torch.randn(3 + 4 * e, k)
+        x[:, 5] = 0.0  # a dead channel: equal scores
+        x[:, 7 * e % k] *= 30
+        s.update(x)
+    names = {f"{e}": s for e, s in enumerate(stats)}
+    one_by_one = select_from_stats(names, 0.25, statistic, {f"{e}": expert_weight(stack, e) for e in range(experts)},
+                                   dict.fromkeys(names, "w13"))
+    monkeypatch.setattr(calibration, "STACK_SCORE_BYTES", 2 * 8 * n * k)  # two experts a chunk
+    at_once = select_stack_channels(stats, stack, 0.25, statistic)
+    assert at_once.shape == (experts, 16) and at_once.dtype == torch.int32
+    for e in range(experts):
+        assert torch.equal(at_once[e], one_by_one[f"{e}"]), e
+    assert select_stack_channels([ChannelStats(k) for _ in range(experts)], stack, 0.25, statistic) is None
+

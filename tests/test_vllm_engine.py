@@ -129,8 +129,10 @@ def test_calibration_in_vllm_chooses_the_builtin_engines_channels(model: dict) -
         assert engine.calibrate(model["calibration"]) == 4 * 2 * sum(len(p) for p in model["calibration"])
         reference.calibrate(model["calibration"])
         served, expected = engine.generate(model["prompts"], GREEDY), reference.generate(model["prompts"], GREEDY)
+        chosen, builtin = engine.residual_channels(), reference.residual_channels()
     finally:
         engine.close()
+    assert chosen.keys() == builtin.keys() and all(torch.equal(chosen[n], builtin[n]) for n in chosen)
     assert [g.token_ids for g in served] == [g.token_ids for g in expected]
     assert max_logprob_gap(served, expected) < LOGPROB_TOL
     assert max_logprob_gap(served, w4a4) > 1e-3  # the channels changed the product

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from megatron_quads.nvfp4 import NVFP4Tensor, quantize
-from megatron_quads.rollout.rac import DEFAULT_RATIO, ChannelStatistic, select_channels
+from megatron_quads.rollout.rac import DEFAULT_RATIO, ChannelStatistic, num_residual_channels, select_channels
 from megatron_quads.rollout.w4a4 import ActivationScale, activation_amax
 
 
@@ -134,6 +134,51 @@ def select_from_stats(
         weight = None if weights is None else weights.get(name)
         chosen[name] = select_channels(module_stats.scores(statistic, weight), ratio)
     return chosen
+
+
+STACK_SCORE_BYTES = 256 * 2**20
+"""The float64 working set of :func:`select_stack_channels`' output-error scores: experts are scored in
+chunks of about this many bytes of ``[experts, N, K]``."""
+
+
+def select_stack_channels(stats: Sequence[ChannelStats], weight: NVFP4Tensor, ratio: float = DEFAULT_RATIO,
+                          statistic: ChannelStatistic = ChannelStatistic.OUTPUT_ERROR) -> torch.Tensor | None:
+    """The residual channels ``[experts, |S|]`` (int32, CPU) of one projection's experts from their
+    statistics and stacked weight ``[experts, N, K]``, all experts at once: each row is what
+    :func:`select_from_stats` chooses for that expert with the experts pooled (an expert that saw no
+    input takes the pooled statistics of those that did). None when no expert saw input."""
+    if len(stats) != weight.shape[0]:
+        raise ValueError(f"{len(stats)} experts' statistics for a stack of {weight.shape[0]} experts")
+    pooled = pool_stats(stats)
+    if pooled.tokens == 0:
+        return None
+    chosen = [s if s.tokens else pooled for s in stats]
+    if statistic == ChannelStatistic.RESIDUAL_ENERGY:
+        scores = torch.stack([s.residual_sq for s in chosen])
+    elif statistic == ChannelStatistic.ACTIVATION_MAGNITUDE:
+        scores = torch.stack([s.abs_activation for s in chosen])
+    else:
+        scores = torch.stack([s.residual_sq for s in chosen]) * _column_energy(weight)
+    count = num_residual_channels(scores.shape[-1], ratio)
+    # stable descending order per expert: equal scores keep index order, as select_channels does
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :count]
+    return torch.sort(order, dim=-1).values.to(torch.int32)
+
+
+def _column_energy(weight: NVFP4Tensor) -> torch.Tensor:
+    """``sum_n q(W)[e, n, k]^2`` per expert and input channel, float64 on the CPU ``[experts, K]``."""
+    experts, rows, columns = weight.shape
+    decode = weight.weight_scale_2.reshape(-1).expand(experts) if weight.weight_scale_2.numel() == 1 else \
+        weight.weight_scale_2.reshape(experts)
+    chunk = max(1, STACK_SCORE_BYTES // (8 * rows * columns))
+    parts = []
+    for start in range(0, experts, chunk):
+        stop = min(start + chunk, experts)
+        part = NVFP4Tensor(codes=weight.codes[start:stop], scales=weight.scales[start:stop],
+                           weight_scale_2=decode[start:stop].reshape(-1, 1),  # one decode scale per expert
+                           shape=torch.Size((stop - start, rows, columns)), dtype=weight.dtype)
+        parts.append(part.dequantize(torch.float32).double().square().sum(-2).cpu())
+    return torch.cat(parts)
 
 
 def pool_stats(stats: Sequence[ChannelStats]) -> ChannelStats:

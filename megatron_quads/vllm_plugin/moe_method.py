@@ -42,10 +42,10 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from megatron_quads.nvfp4 import BLOCK_SIZE, NVFP4Tensor
 from megatron_quads.nvfp4.backend import use_kernels
-from megatron_quads.nvfp4.reblock import reblock_columns
+from megatron_quads.nvfp4.reblock import reblock_columns_deferred
 from megatron_quads.nvfp4.stacked import expert_weight
 from megatron_quads.precision import Precision
-from megatron_quads.rollout.calibration import ChannelStats, select_from_stats
+from megatron_quads.rollout.calibration import ChannelStats, select_stack_channels
 from megatron_quads.rollout.grouped import combine_routed_rows, route_by_expert
 from megatron_quads.rollout.grouped_experts import GroupedExperts, GroupedProjection
 from megatron_quads.rollout.precision import LinearState, linear_output
@@ -263,13 +263,16 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
         if stats is None:
             raise RuntimeError(f"{layer.layer_name}: finish_calibration without begin_calibration")
         for projection, per_expert in stats.items():
-            names = {f"{e}": s for e, s in enumerate(per_expert)}
-            weights = {f"{e}": expert_weight(self._stack(layer, projection), e) for e in range(len(per_expert))}
-            chosen = select_from_stats(names, self.precision.ratio, statistic, weights, dict.fromkeys(names, projection))
-            if len(chosen) != len(per_expert):
+            stack = self._stack(layer, projection)
+            channels = select_stack_channels(per_expert, stack, self.precision.ratio, statistic)
+            if channels is None:
                 raise RuntimeError(f"{layer.layer_name}: calibration saw no token for this layer: calibrate on more prompts")
-            for e, channels in chosen.items():
-                _write_tail(layer, projection, int(e), channels, reblock_columns(weights[e], channels))
+            channels = channels.to(stack.codes.device)  # valid sets by construction: no per-row host check
+            residual, no_amax = reblock_columns_deferred(stack, channels)
+            if bool(no_amax.any()):
+                raise ValueError(f"{layer.layer_name}: a {projection} weight_scale_2 is not amax / 2688 for any fp32 "
+                                 "amax (a damaged scale): load the weights again")
+            _write_tails(layer, projection, channels, residual)
         self.process_weights_after_loading(layer)
         return sum(s.tokens for s in stats["w13"])
 
@@ -391,12 +394,13 @@ def _zero_weights(layer: torch.nn.Module, quads: bool) -> None:
         _placeholder_channels(layer)
 
 
-def _write_tail(layer: torch.nn.Module, projection: str, expert: int, channels: torch.Tensor, residual: NVFP4Tensor) -> None:
-    """Expert ``expert``'s residual channels and ``W_S`` into the parameters, in place."""
-    target = getattr(layer, f"{projection}_residual_channels").data[expert]
-    target.copy_(channels.to(torch.int32).expand_as(target))
-    getattr(layer, f"{projection}_residual_weight").data[expert].copy_(residual.codes)
-    getattr(layer, f"{projection}_residual_weight_scale").data[expert].copy_(residual.scales)
+def _write_tails(layer: torch.nn.Module, projection: str, channels: torch.Tensor, residual: NVFP4Tensor) -> None:
+    """Every expert's residual channels ``[E, |S|]`` and ``W_S`` ``[E, N, |S|]`` into the parameters, in place."""
+    target = getattr(layer, f"{projection}_residual_channels").data
+    per_expert = channels.to(torch.int32).reshape(channels.shape[0], *[1] * (target.ndim - 2), channels.shape[1])
+    target.copy_(per_expert.expand_as(target))
+    getattr(layer, f"{projection}_residual_weight").data.copy_(residual.codes)
+    getattr(layer, f"{projection}_residual_weight_scale").data.copy_(residual.scales)
 
 
 def _fp4_experts_forward(experts: dict[str, list[AugmentedWeight]], x: torch.Tensor, ids: torch.Tensor,
