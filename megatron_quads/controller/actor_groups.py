@@ -351,7 +351,10 @@ def start_worker_profiles(trainers: Trainers, rollouts: Rollouts, record_shapes:
     :func:`finish_worker_profiles` (vLLM's engine core too where it runs in the rollout worker, as it does
     unless ``rollout.vllm.multiprocess``)."""
     workers = [*trainers.actors, *rollouts.workers]
-    ray.get([w.start_profile.remote(record_shapes, with_stack) for w in workers], timeout=rollouts.cfg.rollout.timeout_s)
+    try:
+        ray.get([w.start_profile.remote(record_shapes, with_stack) for w in workers], timeout=rollouts.cfg.rollout.timeout_s)
+    except (ray.exceptions.RayError, TimeoutError) as err:  # a lost engine is the next phase's to handle
+        logger.warning("profiling could not start in every process (%s); the step goes on", type(err).__name__)
 
 
 def finish_worker_profiles(trainers: Trainers, rollouts: Rollouts, directory: Path) -> list:

@@ -117,5 +117,9 @@ def stop_profiles(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts, driver
     directory = step_directory(cfg.run_dir, step)
     pending = finish_worker_profiles(trainers, rollouts, directory)
     written = driver.stop(directory, "driver")
-    written += [path for paths in ray.get(pending, timeout=cfg.rollout.timeout_s) for path in paths]
+    for ref in pending:
+        try:
+            written += ray.get(ref, timeout=cfg.rollout.timeout_s)
+        except (ray.exceptions.RayError, TimeoutError) as err:  # a lost engine is the next step's to handle
+            logger.warning("a process's profile of step %d was not written (%s)", step, type(err).__name__)
     logger.info("step %d profiled: %d files in %s", step, len(written), directory)
