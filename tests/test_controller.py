@@ -431,11 +431,11 @@ def test_a_vllm_rollout_worker_killed_inside_its_weight_load_is_restarted_and_re
     died = tmp_path / "died_in_load"
 
     class DiesInItsFirstLoad(RolloutWorker):
-        def load_weights(self, buckets: list, version: int) -> tuple[int, dict]:
+        def load_weights(self, buckets: list, version: int, kept_channels: bool = True) -> tuple[int, dict]:
             if not died.exists():
                 died.touch()
                 os._exit(1)
-            return super().load_weights(buckets, version)
+            return super().load_weights(buckets, version, kept_channels)
 
     trainers, rollouts = Trainers(cfg), Rollouts(cfg)
     rollouts.factories[0] = ray.remote(DiesInItsFirstLoad).options(num_cpus=0)

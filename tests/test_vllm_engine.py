@@ -471,9 +471,10 @@ def test_a_sync_without_calibration_serves_the_last_calibrations_channels(model:
                       [f"run_dir={tmp_path}", f"rollout.engine={engine}", "precision.mode=quads",
                        f"precision.rac_ratio={RATIO}", "logging.wandb=disabled"])
 
-    def synced(worker: RolloutWorker, weights: dict[str, torch.Tensor], version: int) -> dict[str, torch.Tensor]:
+    def synced(worker: RolloutWorker, weights: dict[str, torch.Tensor], version: int,
+               kept_channels: bool = True) -> dict[str, torch.Tensor]:
         """Sync ``weights`` as the trainer does; returns the channel sets the engine then serves."""
-        worker.load_weights(to_buckets(_wire_payload(weights), version, quantized=True), version)
+        worker.load_weights(to_buckets(_wire_payload(weights), version, quantized=True), version, kept_channels)
         return worker.engine.residual_channels()
 
     worker = RolloutWorker(cfg)
@@ -483,6 +484,8 @@ def test_a_sync_without_calibration_serves_the_last_calibrations_channels(model:
         chosen = worker.engine.residual_channels()
         kept = synced(worker, model["update"], 2)
         served = worker.engine.generate(model["prompts"], GREEDY)
+        # a sync before a calibration skips the kept sets (the calibration replaces them)
+        skipped = synced(worker, model["update"], 3, kept_channels=False)
     finally:
         if engine == "vllm":
             worker.engine.close()
@@ -492,8 +495,9 @@ def test_a_sync_without_calibration_serves_the_last_calibrations_channels(model:
     finally:
         if engine == "vllm":
             fresh.engine.close()
-    assert kept.keys() == chosen.keys() == placeholder.keys()
+    assert kept.keys() == chosen.keys() == placeholder.keys() == skipped.keys()
     assert all(torch.equal(kept[n], chosen[n]) for n in chosen)
+    assert all(torch.equal(skipped[n], placeholder[n]) for n in chosen)
     assert sum(not torch.equal(placeholder[n], chosen[n]) for n in chosen) > len(chosen) // 2
     precision = cfg.run_precision()
     reference = TorchRolloutEngine(model["hf_config"], precision=precision, dtype=torch.float32)

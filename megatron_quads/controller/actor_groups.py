@@ -19,6 +19,7 @@ from megatron_quads.controller.batch import data_parallel_shards
 from megatron_quads.controller.config import RunConfig
 from megatron_quads.controller.failures import TRAINER_RANKS, trainer_get
 from megatron_quads.controller.placement import Slot
+from megatron_quads.controller.profiling import StepProfiler
 from megatron_quads.controller.workers import RolloutWorker, TrainerWorker
 from megatron_quads.rollout.engine import SamplingParams
 
@@ -245,9 +246,9 @@ class Rollouts:
         joins += [w.join_sync_groups.remote(endpoints, i + 1, world, generation) for i, w in enumerate(self.workers)]
         ray.get(joins, timeout=timeout)
 
-    def _load(self, trainers: Trainers, engines: list[int], version: int) -> tuple[list, dict]:
-        """Export once and load into the engines of index ``engines``; returns their (version, timing)
-        and the export stats."""
+    def _load(self, trainers: Trainers, engines: list[int], version: int, kept_channels: bool = True) -> tuple[list, dict]:
+        """Export once and load into the engines of index ``engines`` (``kept_channels``: see
+        :meth:`RolloutWorker.load_weights`); returns their (version, timing) and the export stats."""
         transport = self.cfg.weight_transport()
         collective = transport == "collective"
         if collective and self.group_generation == 0:
@@ -255,7 +256,7 @@ class Rollouts:
         export = trainers.export_rollout_weights(version, transport)
         held_by_sender = transport != "object_store"
         try:
-            loads = [self.workers[i].load_weights.remote(export.buckets_for(i), version) for i in engines]
+            loads = [self.workers[i].load_weights.remote(export.buckets_for(i), version, kept_channels) for i in engines]
             if collective:  # each sender broadcasts over its own group while the engines receive, then frees them
                 loads += [a.broadcast_sync_buffers.remote() for a in trainers.senders]
             loaded = ray.get(loads, timeout=self.cfg.rollout.timeout_s)
@@ -267,18 +268,20 @@ class Rollouts:
             trainers.release_sync_buffers()
         return loaded[: len(engines)], export.stats
 
-    def sync(self, trainers: Trainers, version: int) -> dict[str, float]:
+    def sync(self, trainers: Trainers, version: int, calibrating: bool = False) -> dict[str, float]:
         """Export the trainer's weights once (every sending rank its part) and load the union into
         every engine (each checks the bucket set, names, shapes and the version); CUDA IPC / broadcast
-        buffers are freed after. Returns payload bytes and the slowest sender's export seconds plus
-        the slowest engine's wake / receive / load."""
+        buffers are freed after. ``calibrating``: :meth:`calibrate` follows, so the engines skip their
+        kept RAC channels (it replaces them). Returns payload bytes and the slowest sender's export
+        seconds plus the slowest engine's wake / receive / load."""
         synced_before = self.version >= 0
         self.trainers, self.version = trainers, version
         if synced_before and self.cfg.weight_transport() == "collective":  # a dead member would stall every broadcast
             for index in self._failed_engines(hung_too=False):
                 logger.warning("rollout engine %d is dead before the weight sync; restarting it", index)
                 self._restart(index)
-        loaded, stats = self._retrying("the weight sync", lambda: self._load(trainers, list(range(len(self.workers))), version))
+        loaded, stats = self._retrying("the weight sync", lambda: self._load(trainers, list(range(len(self.workers))), version,
+                                                                            kept_channels=not calibrating))
         held = [v for v, _ in loaded]
         if any(v != version for v in held):
             raise RuntimeError(f"rollout engines hold weight versions {held}, expected {version}")
@@ -346,23 +349,32 @@ class Rollouts:
         return merged
 
 
-def start_worker_profiles(trainers: Trainers, rollouts: Rollouts, record_shapes: bool, with_stack: bool) -> None:
-    """Every trainer rank and every engine records its work with ``torch.profiler`` until
-    :func:`finish_worker_profiles` (vLLM's engine core too where it runs in the rollout worker, as it does
-    unless ``rollout.vllm.multiprocess``)."""
+def start_profiles(trainers: Trainers, rollouts: Rollouts, driver: StepProfiler, record_shapes: bool,
+                   with_stack: bool) -> None:
+    """Every trainer rank, every engine and ``driver`` (this process) record their work with
+    ``torch.profiler`` until :func:`write_profiles` (vLLM's engine core too where it runs in the
+    rollout worker, as it does unless ``rollout.vllm.multiprocess``)."""
     workers = [*trainers.actors, *rollouts.workers]
     try:
         ray.get([w.start_profile.remote(record_shapes, with_stack) for w in workers], timeout=rollouts.cfg.rollout.timeout_s)
     except (ray.exceptions.RayError, TimeoutError) as err:  # a lost engine is the next phase's to handle
         logger.warning("profiling could not start in every process (%s); the step goes on", type(err).__name__)
+    driver.start(record_shapes, with_stack)
 
 
-def finish_worker_profiles(trainers: Trainers, rollouts: Rollouts, directory: Path) -> list:
-    """Every trainer rank and engine stops recording and writes ``directory/trainer_rank<r>.*`` and
-    ``rollout_engine<i>.*``, all at once; returns the calls' refs (each gives its paths; an engine
-    restarted during the step has none)."""
-    return ([a.stop_profile.remote(str(directory), f"trainer_rank{rank}") for rank, a in enumerate(trainers.actors)]
-            + [w.stop_profile.remote(str(directory), f"rollout_engine{i}") for i, w in enumerate(rollouts.workers)])
+def write_profiles(trainers: Trainers, rollouts: Rollouts, driver: StepProfiler, directory: Path) -> list[str]:
+    """Every process stops recording and writes its profile at once (``directory/driver.*``,
+    ``trainer_rank<r>.*``, ``rollout_engine<i>.*``); returns the paths written. A process lost meanwhile
+    (an engine restarted during the step) writes none."""
+    pending = ([a.stop_profile.remote(str(directory), f"trainer_rank{rank}") for rank, a in enumerate(trainers.actors)]
+               + [w.stop_profile.remote(str(directory), f"rollout_engine{i}") for i, w in enumerate(rollouts.workers)])
+    written = driver.stop(directory, "driver")
+    for ref in pending:
+        try:
+            written += ray.get(ref, timeout=rollouts.cfg.rollout.timeout_s)
+        except (ray.exceptions.RayError, TimeoutError) as err:  # a lost engine is the next step's to handle
+            logger.warning("a process's profile was not written to %s (%s)", directory, type(err).__name__)
+    return written
 
 
 def record_placement(path: Path, trainers: Trainers, rollouts: Rollouts) -> dict[str, list[str]]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from megatron_quads.controller.actor_groups import Rollouts, Trainers, finish_worker_profiles, start_worker_profiles
+from megatron_quads.controller.actor_groups import Rollouts, Trainers, start_profiles, write_profiles
 from megatron_quads.controller.batch import build_batch
 from megatron_quads.controller.checkpoints import Checkpoints, load_policy
 from megatron_quads.controller.config import RunConfig
@@ -55,17 +55,17 @@ def train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts, stop: StopSign
         for step in progress:
             profiled = step in cfg.profile.steps
             if profiled:
-                start_profiles(cfg, trainers, rollouts, driver_profiler)
+                start_profiles(trainers, rollouts, driver_profiler, cfg.profile.record_shapes, cfg.profile.with_stack)
             clock = PhaseClock()
             drawn = draw_prompts(stream, tok, cfg.grpo.prompts_per_step, limit,     # too-long prompts skipped
                                  chat=cfg.data.apply_chat_template)
             if drawn.skipped:
                 logger.warning("step %d: skipped %d prompt(s) longer than %s", step, drawn.skipped, limit)
             prompt_ids = [ids for ids in drawn.ids for _ in range(n)]
-            sync = rollouts.sync(trainers, step)                                     # weight sync (quantize once)
+            calibrating = cfg.calibrates_at(step, start)
+            sync = rollouts.sync(trainers, step, calibrating)                        # weight sync (quantize once)
             clock.lap("sync")
-            calibration = (rollouts.calibrate(drawn.ids)                             # RAC channel refresh (quads)
-                           if cfg.calibrates_at(step, start) else None)
+            calibration = rollouts.calibrate(drawn.ids) if calibrating else None     # RAC channel refresh (quads)
             clock.lap("calibrate")
             if held_out is not None and step % cfg.eval.every == 0:
                 records.log_eval(evaluate(cfg, rollouts, held_out, tok, step))       # evaluation
@@ -94,32 +94,15 @@ def train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts, stop: StopSign
                 if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0:
                     checkpoints.save()                                               # checkpoint
             if profiled:
-                stop_profiles(cfg, trainers, rollouts, driver_profiler, step)
+                directory = step_directory(cfg.run_dir, step)
+                written = write_profiles(trainers, rollouts, driver_profiler, directory)
+                logger.info("step %d profiled: %d files in %s", step, len(written), directory)
             progress.set_postfix(reward=f"{record['reward']:.3f}", gap=f"{record['mismatch/gap_max_abs']:.3f}")
     if held_out is not None and start < cfg.grpo.steps:  # the final weights
-        rollouts.sync(trainers, cfg.grpo.steps)
-        if cfg.calibrates_at(cfg.grpo.steps, start):
+        calibrating = cfg.calibrates_at(cfg.grpo.steps, start)
+        rollouts.sync(trainers, cfg.grpo.steps, calibrating)
+        if calibrating:
             rollouts.calibrate(rollouts.calibration)
         records.log_eval(evaluate(cfg, rollouts, held_out, tok, cfg.grpo.steps))
     return records.close()
 
-
-def start_profiles(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts, driver: StepProfiler) -> None:
-    """Start recording a profiled step in every process: trainer ranks, rollout engines, this driver."""
-    start_worker_profiles(trainers, rollouts, cfg.profile.record_shapes, cfg.profile.with_stack)
-    driver.start(cfg.profile.record_shapes, cfg.profile.with_stack)
-
-
-def stop_profiles(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts, driver: StepProfiler, step: int) -> None:
-    """Stop recording step ``step`` everywhere; every process writes its trace and table at once."""
-    import ray
-
-    directory = step_directory(cfg.run_dir, step)
-    pending = finish_worker_profiles(trainers, rollouts, directory)
-    written = driver.stop(directory, "driver")
-    for ref in pending:
-        try:
-            written += ray.get(ref, timeout=cfg.rollout.timeout_s)
-        except (ray.exceptions.RayError, TimeoutError) as err:  # a lost engine is the next step's to handle
-            logger.warning("a process's profile of step %d was not written (%s)", step, type(err).__name__)
-    logger.info("step %d profiled: %d files in %s", step, len(written), directory)

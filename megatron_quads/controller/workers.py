@@ -219,7 +219,7 @@ class TrainerWorker(ProfiledWorker):
 class RolloutWorker(ProfiledWorker):
     """A rollout engine that generates responses with the weights it was last sent. In quads it keeps
     the RAC channel sets of its last calibration (:attr:`channels`) and serves them on every weight
-    sync until the next calibration, their ``W_S`` re-blocked from each sync's weights."""
+    sync that no calibration follows, their ``W_S`` re-blocked from each sync's weights."""
 
     def __init__(self, cfg: RunConfig) -> None:
         from megatron_quads.trainer.hf_export import qwen3_moe_config
@@ -257,8 +257,10 @@ class RolloutWorker(ProfiledWorker):
         self.sync_groups = [WeightSyncGroup(address, port, rank, world, generation, device, self.cfg.rollout.timeout_s)
                             for address, port in endpoints]
 
-    def load_weights(self, buckets: list, version: int) -> tuple[int, dict]:
-        """Fetch every sender's buckets, check the set, decode the union and swap it in.
+    def load_weights(self, buckets: list, version: int, kept_channels: bool = True) -> tuple[int, dict]:
+        """Fetch every sender's buckets, check the set, decode the union and swap it in, in quads with
+        the kept RAC channel sets (``kept_channels`` False, for a step that calibrates right after: the
+        payload's own, none, so that no ``W_S`` is built only to be replaced).
 
         Returns (the weight version now held, seconds spent waking up (colocated: weights back on the
         GPU) / receiving / decoding and loading).
@@ -278,7 +280,7 @@ class RolloutWorker(ProfiledWorker):
         if sent_version != version:
             raise ValueError(f"weight buckets have version {sent_version}, the controller expected {version}")
         receive_s = _elapsed(start)
-        if quantized and self.channels is not None:  # the trainer sends no channels: serve the kept ones
+        if quantized and kept_channels and self.channels is not None:  # the trainer sends none: serve the kept ones
             tensors = with_channels(tensors, self.channels)
         with torch.profiler.record_function("quads/sync_decode"):
             weights = decode_wire(tensors, quantized, sent_version, self.engine.precision if quantized else None)
