@@ -7,7 +7,14 @@ import torch
 
 from megatron_quads.nvfp4 import quantize
 from megatron_quads.nvfp4.reblock import reblock_columns
-from megatron_quads.rollout.calibration import ChannelStats, RacCalibrator, pool_stats, select_from_stats, select_stack_channels
+from megatron_quads.rollout.calibration import (
+    ChannelStats,
+    RacCalibrator,
+    StackChannelStats,
+    pool_stats,
+    select_from_stats,
+    select_stack_channels,
+)
 from megatron_quads.rollout.rac import (
     ChannelStatistic,
     num_residual_channels,
@@ -284,3 +291,29 @@ def test_a_stacks_channels_chosen_at_once_are_each_experts_own_choice(statistic:
         assert torch.equal(at_once[e], one_by_one[f"{e}"]), e
     assert select_stack_channels([ChannelStats(k) for _ in range(experts)], stack, 0.25, statistic) is None
 
+
+
+def test_a_stacks_statistics_recorded_at_once_are_each_experts_own() -> None:
+    """StackChannelStats (the vLLM plugin's calibration) holds, per expert, what ChannelStats.update over
+    that expert's rows of each batch holds: over several batches, with an expert no row reached and rows
+    of an expert id one past the last (another rank's experts), which are not recorded."""
+    torch.manual_seed(0)
+    experts, k = 4, 32
+    stacked = StackChannelStats(experts, k)
+    one_by_one = [ChannelStats(k) for _ in range(experts)]
+    for batch in range(3):
+        ids = torch.tensor([0, 3, 0, 4, 1, 3, 3, 4, 0][: 5 + 2 * batch])  # expert 2 never, 4 = not recorded
+        rows = torch.randn(ids.numel(), k, dtype=torch.bfloat16) * (1 + torch.arange(k))
+        stacked.update(rows, ids)
+        for e in range(experts):
+            if (ids == e).any():
+                one_by_one[e].update(rows[ids == e])
+    recorded = stacked.per_expert()
+    assert stacked.token_counts() == [s.tokens for s in one_by_one] == [7, 3, 0, 7]
+    for mine, theirs in zip(recorded, one_by_one, strict=True):
+        torch.testing.assert_close(mine.residual_sq, theirs.residual_sq, rtol=1e-12, atol=0)
+        torch.testing.assert_close(mine.abs_activation, theirs.abs_activation, rtol=1e-12, atol=0)
+        assert mine.amax == theirs.amax
+    assert not recorded[2].residual_sq.any()
+    with pytest.raises(ValueError, match=r"expected rows \[R, 32\]"):
+        stacked.update(torch.zeros(3, 16), torch.zeros(3, dtype=torch.int64))

@@ -138,6 +138,21 @@ def test_calibration_in_vllm_chooses_the_builtin_engines_channels(model: dict) -
     assert max_logprob_gap(served, w4a4) > 1e-3  # the channels changed the product
 
 
+def test_calibration_under_expert_parallelism_records_only_the_ranks_own_experts() -> None:
+    """Another rank's expert's rows (routed to local expert 0 with weight 0) are not recorded (id =
+    the local expert count); a rank holding every expert records each row under its id."""
+    from megatron_quads.vllm_plugin.moe_method import _local_routing, _recorded_experts
+
+    expert_map = torch.tensor([-1, 0, -1, 1])  # this rank holds global experts 1 and 3
+    topk_ids = torch.tensor([[0, 1], [3, 2]])
+    layer = type("Layer", (), {"expert_map": expert_map})()
+    local, weights = _local_routing(layer, topk_ids, torch.full((2, 2), 0.5))
+    assert local.tolist() == [[0, 0], [1, 0]] and weights.tolist() == [[0.0, 0.5], [0.5, 0.0]]
+    recorded = _recorded_experts(expert_map, topk_ids.reshape(-1), local.reshape(-1), experts=2)
+    assert recorded.tolist() == [2, 0, 1, 2]
+    assert _recorded_experts(None, topk_ids.reshape(-1), topk_ids.reshape(-1), 4).tolist() == [0, 1, 3, 2]
+
+
 def test_a_ratio_that_gives_a_projection_no_channels_updates_and_calibrates_in_place(model: dict) -> None:
     """At RAC 12.5% the embedded model's down projections (K 64) get no residual channels while
     gate/up (K 128) get 16: their empty tails arrive after the layer's last element in vLLM's

@@ -72,6 +72,63 @@ class ChannelStats:
         return self.residual_sq * column_sq
 
 
+class StackChannelStats:
+    """:class:`ChannelStats` of every expert of one projection, kept as ``[experts, K]`` tensors on the
+    inputs' device: a batch of routed rows updates all experts at once without a host sync, and
+    :meth:`per_expert` hands the statistics over once, at the end. Each expert's statistics follow
+    :meth:`ChannelStats.update` on its rows of the batch (per-token activation scales, exact running
+    means); rows whose expert id is ``experts`` (e.g. another rank's experts) are not recorded."""
+
+    def __init__(self, experts: int, in_features: int, device: torch.device | str = "cpu") -> None:
+        self.experts = experts
+        self.in_features = in_features
+        # one extra row takes the rows not recorded, so that no boolean mask reaches the host
+        self.residual_sq = torch.zeros(experts + 1, in_features, dtype=torch.float64, device=device)
+        self.abs_activation = torch.zeros_like(self.residual_sq)
+        self.tokens = torch.zeros(experts + 1, dtype=torch.int64, device=device)
+        self.amax = torch.zeros(experts + 1, dtype=torch.float32, device=device)
+
+    @torch.no_grad()
+    def update(self, rows: torch.Tensor, experts: torch.Tensor) -> None:
+        """Add routed rows ``rows [R, K]`` of experts ``experts [R]`` (ids in ``[0, experts]``)."""
+        if rows.shape[-1] != self.in_features or rows.dim() != 2 or experts.shape != rows.shape[:1]:
+            raise ValueError(f"expected rows [R, {self.in_features}] and their expert ids [R], got "
+                             f"{tuple(rows.shape)} and {tuple(experts.shape)}")
+        if not rows.shape[0]:
+            return
+        rows = rows.detach()
+        xq = quantize(rows, global_amax=activation_amax(rows, ActivationScale.PER_TOKEN)).dequantize(torch.float32)
+        ids = experts.to(device=self.tokens.device, dtype=torch.int64)
+        count = torch.zeros_like(self.tokens).index_add_(0, ids, torch.ones_like(ids))
+        batch_r2 = torch.zeros_like(self.residual_sq).index_add_(0, ids, (rows.float() - xq).double().square())
+        batch_abs = torch.zeros_like(self.abs_activation).index_add_(0, ids, rows.double().abs())
+        total = self.tokens + count
+        # the running mean's step n / total, applied to the batch mean sum / n: 0 where no row came
+        weight = (count.double() / total.clamp(min=1).double()).unsqueeze(1)
+        batch_count = count.clamp(min=1).double().unsqueeze(1)
+        self.residual_sq += (batch_r2 / batch_count - self.residual_sq) * weight
+        self.abs_activation += (batch_abs / batch_count - self.abs_activation) * weight
+        self.amax = torch.maximum(self.amax, torch.zeros_like(self.amax).scatter_reduce_(
+            0, ids, rows.abs().amax(-1).float(), "amax"))
+        self.tokens = total
+
+    def token_counts(self) -> list[int]:
+        """Rows recorded per expert (one host read)."""
+        return self.tokens[: self.experts].tolist()
+
+    def per_expert(self) -> list[ChannelStats]:
+        """Each expert's statistics as a CPU :class:`ChannelStats` (one host copy of each tensor)."""
+        residual, absolute = self.residual_sq[: self.experts].cpu(), self.abs_activation[: self.experts].cpu()
+        tokens, amax = self.token_counts(), self.amax[: self.experts].tolist()
+        out = []
+        for e in range(self.experts):
+            stats = ChannelStats(self.in_features)
+            stats.residual_sq, stats.abs_activation = residual[e].clone(), absolute[e].clone()
+            stats.tokens, stats.amax = tokens[e], amax[e]
+            out.append(stats)
+        return out
+
+
 class RacCalibrator:
     """Collects :class:`ChannelStats` for named modules through forward pre-hooks on their input."""
 

@@ -45,20 +45,15 @@ from megatron_quads.nvfp4.backend import use_kernels
 from megatron_quads.nvfp4.reblock import reblock_columns_deferred
 from megatron_quads.nvfp4.stacked import expert_weight
 from megatron_quads.precision import Precision
-from megatron_quads.rollout.calibration import ChannelStats, select_stack_channels
-from megatron_quads.rollout.grouped import combine_routed_rows, route_by_expert
+from megatron_quads.rollout.calibration import StackChannelStats, select_stack_channels
+from megatron_quads.rollout.grouped import combine_routed_rows, grouped_w4a16_linear, route_by_expert
 from megatron_quads.rollout.grouped_experts import GroupedExperts, GroupedProjection
-from megatron_quads.rollout.precision import LinearState, linear_output
 from megatron_quads.rollout.rac import ChannelStatistic, validate_channels
 from megatron_quads.vllm_plugin.fp4_gemm import AugmentedWeight, fp4_gemm_supported, fp4_linear
 from megatron_quads.vllm_plugin.serving import ServingConfig
 
 _SHARD = {"w1": 0, "w3": 1}
 """Gate (w1) and up (w3): their half of w13 and their slot of the per-shard parameters."""
-_W4A16 = Precision("w4a16")
-"""What the experts compute while calibration records their inputs (the AQAT trainer's forward)."""
-
-
 def _parameter(layer: torch.nn.Module, name: str, data: torch.Tensor, attrs: dict, loader: Callable) -> None:
     param = torch.nn.Parameter(data, requires_grad=False)
     layer.register_parameter(name, param)
@@ -225,7 +220,7 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
         """The routed experts' weighted sum for ``x [T, H]`` (vLLM runs shared experts itself)."""
         ids, weights = _local_routing(layer, topk_ids, topk_weights)
         if layer.quads_calibration is not None:
-            return self._calibration_forward(layer, x, ids, weights)
+            return self._calibration_forward(layer, x, ids, weights, topk_ids)
         if layer.quads_fp4_experts is not None:
             return _fp4_experts_forward(layer.quads_fp4_experts, x, ids, weights)
         experts = GroupedExperts(self._projection(layer, "w13"), self._projection(layer, "w2"))
@@ -233,11 +228,11 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
 
     # ------------------------------------------------------------------ RAC calibration
     def begin_calibration(self, layer: torch.nn.Module) -> None:
-        """Record every local expert's inputs from now on (forwards compute W4A16, expert by expert)."""
+        """Record every local expert's inputs from now on (forwards compute W4A16, the AQAT trainer's forward)."""
         if not self.precision.uses_rac:
             raise ValueError(f"{layer.layer_name}: RAC calibration is for the quads precision, this layer serves {self.serving.precision!r}")
-        experts = layer.w13_weight.shape[0]
-        layer.quads_calibration = {p: [ChannelStats(layer.quads_sizes[p][1]) for _ in range(experts)] for p in ("w13", "w2")}
+        experts, device = layer.w13_weight.shape[0], layer.w13_weight.device
+        layer.quads_calibration = {p: StackChannelStats(experts, layer.quads_sizes[p][1], device) for p in ("w13", "w2")}
 
     def residual_channel_sets(self, layer: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Every local expert's RAC channel set (CPU int32) by checkpoint module name, under its global
@@ -253,7 +248,7 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
         """Tokens each local expert has recorded since :meth:`begin_calibration`."""
         if layer.quads_calibration is None:
             raise RuntimeError(f"{layer.layer_name}: no calibration in progress (begin_calibration)")
-        return [stats.tokens for stats in layer.quads_calibration["w13"]]
+        return layer.quads_calibration["w13"].token_counts()
 
     def finish_calibration(self, layer: torch.nn.Module, statistic: ChannelStatistic = ChannelStatistic.OUTPUT_ERROR) -> int:
         """Choose each expert's channels from the recorded inputs (an expert no token reached takes
@@ -262,9 +257,9 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
         stats, layer.quads_calibration = layer.quads_calibration, None
         if stats is None:
             raise RuntimeError(f"{layer.layer_name}: finish_calibration without begin_calibration")
-        for projection, per_expert in stats.items():
+        for projection, recorded in stats.items():
             stack = self._stack(layer, projection)
-            channels = select_stack_channels(per_expert, stack, self.precision.ratio, statistic)
+            channels = select_stack_channels(recorded.per_expert(), stack, self.precision.ratio, statistic)
             if channels is None:
                 raise RuntimeError(f"{layer.layer_name}: calibration saw no token for this layer: calibrate on more prompts")
             channels = channels.to(stack.codes.device)  # valid sets by construction: no per-row host check
@@ -274,26 +269,25 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
                                  "amax (a damaged scale): load the weights again")
             _write_tails(layer, projection, channels, residual)
         self.process_weights_after_loading(layer)
-        return sum(s.tokens for s in stats["w13"])
+        return sum(stats["w13"].token_counts())
 
     def _calibration_forward(self, layer: torch.nn.Module, x: torch.Tensor, ids: torch.Tensor,
-                             weights: torch.Tensor) -> torch.Tensor:
-        """W4A16 expert by expert, recording each expert's inputs of both projections."""
+                             weights: torch.Tensor, global_ids: torch.Tensor) -> torch.Tensor:
+        """W4A16 for all experts at once (rows sorted by expert, one grouped GEMM per projection),
+        recording each local expert's inputs of both projections (another rank's experts: not)."""
         stats = layer.quads_calibration
         w13, w2 = self._stack(layer, "w13"), self._stack(layer, "w2")
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for e in range(w13.shape[0]):
-            tokens, slots = torch.nonzero(ids == e, as_tuple=True)
-            if not tokens.numel():
-                continue
-            xe = x[tokens]
-            stats["w13"][e].update(xe)
-            gate, up = linear_output(xe, LinearState(expert_weight(w13, e)), _W4A16).chunk(2, dim=-1)
-            hidden = F.silu(gate) * up
-            stats["w2"][e].update(hidden)
-            ye = linear_output(hidden, LinearState(expert_weight(w2, e)), _W4A16)
-            out.index_add_(0, tokens, ye.float() * weights[tokens, slots, None].float())
-        return out.to(x.dtype)
+        experts, top_k = w13.shape[0], ids.shape[-1]
+        flat = ids.reshape(-1)
+        order, offsets = route_by_expert(flat, experts)
+        recorded = _recorded_experts(layer.expert_map, global_ids.reshape(-1)[order], flat[order], experts)
+        rows = x[order // top_k]
+        stats["w13"].update(rows, recorded)
+        gate, up = grouped_w4a16_linear(rows, w13, offsets).chunk(2, dim=-1)
+        hidden = F.silu(gate) * up
+        stats["w2"].update(hidden, recorded)
+        y = grouped_w4a16_linear(hidden, w2, offsets)
+        return combine_routed_rows(y, order, weights.reshape(-1, top_k), x.dtype)
 
 
 # ---------------------------------------------------------------------- helpers
@@ -452,6 +446,16 @@ def _local_routing(layer: torch.nn.Module, topk_ids: torch.Tensor, topk_weights:
         return ids, topk_weights
     local = expert_map.to(ids.device)[ids].to(torch.int64)
     return local.clamp(min=0), torch.where(local >= 0, topk_weights, torch.zeros_like(topk_weights))
+
+
+def _recorded_experts(expert_map: torch.Tensor | None, global_ids: torch.Tensor, local_ids: torch.Tensor,
+                      experts: int) -> torch.Tensor:
+    """The expert each routed row's inputs are recorded under in calibration: its local id, or
+    ``experts`` (not recorded) for another rank's expert, which :func:`_local_routing` sent to expert 0."""
+    if expert_map is None:
+        return local_ids
+    is_local = expert_map.to(global_ids.device)[global_ids.to(torch.int64)] >= 0
+    return torch.where(is_local, local_ids, experts)
 
 
 def _global_expert(layer: torch.nn.Module, local: int) -> int:
