@@ -321,6 +321,12 @@ def with_spread(values: Sequence[float], digits: int) -> str:
     return mean if len(values) < 2 else f"{mean} ± {statistics.stdev(values):.{digits}f}"
 
 
+def steps_cell(lengths: Sequence[int]) -> str:
+    """The steps its runs reached: one number where they agree, else ``fewest–most``."""
+    low, high = min(lengths), max(lengths)
+    return str(low) if low == high else f"{low}–{high}"
+
+
 def report_markdown(runs: dict[str, dict[str, list[dict]]], stamp: dict[str, str], results: Path = RESULTS) -> str:
     """The study's tables: per mode and correction, seed means; collapses and early warnings; the RAC sweep."""
     overrides = grid_overrides(results)
@@ -331,7 +337,9 @@ def report_markdown(runs: dict[str, dict[str, list[dict]]], stamp: dict[str, str
     lines = [f"# Precision study on {subject}{given} ({stamp['date']}, {ran_on})", "",
              f"Runs on {ran_on}. Command: `{stamp['command']}` (on {stamp['device']}), over the runs in "
              f"{_shown(results)}. Means over seeds of "
-             f"the last {TAIL_STEPS} steps of each run (± the standard deviation over seeds, with several). The early "
+             f"the last {TAIL_STEPS} steps of each run (± the standard deviation over seeds, with several); where a "
+             "mode's runs stopped at different steps, the steps column gives the range and each run's own last steps "
+             "count. The early "
              f"warning is replayed over the recorded metrics with the default `monitor` settings (window {GapMonitorConfig().window}, threshold "
              f"{GapMonitorConfig().threshold}, patience {GapMonitorConfig().patience}, `{GapMonitorConfig().metric}`).", "",
              "| mode | correction | seeds | steps | reward | held-out pass@1 (last) | max \\|Δlogp\\| | mean \\|Δlogp\\| | "
@@ -350,7 +358,7 @@ def report_markdown(runs: dict[str, dict[str, list[dict]]], stamp: dict[str, str
             "no" if w is None else (f"step {w} ({c - w} steps before)" if c is not None and w <= c else
                                     f"step {w}" + (" (false alarm)" if c is None else " (after)"))
             for w, c in zip(warnings, collapses, strict=True))
-        lines.append(f"| {mode} | {correction} | {len(names)} | {min(len(m) for m in metrics)} | "
+        lines.append(f"| {mode} | {correction} | {len(names)} | {steps_cell([len(m) for m in metrics])} | "
                      f"{with_spread(tails['reward'], 3)} | {pass1} | {with_spread(tails['mismatch/gap_max_abs'], 3)} | "
                      f"{statistics.fmean(tails['mismatch/gap_mean_abs']):.4f} | "
                      f"{statistics.fmean(tails['mismatch/k3_kl']):.2e} | {collapsed} | {warned} |")

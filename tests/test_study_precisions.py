@@ -208,3 +208,12 @@ def test_analysis_reads_a_runs_own_task_when_its_config_names_one(tmp_path: Path
     (default / "config.yaml").write_text("task: null\nseed: 0\n")
     assert study_precisions._analysis_tokens(chain) == ["--tokens", "run-task", "--run-config", str(chain / "config.yaml")]
     assert study_precisions._analysis_tokens(default) == ["--tokens", "embedded-task"]
+
+
+def test_seeds_that_stopped_at_different_steps_show_the_range_of_steps(tmp_path: Path) -> None:
+    for seed, steps in enumerate((60, 45)):
+        _write_run(tmp_path, run_name("naive-nvfp4", seed, "none"), [0.5] * steps, 0.2, [1e-3] * steps)
+    text = report_markdown(load_results(tmp_path), STAMP, tmp_path)
+    row = next(line for line in text.splitlines() if line.startswith("| naive-nvfp4 |"))
+    assert "| 2 | 45–60 |" in row
+    assert "the steps column gives the range" in text
