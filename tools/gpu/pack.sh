@@ -2,8 +2,9 @@
 # On the GPU machine: put directory SRC into $OUT as NAME.tar.00, .01, ... (15 MiB parts: a call brings back
 # files of at most 16 MiB, 8 of them, 64 MiB in all) and NAME.sha256, so that what one machine made (an SFT
 # checkpoint) outlives the machine. Here: `cat NAME.tar.* > NAME.tar && sha256sum -c NAME.sha256`; to
-# carry it to a later machine, keep the parts and NAME.sha256 in one git-ignored folder of the checkout
-# (e.g. .dev/sft_small) and run tools/gpu/unpack.sh there.
+# carry it to a later machine, keep the parts and NAME.sha256 in git-ignored folders of the checkout that
+# each fit a call's 64 MiB beside the checkout, copy them into one folder there over as many calls, and run
+# tools/gpu/unpack.sh on it (DEVELOPERS.md).
 #   bash tools/gpu/pack.sh SRC NAME
 set -euo pipefail
 src=${1:?usage: tools/gpu/pack.sh SRC NAME}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the GPU machine: join the parts tools/gpu/pack.sh made (carried in FOLDER as NAME.tar.* and
-# NAME.sha256), check them, and unpack into DEST (e.g. FOLDER .dev/sft_small, DEST /tmp/collapse: the
+# NAME.sha256), check them, and unpack into DEST (e.g. FOLDER /tmp/sftparts, DEST /tmp/collapse: the
 # packed directory lands in it under its own name).
 #   bash tools/gpu/unpack.sh FOLDER NAME DEST
 set -euo pipefail
