@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_quads.controller.profiling import StepProfiler
+from megatron_quads.controller.profiling import StepProfiler, phase_lines
 
 
 def _marked_work() -> None:
@@ -35,6 +35,30 @@ def test_a_profiled_step_writes_its_trace_and_a_table_of_its_phases(tmp_path: Pa
     phases = (tmp_path / "step_3" / "rollout_engine0.txt").read_text().split("\n\n")[0].splitlines()[2:]
     assert sorted(line.split()[:2] for line in phases) == [["quads/generate", "1"], ["quads/sync_decode", "1"]]
     assert "aten::mm" in (tmp_path / "step_3" / "rollout_engine0.txt").read_text()
+
+
+def test_a_phase_is_one_row_with_its_cpu_time_its_kernels_and_its_span_on_the_gpu() -> None:
+    """On a GPU the profiler reports a marked region twice: on the CPU (with the device time of the
+    kernels launched inside) and as an annotation on the device's timeline (its span); the table joins
+    them, and a region seen only on one side shows '-' for the other."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def event(key: str, device: DeviceType, count: int, cpu_us: float, device_us: float) -> SimpleNamespace:
+        return SimpleNamespace(key=key, device_type=device, count=count, cpu_time_total=cpu_us,
+                               device_time_total=device_us)
+
+    averages = [event("quads/sync_load", DeviceType.CPU, 1, 2_598_540, 15_240),
+                event("aten::copy_", DeviceType.CPU, 9, 100, 10),
+                event("quads/sync_load", DeviceType.CUDA, 1, 0, 2_362_510),
+                event("quads/generate", DeviceType.CPU, 1, 3_367_690, 20_100),
+                event("quads/generate", DeviceType.CUDA, 2, 0, 6_525_350),
+                event("quads/only_on_gpu", DeviceType.CUDA, 1, 0, 1_000)]
+    rows = [line.split() for line in phase_lines(averages, "rollout_engine0").splitlines()[2:]]
+    assert rows == [["quads/generate", "1", "3367.69", "20.10", "6525.35"],
+                    ["quads/sync_load", "1", "2598.54", "15.24", "2362.51"],
+                    ["quads/only_on_gpu", "1", "-", "-", "1.00"]]
 
 
 def test_a_profile_that_cannot_be_written_is_logged_and_the_step_goes_on(tmp_path: Path,

@@ -1,8 +1,8 @@
 """Profiling chosen GRPO steps (``profile.steps``): every process of the run (the driver, each trainer
 rank, each rollout engine) records its share of such a step with ``torch.profiler`` and writes it to
 ``<run_dir>/profile/step_<N>/``: ``<process>.trace.json.gz`` (a Chrome / Perfetto trace) and
-``<process>.txt`` (the operators and marked regions with the most self time: on a GPU process by device
-time, else by CPU time). The workers mark their phases (``quads/...``) so that the table splits a
+``<process>.txt`` (the marked phases, then the operators and regions with the most self time: on a GPU
+process by device time and by CPU time, else by CPU time). The workers mark their phases (``quads/...``) so that the table splits a
 phase into its parts."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from megatron_quads.atomic_io import write_atomic, write_text_atomic
@@ -68,23 +69,33 @@ class StepProfiler:
         directory.mkdir(parents=True, exist_ok=True)
         trace = write_atomic(directory / f"{name}.trace.json.gz", lambda tmp: recorded.export_chrome_trace(str(tmp)))
         table = directory / f"{name}.txt"
-        on_gpu = torch.cuda.is_available()
-        sort_by = "self_device_time_total" if on_gpu else "self_cpu_time_total"
         averages = recorded.key_averages()
-        write_text_atomic(table, phase_lines(averages, name) + f"\n{name}: the {TABLE_ROWS} operators and regions with "
-                                 f"the most {'device' if on_gpu else 'CPU'} self time\n"
-                                 + averages.table(sort_by=sort_by, row_limit=TABLE_ROWS) + "\n")
+        # a GPU process: by device time, then by CPU time (host-bound work: launches, Python, waits on the device)
+        orders = (["device", "CPU"] if torch.cuda.is_available() else ["CPU"])
+        tables = [f"{name}: the {TABLE_ROWS} operators and regions with the most {order} self time\n"
+                  + averages.table(sort_by=f"self_{order.lower()}_time_total", row_limit=TABLE_ROWS) for order in orders]
+        write_text_atomic(table, phase_lines(averages, name) + "\n" + "\n\n".join(tables) + "\n")
         return [str(trace), str(table)]
 
 
 def phase_lines(averages, name: str) -> str:
-    """The marked phases (``quads/...`` regions) of one process's step: calls, CPU time and the device
-    time of the work launched inside them, in milliseconds, in the order of their CPU time."""
-    phases = sorted((e for e in averages if e.key.startswith(PHASE_PREFIX)), key=lambda e: -e.cpu_time_total)
-    lines = [f"{name}: marked phases (ms, totals over the step)", f"{'phase':<40} {'calls':>6} {'CPU':>10} {'device':>10}"]
-    for event in phases:
-        device_us = getattr(event, "device_time_total", 0.0)
-        lines.append(f"{event.key:<40} {event.count:>6} {event.cpu_time_total / 1e3:>10.2f} {device_us / 1e3:>10.2f}")
+    """The marked phases (``quads/...`` regions) of one process's step, in milliseconds, in the order of
+    their CPU time: calls, CPU time, the device time of the kernels launched inside them, and on a GPU
+    the region's span on the device's timeline (from its first to its last work there, waits included)."""
+    cpu, span = {}, {}
+    for event in averages:
+        if event.key.startswith(PHASE_PREFIX):
+            (cpu if event.device_type == DeviceType.CPU else span)[event.key] = event
+    keys = sorted(cpu.keys() | span.keys(), key=lambda k: -(cpu[k].cpu_time_total if k in cpu else 0.0))
+    lines = [f"{name}: marked phases (ms, totals over the step)",
+             f"{'phase':<40} {'calls':>6} {'CPU':>10} {'kernels':>10} {'GPU span':>10}"]
+    for key in keys:
+        host, device = cpu.get(key), span.get(key)
+        calls = host.count if host is not None else device.count
+        cpu_ms = f"{host.cpu_time_total / 1e3:.2f}" if host is not None else "-"
+        kernels_ms = f"{getattr(host, 'device_time_total', 0.0) / 1e3:.2f}" if host is not None else "-"
+        span_ms = f"{device.device_time_total / 1e3:.2f}" if device is not None else "-"
+        lines.append(f"{key:<40} {calls:>6} {cpu_ms:>10} {kernels_ms:>10} {span_ms:>10}")
     return "\n".join(lines) + "\n"
 
 
