@@ -7,7 +7,7 @@ import torch
 
 from megatron_quads.nvfp4 import NVFP4Tensor, decode_scale_from_amax, dequantize, quantize
 from megatron_quads.nvfp4.global_scale import global_amax_from_decode_scale
-from megatron_quads.nvfp4.reblock import reblock_columns, reblock_columns_deferred
+from megatron_quads.nvfp4.reblock import check_channel_rows, reblock_columns, reblock_columns_deferred
 from megatron_quads.nvfp4.stacked import expert_weight, stack_experts
 
 N, K = 24, 128
@@ -88,3 +88,24 @@ def test_empty_and_invalid_channel_sets() -> None:
         reblock_columns(weight, _unaligned_channels(7).flip(0))
     with pytest.raises(ValueError, match="multiple of 16"):
         reblock_columns(weight, torch.arange(8, dtype=torch.int32))
+
+
+def test_channel_sets_are_checked_row_by_row_with_the_failing_row_named() -> None:
+    """check_channel_rows accepts what check_channels accepts in every row and raises check_channels'
+    error for the first row that fails, named by ``where``."""
+    good = torch.stack([_unaligned_channels(20 + e) for e in range(4)])
+    check_channel_rows(good, K, lambda row: f"expert {row}")
+    check_channel_rows(good[:, :0], K, lambda row: f"expert {row}")  # no channels: nothing to read
+    cases = {"not sorted ascending": lambda t: t[2].copy_(t[2].flip(0)),
+             "repeats channel": lambda t: t[2, 1].copy_(t[2, 0]),
+             "outside": lambda t: t[2, -1].fill_(K)}
+    for message, damage in cases.items():
+        bad = good.clone()
+        damage(bad)
+        bad[3].copy_(bad[2])  # a later bad row: the first is named
+        with pytest.raises(ValueError, match=f"expert 2.*{message}"):
+            check_channel_rows(bad, K, lambda row: f"expert {row}")
+    with pytest.raises(ValueError, match="expert 0 holds 8 channels; the count must be a multiple of 16"):
+        check_channel_rows(good[:, :8], K, lambda row: f"expert {row}")
+    with pytest.raises(ValueError, match="integer tensor"):
+        check_channel_rows(good.float(), K, lambda row: f"expert {row}")

@@ -15,6 +15,8 @@ One weight ``[N, K]`` takes channels ``[|S|]``; a stack of experts ``[n, N, K]``
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from megatron_quads.nvfp4.backend import use_kernels
@@ -62,14 +64,34 @@ def check_channels(channels: torch.Tensor, in_features: int, where: str = "resid
         )
 
 
+def check_channel_rows(channels: torch.Tensor, in_features: int, where: Callable[[int], str]) -> None:
+    """:func:`check_channels` for every row of ``channels [R, |S|]`` (e.g. one projection's experts) with
+    one host read for all of them: the values are checked on their device, and only a row that fails is
+    checked again on its own, for its error (``where(row)`` names it)."""
+    if channels.ndim != 2:
+        raise ValueError(f"expected channel sets [rows, |S|], got shape {tuple(channels.shape)}")
+    if not channels.shape[0] or not channels.shape[1]:
+        for row in range(channels.shape[0]):  # no values to read: the dtype and count checks
+            check_channels(channels[row], in_features, where(row))
+        return
+    ch = channels.to(torch.int64)
+    bad = ((ch < 0) | (ch >= in_features)).any(dim=1) | (ch[:, 1:] <= ch[:, :-1]).any(dim=1)
+    if channels.dtype == torch.bool or channels.is_floating_point() or channels.is_complex() \
+            or channels.shape[1] % BLOCK_SIZE or channels.shape[1] > in_features or bool(bad.any()):
+        first = int(torch.nonzero(bad)[0]) if bool(bad.any()) else 0
+        check_channels(channels[first], in_features, where(first))
+
+
 def reblock_columns(weight: NVFP4Tensor, channels: torch.Tensor) -> NVFP4Tensor:
     """``W_S`` of ``weight`` for ``channels`` (the module rule), as an NVFP4 tensor ``[..., N, |S|]``
     sharing ``weight``'s ``weight_scale_2``. Checks every channel set (:func:`check_channels`) and
     raises ValueError when a ``weight_scale_2`` is ``amax / 2688`` for no fp32 amax (a damaged scale);
     both read values on the host."""
     _check_ranks(weight, channels)
-    for row in channels.reshape(-1, channels.shape[-1]) if channels.ndim == 2 else (channels,):
-        check_channels(row, weight.shape[-1])
+    if channels.ndim == 2:
+        check_channel_rows(channels, weight.shape[-1], lambda row: f"residual channels of expert {row}")
+    else:
+        check_channels(channels, weight.shape[-1])
     residual, no_amax = reblock_columns_deferred(weight, channels)
     if bool(no_amax.any()):
         bad = weight.weight_scale_2.reshape(-1)[no_amax.reshape(-1)][0] if no_amax.ndim else weight.weight_scale_2

@@ -42,13 +42,13 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from megatron_quads.nvfp4 import BLOCK_SIZE, NVFP4Tensor
 from megatron_quads.nvfp4.backend import use_kernels
-from megatron_quads.nvfp4.reblock import reblock_columns_deferred
+from megatron_quads.nvfp4.reblock import check_channel_rows, reblock_columns_deferred
 from megatron_quads.nvfp4.stacked import expert_weight
 from megatron_quads.precision import Precision
 from megatron_quads.rollout.calibration import StackChannelStats, select_stack_channels
 from megatron_quads.rollout.grouped import combine_routed_rows, grouped_w4a16_linear, route_by_expert
 from megatron_quads.rollout.grouped_experts import GroupedExperts, GroupedProjection
-from megatron_quads.rollout.rac import ChannelStatistic, validate_channels
+from megatron_quads.rollout.rac import ChannelStatistic
 from megatron_quads.vllm_plugin.fp4_gemm import AugmentedWeight, fp4_gemm_supported, fp4_linear
 from megatron_quads.vllm_plugin.serving import ServingConfig
 
@@ -357,13 +357,11 @@ def _check_loaded(layer: torch.nn.Module, loaded: set, quads: bool) -> None:
     channels13 = layer.w13_residual_channels
     if not torch.equal(channels13[:, 0], channels13[:, 1]):
         raise ValueError(f"{layer.layer_name}: gate_proj and up_proj read the same input, so they need the same residual_channels")
-    for projection in ("w13", "w2"):
-        k = layer.quads_sizes[projection][1]
-        for e, channels in enumerate(_channels(layer, projection)):
-            try:
-                validate_channels(channels, k)
-            except ValueError as err:
-                raise ValueError(f"{_checkpoint_name(layer, e, 'w2' if projection == 'w2' else 'w1', 'residual_channels')}: {err}") from None
+    for projection in ("w13", "w2"):  # one host read a projection, not one per expert
+        shard = "w2" if projection == "w2" else "w1"
+        check_channel_rows(_channels(layer, projection), layer.quads_sizes[projection][1],
+                           lambda e, shard=shard: f"{_checkpoint_name(layer, _global_expert(layer, e), shard, 'residual_channels')}: "
+                                                     "residual channels")
 
 
 def _channels(layer: torch.nn.Module, projection: str) -> torch.Tensor:
