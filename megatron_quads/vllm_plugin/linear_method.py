@@ -271,7 +271,7 @@ def _load_shard(layer: torch.nn.Module, name: str, param: torch.nn.Parameter, lo
     empty = name in _RESIDUAL and loaded.numel() == 0 and target.numel() > 0
     if name == "residual_channels":
         if empty:  # saved before calibration: a zero tail on placeholder channels (see module docstring)
-            target.copy_(torch.arange(target.numel(), dtype=torch.int32))
+            target.copy_(torch.arange(target.numel(), dtype=torch.int32, device=target.device))
             return True
         if loaded.shape != target.shape:
             raise ValueError(f"{where}: {loaded.numel()} residual channels, but this engine holds {target.numel()} per "

@@ -312,7 +312,7 @@ def _load_expert_tensor(layer: torch.nn.Module, projection: str, leaf: str, para
     if leaf == "residual_channels":
         target = target[_SHARD[shard_id]] if projection == "w13" else target
         if loaded.numel() == 0:  # saved before calibration: a zero tail (see module docstring)
-            target.copy_(torch.arange(target.numel(), dtype=torch.int32))
+            target.copy_(torch.arange(target.numel(), dtype=torch.int32, device=target.device))
             return
         if loaded.shape != target.shape:
             raise ValueError(f"{where}: {loaded.numel()} residual channels, but this engine holds {target.numel()} per linear "
@@ -375,7 +375,7 @@ def _placeholder_channels(layer: torch.nn.Module) -> None:
     """Valid channels (the first C) for a tail with zero ``W_S``."""
     for projection in ("w13", "w2"):
         channels = getattr(layer, f"{projection}_residual_channels").data
-        channels.copy_(torch.arange(channels.shape[-1], dtype=torch.int32).expand_as(channels))
+        channels.copy_(torch.arange(channels.shape[-1], dtype=torch.int32, device=channels.device).expand_as(channels))
 
 
 def _zero_weights(layer: torch.nn.Module, quads: bool) -> None:
