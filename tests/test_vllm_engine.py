@@ -153,6 +153,51 @@ def test_calibration_under_expert_parallelism_records_only_the_ranks_own_experts
     assert _recorded_experts(None, topk_ids.reshape(-1), topk_ids.reshape(-1), 4).tolist() == [0, 1, 3, 2]
 
 
+class _DeviceReads:
+    """Counts the operators that read a device value on the host (on CUDA each waits for the GPU)
+    issued by the project's code, through torch's dispatcher."""
+
+    READS = {"aten._local_scalar_dense.default", "aten.equal.default", "aten.nonzero.default", "aten.is_nonzero.default"}
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if str(func) in counter.READS:
+                    import traceback
+
+                    frames = [f.filename for f in traceback.extract_stack() if "/vllm/" in f.filename
+                              or "/megatron_quads/" in f.filename]
+                    counter.count += bool(frames) and "/megatron_quads/" in frames[-1]
+                return func(*args, **(kwargs or {}))
+
+        self.count = 0
+        self.mode = Mode()
+
+
+def test_an_in_place_update_and_a_calibration_read_the_device_a_few_times_a_layer_not_per_expert(model: dict) -> None:
+    """On a GPU every host read of a device value waits for the GPU (for every process sharing it): a
+    QUADS update and calibration read a few values per MoE layer, not some per expert (the embedded
+    model: 4 MoE layers of 8 experts, two projections each)."""
+    layers = model["hf_config"].num_hidden_layers
+    engine = _vllm(model, "quads")
+    try:
+        engine.load_weights(model["quantized"], version=1)
+        reads = _DeviceReads()
+        with reads.mode:
+            engine.load_weights(model["quantized"], version=2)
+        load_reads, reads.count = reads.count, 0
+        with reads.mode:
+            engine.calibrate(model["calibration"])
+    finally:
+        engine.close()
+    assert 0 < load_reads <= 6 * layers, load_reads  # per expert it would be 3 x 8 x 2 a layer
+    assert 0 < reads.count <= 20 * layers, reads.count
+
+
 def test_a_ratio_that_gives_a_projection_no_channels_updates_and_calibrates_in_place(model: dict) -> None:
     """At RAC 12.5% the embedded model's down projections (K 64) get no residual channels while
     gate/up (K 128) get 16: their empty tails arrive after the layer's last element in vLLM's
