@@ -293,10 +293,17 @@ def test_a_stacks_channels_chosen_at_once_are_each_experts_own_choice(statistic:
 
 
 
-def test_a_stacks_statistics_recorded_at_once_are_each_experts_own() -> None:
+@pytest.mark.parametrize("chunk_rows", [None, 2])
+def test_a_stacks_statistics_recorded_at_once_are_each_experts_own(chunk_rows: int | None,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """StackChannelStats (the vLLM plugin's calibration) holds, per expert, what ChannelStats.update over
     that expert's rows of each batch holds: over several batches, with an expert no row reached and rows
-    of an expert id one past the last (another rank's experts), which are not recorded."""
+    of an expert id one past the last (another rank's experts), which are not recorded; also when a
+    batch's rows are taken in chunks."""
+    from megatron_quads.rollout import calibration
+
+    if chunk_rows is not None:
+        monkeypatch.setattr(calibration, "STACK_UPDATE_ELEMENTS", chunk_rows * 32)
     torch.manual_seed(0)
     experts, k = 4, 32
     stacked = StackChannelStats(experts, k)

@@ -72,6 +72,11 @@ class ChannelStats:
         return self.residual_sq * column_sq
 
 
+STACK_UPDATE_ELEMENTS = 2**24
+"""Rows of :meth:`StackChannelStats.update` are taken in chunks of about this many elements (their float64
+residuals: 128 MiB), so that a long calibration prefill's working set stays bounded."""
+
+
 class StackChannelStats:
     """:class:`ChannelStats` of every expert of one projection, kept as ``[experts, K]`` tensors on the
     inputs' device: a batch of routed rows updates all experts at once without a host sync, and
@@ -97,19 +102,24 @@ class StackChannelStats:
         if not rows.shape[0]:
             return
         rows = rows.detach()
-        xq = quantize(rows, global_amax=activation_amax(rows, ActivationScale.PER_TOKEN)).dequantize(torch.float32)
         ids = experts.to(device=self.tokens.device, dtype=torch.int64)
         count = torch.zeros_like(self.tokens).index_add_(0, ids, torch.ones_like(ids))
-        batch_r2 = torch.zeros_like(self.residual_sq).index_add_(0, ids, (rows.float() - xq).double().square())
-        batch_abs = torch.zeros_like(self.abs_activation).index_add_(0, ids, rows.double().abs())
+        batch_r2, batch_abs = torch.zeros_like(self.residual_sq), torch.zeros_like(self.abs_activation)
+        amax = torch.zeros_like(self.amax)
+        step = max(1, STACK_UPDATE_ELEMENTS // self.in_features)
+        for start in range(0, rows.shape[0], step):  # float64 working sets of bounded size
+            part, part_ids = rows[start:start + step], ids[start:start + step]
+            xq = quantize(part, global_amax=activation_amax(part, ActivationScale.PER_TOKEN)).dequantize(torch.float32)
+            batch_r2.index_add_(0, part_ids, (part.float() - xq).double().square())
+            batch_abs.index_add_(0, part_ids, part.double().abs())
+            amax.scatter_reduce_(0, part_ids, part.abs().amax(-1).float(), "amax")
         total = self.tokens + count
         # the running mean's step n / total, applied to the batch mean sum / n: 0 where no row came
         weight = (count.double() / total.clamp(min=1).double()).unsqueeze(1)
         batch_count = count.clamp(min=1).double().unsqueeze(1)
         self.residual_sq += (batch_r2 / batch_count - self.residual_sq) * weight
         self.abs_activation += (batch_abs / batch_count - self.abs_activation) * weight
-        self.amax = torch.maximum(self.amax, torch.zeros_like(self.amax).scatter_reduce_(
-            0, ids, rows.abs().amax(-1).float(), "amax"))
+        self.amax = torch.maximum(self.amax, amax)
         self.tokens = total
 
     def token_counts(self) -> list[int]:

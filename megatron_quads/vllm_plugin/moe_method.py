@@ -44,7 +44,6 @@ from megatron_quads.nvfp4 import BLOCK_SIZE, NVFP4Tensor
 from megatron_quads.nvfp4.backend import use_kernels
 from megatron_quads.nvfp4.reblock import check_channel_rows, reblock_columns_deferred
 from megatron_quads.nvfp4.stacked import expert_weight
-from megatron_quads.precision import Precision
 from megatron_quads.rollout.calibration import StackChannelStats, select_stack_channels
 from megatron_quads.rollout.grouped import combine_routed_rows, grouped_w4a16_linear, route_by_expert
 from megatron_quads.rollout.grouped_experts import GroupedExperts, GroupedProjection
@@ -54,6 +53,8 @@ from megatron_quads.vllm_plugin.serving import ServingConfig
 
 _SHARD = {"w1": 0, "w3": 1}
 """Gate (w1) and up (w3): their half of w13 and their slot of the per-shard parameters."""
+
+
 def _parameter(layer: torch.nn.Module, name: str, data: torch.Tensor, attrs: dict, loader: Callable) -> None:
     param = torch.nn.Parameter(data, requires_grad=False)
     layer.register_parameter(name, param)
