@@ -10,8 +10,8 @@
 #      profiled must start while no other engine sleeps or wakes; with rollout.vllm.gpu_kv_cache_gb set, as
 #      chain_grpo_gpu_small.yaml does, a few seconds do); runs under /tmp/collapse/runs, finished runs'
 #      records under /tmp/bench_out/collapse_results;
-#   3. `study_precisions.py analyze` on each run's final checkpoint as soon as the run has finished (the
-#      gap split into weight and activation error, the RAC sweep, on the chain task's held-out problems),
+#   3. `study_precisions.py analyze` on each run's final checkpoint as soon as the run has finished, on the
+#      CPU (the gap split into weight and activation error, the RAC sweep, on the chain task's held-out problems),
 #      into /tmp/bench_out/collapse_results/analysis: the checkpoints stay on the machine, the analyses
 #      come back; at the end `study_precisions.py report` (/tmp/bench_out/collapse_results.md, _curves.png).
 #
@@ -76,7 +76,8 @@ analyze_finished() {
   done
   (( ${#todo[@]} )) || return 0
   attempted+="${todo[*]} "  # a failed analysis is not tried again every round
-  python3 benchmarks/study_precisions.py analyze --out "$runs" --results "$out/collapse_results" \
+  # on the CPU (fp32; about a minute a checkpoint of the small policy on 2 cores): the GPU stays with the runs
+  CUDA_VISIBLE_DEVICES= python3 benchmarks/study_precisions.py analyze --out "$runs" --results "$out/collapse_results" \
       "${todo[@]}" >> "$out/analyze.log" 2>&1 || echo "analysis of ${todo[*]} failed (see analyze.log)" >&2
 }
 while kill -0 "${pids[@]}" 2> /dev/null; do  # true while any study process runs
