@@ -82,10 +82,10 @@ def test_vllm_serves_what_the_builtin_engine_serves(model: dict, precision: str)
     assert max_logprob_gap(served, expected) < LOGPROB_TOL
 
 
-@pytest.mark.parametrize("precision", ["bf16", "quads"])
+@pytest.mark.parametrize("precision", ["bf16", "w4a4", "quads"])
 def test_an_in_place_update_equals_a_fresh_engine_and_keeps_the_storage(model: dict, precision: str) -> None:
-    """bf16 (vLLM's own layers, its CPU MoE prepack redone) and quads (the plugin's, channels
-    changing too); w4a16 and w4a4 load through the same plugin code as quads."""
+    """bf16 (vLLM's own layers, its CPU MoE prepack redone), w4a4 (the plugin's, the update's RAC
+    tails left out: w4a16 takes the same path) and quads (channels changing too)."""
     weights = model["weights"] if precision == "bf16" else model["quantized"]
     engine = _vllm(model, precision)
     try:
