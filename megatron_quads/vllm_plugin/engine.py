@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from megatron_quads.precision import Precision
-from megatron_quads.rollout.checkpoint_format import MODEL_CONFIG_FILE, write_checkpoint
+from megatron_quads.rollout.checkpoint_format import MODEL_CONFIG_FILE, RESIDUAL_LEAVES, write_checkpoint
 from megatron_quads.rollout.engine import Generation, SamplingParams
 from megatron_quads.rollout.model_weights import QuantizedModelWeights
 from megatron_quads.rollout.quantize_model import quantize_hf_weights
@@ -43,8 +43,6 @@ from megatron_quads.vllm_plugin.versions import vllm_cudagraph_mode
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 WORKER_EXTENSION = "megatron_quads.vllm_plugin.worker_extension.QuadsWorkerExtension"
-_RESIDUAL_LEAVES = (".residual_channels", ".residual_weight", ".residual_weight_scale")
-"""A quantized linear's RAC tail tensors (a precision without RAC serves none of them)."""
 
 
 @dataclass(frozen=True)
@@ -219,7 +217,7 @@ class VllmRolloutEngine:
         else:
             state = served.state_dict() if isinstance(served, QuantizedModelWeights) else served
             if not self.precision.uses_rac:  # the layers read and drop them: each would cost a loader call
-                state = {name: t for name, t in state.items() if not name.endswith(_RESIDUAL_LEAVES)}
+                state = {name: t for name, t in state.items() if name.rpartition(".")[2] not in RESIDUAL_LEAVES}
             if self.in_process:
                 self.llm.collective_rpc("quads_update_weights", args=(list(state.items()),))
             else:  # vLLM's RPC cannot carry tensors between processes: hand the workers a file
