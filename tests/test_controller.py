@@ -15,6 +15,7 @@ import pytest
 import torch
 import yaml
 
+from megatron_quads import embedded
 from megatron_quads.controller.config import ConfigError, load_config
 
 ray = pytest.importorskip("ray")
@@ -51,15 +52,21 @@ def _three_steps(run_dir: Path, mode: str, engine: str, *overrides: str) -> list
     # the early warning's trend starts once its 3-step window is full
     assert ["monitor/gap_trend" in r for r in records] == [False, False, True]
     assert math.isfinite(records[2]["monitor/gap_trend"]) and all(r["monitor/gap_warning"] == 0.0 for r in records)
+    vocab = embedded.model_config_fields()["vocab_size"]
     for r in records:
         assert 0.0 <= r["reward"] <= 1.0 and r["train/update_successful"] == 1.0
         assert r["mismatch/num_tokens"] > 0
+        # sampled at temperature 1 from a warm-started policy: uncertain at some tokens, far from uniform
+        assert 0.01 < r["policy/entropy"] < 0.5 * math.log(vocab), r["policy/entropy"]
+        assert 0.0 <= r["mismatch/gap_high_entropy_share"] <= 1.0
     assert (run_dir / "metrics.png").stat().st_size > 10_000
     gap = max(r["mismatch/gap_max_abs"] for r in records)
     if mode == "bf16":
         assert gap < 1e-3  # same weights, same precision: only summation order differs
     else:
         assert gap > 1e-3  # NVFP4 rollout vs a BF16 or AQAT trainer
+        # the quantization moves the log-probs most where the policy is uncertain
+        assert all(r["mismatch/gap_high_entropy_share"] > 0.2 for r in records), records
     return records
 
 
@@ -112,9 +119,11 @@ def test_grpo_from_a_converted_checkpoint_matches_grpo_from_the_embedded_default
 def test_w4a16_rollout_at_temperature_zero_matches_the_aqat_trainer(tmp_path: Path) -> None:
     """AQAT trainer + W4A16 rollout compute with the same NVFP4 weights and BF16 activations; greedy
     decoding reports log-probs at temperature 1, the distribution the trainer scores."""
-    records = _run(tmp_path, "grpo.steps=2", "checkpoint.every=0", "precision.mode=w4a16", "rollout.temperature=0")
+    records = _run(tmp_path, "grpo.steps=2", "checkpoint.every=0", "precision.mode=w4a16", "rollout.temperature=0",
+                   "logging.policy_entropy=false")
     for r in records:
         assert r["mismatch/num_tokens"] > 0
+        assert "policy/entropy" not in r and "mismatch/gap_high_entropy_share" not in r
         assert r["mismatch/gap_max_abs"] < 1e-3, r["mismatch/gap_max_abs"]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_quads.trainer import entropy as entropy_module
 from megatron_quads.trainer.model import ParallelConfig, PolicyModelConfig
 from megatron_quads.trainer.policy import (
     OptimConfig,
@@ -64,6 +65,23 @@ def test_logprobs_are_log_softmax_of_the_model_logits(temperature: float) -> Non
     assert got.shape == (3, 9) and got.dtype == torch.float32
     assert torch.allclose(got, expected, atol=1e-5)
     assert torch.allclose(token_logprobs(logits, tokens, temperature), expected, atol=1e-5)
+
+
+@cpu_exact
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_entropy_is_that_of_the_distribution_the_logprobs_come_from(temperature: float,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    worker = _worker()
+    tokens = _batch(3)
+    with torch.no_grad():
+        on_device = tokens.to(worker.device)
+        logits = worker.ddp(on_device, torch.arange(10, device=worker.device).expand(3, 10), None).cpu()
+    expected = torch.distributions.Categorical(logits=logits[:, :-1].double() / temperature).entropy()
+    monkeypatch.setattr(entropy_module, "ENTROPY_CHUNK_ELEMENTS", 4 * MODEL["vocab_size"])  # chunks of 1-2 positions
+    logprobs, entropy = worker.compute_logprobs_and_entropy(tokens, temperature=temperature)
+    assert entropy.shape == (3, 9) and entropy.dtype == torch.float32
+    assert torch.allclose(entropy.double(), expected, atol=1e-5)
+    assert torch.equal(logprobs, worker.compute_logprobs(tokens, temperature=temperature))
 
 
 @cpu_exact

@@ -204,12 +204,12 @@ def _job(rank: int, port: int, out_dir: str) -> None:
     ref = record.run("reference", layout, "reference", {})
     ref.save_checkpoint(ckpt_ref)
     ref_full = _export(ref)
-    ref_logprobs = ref.compute_logprobs(_local_batch(rank))
+    ref_logprobs, ref_entropy = ref.compute_logprobs_and_entropy(_local_batch(rank))
     ref_metrics = ref.train_step({"tokens": _local_batch(rank)}, _token_mean_nll)
     ref_after = _export(ref)
     import torch.distributed as dist
 
-    record("reference", logprobs=_gather_logprobs(ref_logprobs), metrics=ref_metrics,
+    record("reference", logprobs=_gather_logprobs(ref_logprobs), entropy=_gather_logprobs(ref_entropy), metrics=ref_metrics,
            update=_max_diff(ref_after, ref_full), backend=dist.get_backend(),
            device=str(next(ref.model.parameters()).device))
 
@@ -232,7 +232,7 @@ def _job(rank: int, port: int, out_dir: str) -> None:
             loaded = _export(worker)
             fq = _fake_quant_uses_full_tensor_amax(worker, loaded)
             payload = _rollout_payload_check(worker, loaded)
-            logprobs = worker.compute_logprobs(_local_batch(rank))
+            logprobs, entropy = worker.compute_logprobs_and_entropy(_local_batch(rank))
             metrics = worker.train_step({"tokens": _local_batch(rank)}, _token_mean_nll)
             after = _export(worker)
             if name == "ep2":
@@ -241,6 +241,7 @@ def _job(rank: int, port: int, out_dir: str) -> None:
             record(
                 name, loaded_diff=_max_diff(loaded, ref_full), fake_quant=fq, payload=payload,
                 logprob_diff=_logprob_diff(_gather_logprobs(logprobs), record.results["reference"]["logprobs"]),
+                entropy_diff=_logprob_diff(_gather_logprobs(entropy), record.results["reference"]["entropy"]),
                 metrics=metrics, after_diff=_max_diff(after, ref_after),
                 odd_logprob_diff=_logprob_diff(odd_logprobs, ref_odd_logprobs), odd_metrics=odd_metrics,
                 odd_after_diff=_max_diff(odd_after, ref_odd_after),
@@ -342,6 +343,8 @@ def test_layout_matches_reference(job: dict, layout: str) -> None:
     for r in get(job, layout):
         assert r["loaded_diff"] == 0.0, "the reference checkpoint must reshard exactly"
         assert r["logprob_diff"] < LOGPROB_TOL
+        # the vocabulary split over TP ranks: the entropy's max and sums are reduced across them
+        assert r["entropy_diff"] < LOGPROB_TOL
         assert abs(r["metrics"]["nll"] - ref["metrics"]["nll"]) < LOGPROB_TOL
         assert abs(r["metrics"]["grad_norm"] - ref["metrics"]["grad_norm"]) < 1e-5 * ref["metrics"]["grad_norm"]
         assert r["after_diff"] < WEIGHT_TOL

@@ -1,4 +1,4 @@
-"""Rollout-vs-trainer mismatch metrics: hand-computed gap, k3 KL, ratio range; empty batches."""
+"""Rollout-vs-trainer mismatch metrics: hand-computed gap, k3 KL, ratio range, the entropy split; empty batches."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from megatron_quads.rl import (
     MISMATCH_KEYS,
     CorrectionConfig,
     compute_correction,
+    entropy_metrics,
     mismatch_metrics,
 )
 
@@ -73,3 +74,29 @@ def test_empty_or_fully_masked_batches_are_finite(shape: tuple[int, int]) -> Non
 def test_shape_mismatch_raises() -> None:
     with pytest.raises(ValueError, match="logp_trainer"):
         mismatch_metrics(torch.zeros(2, 3), torch.zeros(2, 4), torch.ones(2, 3))
+
+
+def test_entropy_metrics_by_hand() -> None:
+    # valid tokens: entropies 0.5, 2.0, 0.1, 1.0 with gaps 0.1, 0.2, 0.0, 0.3; 4 tokens -> the top fifth is 1
+    entropy = torch.tensor([[0.5, 2.0, 0.1], [1.0, float("nan"), 9.0]])
+    m = entropy_metrics(entropy, LOGP_ROLLOUT, LOGP_ROLLOUT + LOG_R, MASK)
+    assert float(m["entropy"]) == pytest.approx(0.9, abs=1e-6)  # (0.5 + 2.0 + 0.1 + 1.0) / 4
+    assert float(m["gap_high_entropy_share"]) == pytest.approx(0.2 / 0.6, abs=1e-6)
+
+
+def test_a_gap_that_ignores_the_entropy_puts_a_fifth_of_it_on_the_top_fifth() -> None:
+    entropy = torch.rand(4, 25, generator=torch.Generator().manual_seed(0))
+    logp = torch.full((4, 25), -1.0)
+    m = entropy_metrics(entropy, logp, logp + 0.3, torch.ones(4, 25))
+    assert float(m["gap_high_entropy_share"]) == pytest.approx(0.2, abs=1e-6)
+    assert float(m["entropy"]) == pytest.approx(float(entropy.mean()), abs=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(0, 3), (2, 3)])
+def test_entropy_metrics_of_empty_or_gapless_batches_are_zero(shape: tuple[int, int]) -> None:
+    m = entropy_metrics(torch.ones(shape), torch.zeros(shape), torch.zeros(shape), torch.zeros(shape))
+    assert float(m["entropy"]) == 0.0 and float(m["gap_high_entropy_share"]) == 0.0
+    m = entropy_metrics(torch.ones(2, 3), torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3))
+    assert float(m["entropy"]) == 1.0 and float(m["gap_high_entropy_share"]) == 0.0
+    with pytest.raises(ValueError, match="entropy"):
+        entropy_metrics(torch.ones(2, 4), torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3))

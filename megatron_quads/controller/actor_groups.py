@@ -93,13 +93,26 @@ class Trainers:
         current weights or (``reference``) the kept reference weights; ``routed_experts``: the
         routing every rank replays (router replay)."""
         method = "compute_reference_logprobs" if reference else "compute_logprobs"
+        return self._gathered(method, tokens, routed_experts)
+
+    def compute_logprobs_and_entropy(self, tokens: torch.Tensor, routed_experts: torch.Tensor | None = None
+                                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`compute_logprobs` under the current weights and the policy's entropy at each scored token."""
+        return self._gathered("compute_logprobs_and_entropy", tokens, routed_experts)
+
+    def _gathered(self, method: str, tokens: torch.Tensor, routed_experts: torch.Tensor | None):
+        """``method``'s per-row results over the whole batch: each data-parallel replica scores its shard
+        (every rank of a replica returns the same), concatenated back in batch order (tuples element-wise)."""
         batch = {"tokens": tokens} if routed_experts is None else {"tokens": tokens, "routed_experts": routed_experts}
         shards = trainer_get([getattr(a, method).remote(s["tokens"], s.get("routed_experts"))
                                for a, s in zip(self.actors, self._shards(batch), strict=True)])
-        by_dp_rank = {}  # ranks of one data-parallel replica return the same shard: keep one per replica
+        by_dp_rank = {}
         for (dp_rank, _), part in zip(self.dp, shards, strict=True):
             by_dp_rank.setdefault(dp_rank, part)
-        return torch.cat([by_dp_rank[r] for r in sorted(by_dp_rank)])
+        parts = [by_dp_rank[r] for r in sorted(by_dp_rank)]
+        if isinstance(parts[0], tuple):
+            return tuple(torch.cat(column) for column in zip(*parts, strict=True))
+        return torch.cat(parts)
 
     def routing_disagreement(self) -> float:
         """The fraction of routed (token, layer) pairs of the last replayed :meth:`compute_logprobs`

@@ -270,6 +270,8 @@ class LoggingSection(_Strict):
                                   "step's first N prompts")
     plot_every: int = Field(10, ge=0, description="redraw metrics.png every N steps, and after the last (0: after the "
                             "last only)")
+    policy_entropy: bool = Field(True, description="the trainer's scoring pass also computes the policy's entropy at "
+                                 "every response token: policy/entropy and mismatch/gap_high_entropy_share")
 
 
 class ProfileSection(_Strict):

@@ -81,7 +81,7 @@ def train(cfg: RunConfig, trainers: Trainers, rollouts: Rollouts, stop: StopSign
                 records.log_samples(step, sample_rows(step, drawn.prompts, generations, rewards, n, tok,
                                                       records.samples_per_step))
             clock.lap(None)
-            mismatch = trainer_logprobs(trainers, batch, reference=kl)               # rollout vs trainer log-probs
+            mismatch = trainer_logprobs(trainers, batch, kl, cfg.logging.policy_entropy)  # rollout vs trainer log-probs
             clock.lap("logprobs")
             with stop.deferring():  # from the update on, a stop signal waits for the step's end
                 updates = policy_updates(cfg, trainers, batch, step)                 # policy update(s)

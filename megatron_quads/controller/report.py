@@ -133,7 +133,8 @@ def read_records(path: Path | None) -> list[dict]:
 
 
 def plot_run(metrics_path: Path, out_path: Path, eval_path: Path | None = None) -> Path:
-    """Reward (and held-out pass@1, when evaluated) and rollout-vs-trainer gap over steps, as a PNG."""
+    """Reward (and held-out pass@1, when evaluated), rollout-vs-trainer gap and (when recorded) the policy's
+    entropy over steps, as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -141,7 +142,9 @@ def plot_run(metrics_path: Path, out_path: Path, eval_path: Path | None = None) 
 
     records = read_records(metrics_path)
     steps = [r["step"] for r in records]
-    fig, (ax_reward, ax_gap) = plt.subplots(1, 2, figsize=(11, 4))
+    with_entropy = bool(records) and "policy/entropy" in records[0]
+    fig, axes = plt.subplots(1, 3 if with_entropy else 2, figsize=(16 if with_entropy else 11, 4))
+    ax_reward, ax_gap = axes[:2]
     ax_reward.plot(steps, [r["reward"] for r in records], marker="o", label="train reward")
     evals = read_records(eval_path)
     if evals:
@@ -156,6 +159,11 @@ def plot_run(metrics_path: Path, out_path: Path, eval_path: Path | None = None) 
     ax_gap.set_ylabel("nats")
     ax_gap.set_title("rollout vs trainer gap")
     ax_gap.legend()
+    if with_entropy:
+        axes[2].plot(steps, [r.get("policy/entropy", float("nan")) for r in records], marker="o")
+        axes[2].set_xlabel("step")
+        axes[2].set_ylabel("nats per response token")
+        axes[2].set_title("policy entropy")
     fig.tight_layout()
     save_figure_atomic(fig, out_path)
     plt.close(fig)

@@ -120,6 +120,13 @@ class TrainerWorker(ProfiledWorker):
         with torch.profiler.record_function("quads/trainer_logprobs"):
             return self.worker.compute_logprobs(tokens, logprob_temperature(self.cfg.rollout.temperature), routed_experts)
 
+    def compute_logprobs_and_entropy(self, tokens: torch.Tensor, routed_experts: torch.Tensor | None = None
+                                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`compute_logprobs` and the policy's entropy at each scored token."""
+        with torch.profiler.record_function("quads/trainer_logprobs"):
+            return self.worker.compute_logprobs_and_entropy(tokens, logprob_temperature(self.cfg.rollout.temperature),
+                                                            routed_experts)
+
     def routing_counts(self) -> tuple[int, int]:
         """(routed (token, layer) pairs, pairs the router's own top-k would have routed elsewhere) of
         this rank's last :meth:`compute_logprobs` with routing."""

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
         k3_kl,
         policy_loss,
     )
-    from megatron_quads.rl.metrics import MISMATCH_KEYS, mismatch_metrics
+    from megatron_quads.rl.metrics import MISMATCH_KEYS, entropy_metrics, mismatch_metrics
     from megatron_quads.rl.settings import (
         AdvantageConfig,
         BatchKeys,
@@ -48,6 +48,7 @@ _WHERE = {
     "aggregate": "loss",
     "clipped_token_loss": "loss",
     "compute_correction": "correction",
+    "entropy_metrics": "metrics",
     "group_advantages": "advantages",
     "k3_kl": "loss",
     "mismatch_metrics": "metrics",

@@ -15,6 +15,8 @@ A batch without valid tokens gives 0 for every metric except ``ratio_min = ratio
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from megatron_quads.rl._tensor import as_mask, check_shape, masked, safe_div
@@ -69,3 +71,29 @@ def mismatch_metrics(
     metrics = {k: v.float() for k, v in out.items()}
     metrics["num_tokens"] = n
     return metrics
+
+
+HIGH_ENTROPY_FRACTION = 0.2
+"""The share of a batch's tokens, by the policy's entropy, whose gap :func:`entropy_metrics` reports apart."""
+
+
+def entropy_metrics(
+    entropy: torch.Tensor,
+    logp_rollout: torch.Tensor,
+    logp_trainer: torch.Tensor,
+    mask: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    """The policy's mean entropy over ``mask`` (``entropy``, nats) and the share of the summed gap
+    ``|logp_trainer - logp_rollout|`` carried by the :data:`HIGH_ENTROPY_FRACTION` of valid tokens with the
+    highest entropy (``gap_high_entropy_share``: 0.2 when the gap does not depend on the entropy, towards 1
+    when it lives where the policy is uncertain; 0 without a gap). All ``[B, T]``; 0-dim float32 results."""
+    check_shape("entropy", entropy, logp_rollout.shape)
+    check_shape("logp_trainer", logp_trainer, logp_rollout.shape)
+    valid = as_mask(mask, logp_rollout.shape)
+    n = valid.sum()
+    h = entropy.detach().double()[valid]
+    gap = (logp_trainer.detach().double() - logp_rollout.detach().double()).abs()[valid]
+    top = torch.topk(h, math.ceil(HIGH_ENTROPY_FRACTION * h.numel())).indices
+    total = gap.sum()
+    share = torch.where(total > 0, gap[top].sum() / torch.where(total > 0, total, 1.0), 0.0)
+    return {"entropy": safe_div(h.sum(), n).float(), "gap_high_entropy_share": share.float()}

@@ -4,7 +4,8 @@ One :class:`PolicyWorker` per rank (the controller runs them as Ray actors that 
 torch.distributed group). Its calls are collective over the model-parallel group: every rank of a
 data-parallel replica gets the same batch, every replica its own shard of the global batch.
 
-- :meth:`PolicyWorker.compute_logprobs`: per-token log-probs of given token ids (no grad);
+- :meth:`PolicyWorker.compute_logprobs`: per-token log-probs of given token ids (no grad;
+  :meth:`PolicyWorker.compute_logprobs_and_entropy` also the policy's entropy at each of them);
 - :meth:`PolicyWorker.train_step`: one optimizer step over micro-batches with a caller's loss;
 - :meth:`PolicyWorker.save_checkpoint` / :meth:`PolicyWorker.load_checkpoint`: Megatron dist
   checkpoints (model, optimizer, RNG), written atomically, checked finite when loaded;
@@ -41,6 +42,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
 from megatron_quads.trainer.checkpoint_audit import load_dist_checkpoint, load_plain_data
+from megatron_quads.trainer.entropy import token_entropy
 from megatron_quads.trainer.fake_quant import invalidate_fake_quant_caches
 from megatron_quads.trainer.hf_export import export_hf_weights
 from megatron_quads.trainer.lr_schedule import lr_scheduler, place_at_step
@@ -186,21 +188,34 @@ class PolicyWorker:
                          routed_experts: torch.Tensor | None = None) -> torch.Tensor:
         """Per-token log-probs ``[b, s-1]`` (fp32, CPU) of ``tokens[:, 1:]``, in micro-batches;
         ``routed_experts [b, s, layers, k]``: the routing to replay (router_replay workers)."""
+        return self._score(tokens, temperature, routed_experts, with_entropy=False)[0]
+
+    @torch.no_grad()
+    def compute_logprobs_and_entropy(self, tokens: torch.Tensor, temperature: float = 1.0,
+                                     routed_experts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`compute_logprobs` and, from the same forward, the entropy ``[b, s-1]`` (nats, fp32, CPU)
+        of the next-token distribution each of those tokens was scored under (:func:`token_entropy`)."""
+        return self._score(tokens, temperature, routed_experts, with_entropy=True)
+
+    def _score(self, tokens: torch.Tensor, temperature: float, routed_experts: torch.Tensor | None,
+               with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.ddp.eval()
         batch = {"tokens": tokens} if routed_experts is None else {"tokens": tokens, "routed_experts": routed_experts}
         agreement = (None if routed_experts is None
                      else RoutingAgreement([layer.mlp.router for layer in self.model.decoder.layers]))
-        out = []
+        logprobs, entropy = [], []
         try:
             for mb in self._micro_batches(batch):
                 logits = self._forward_logits(mb["tokens"], mb.get("routed_experts"), agreement)
-                out.append(token_logprobs(logits, mb["tokens"], temperature).cpu())
+                logprobs.append(token_logprobs(logits, mb["tokens"], temperature).cpu())
+                if with_entropy:
+                    entropy.append(token_entropy(logits, temperature).cpu())
         finally:
             if agreement is not None:
                 self.routing_counts = (agreement.routed, agreement.differ)
                 agreement.remove()
             self.ddp.train()
-        return torch.cat(out)
+        return torch.cat(logprobs), torch.cat(entropy) if with_entropy else None
 
     def keep_reference(self) -> int:
         """Keep a host copy of the current weights as the reference policy (the KL penalty's);
