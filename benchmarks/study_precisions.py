@@ -26,8 +26,8 @@ against W4A4 + RAC at each ratio) into
 
 ``report`` writes ``benchmarks/results/<results folder>.md`` (``study.md`` by default: per mode and
 correction, means over seeds: reward, held-out pass@1, max and mean |Δlogp| and k3 KL over the last
-steps; whether and when the reward collapsed; the early warning's lead and false alarms; the RAC
-ratio sweep of the max gap; the grid's overrides and devices) and ``<results folder>_curves.png`` beside it, and
+steps; whether and when the reward collapsed; the early warning's lead and false alarms; per run the
+policy's entropy beside the gap; the RAC ratio sweep of the max gap; the grid's overrides and devices) and ``<results folder>_curves.png`` beside it, and
 draws each analysis's plot ``analysis/<run>.png`` from its ``analysis/<run>.json`` (git keeps the
 JSON only).
 """
@@ -278,6 +278,38 @@ def run_row(name: str, metrics: list[dict], evals: list[dict]) -> str:
             f"{gaps['mismatch/gap_max_abs']:.2f} | {gaps['mismatch/k3_kl']:.1e} | {fell} |")
 
 
+def entropy_row(name: str, metrics: list[dict]) -> str:
+    """One run's line of the entropy table, means over its steps: the policy's entropy per response token and
+    per response, the mean gap, the k3 KL per token and per response (the per-token mean times the response
+    length: the KL between the two sides' response distributions), and the gap's share on the most uncertain
+    fifth of tokens. Entropy columns read "not recorded" for runs without ``policy/entropy``."""
+    def mean(key: str) -> float:
+        return statistics.fmean(r[key] for r in metrics)
+
+    per_response = statistics.fmean(r["mismatch/k3_kl"] * r["response_length"] for r in metrics)
+    if all("policy/entropy" in r for r in metrics):
+        entropy = (f"{mean('policy/entropy'):.3f} | "
+                   f"{statistics.fmean(r['policy/entropy'] * r['response_length'] for r in metrics):.2f}")
+        share = f"{mean('mismatch/gap_high_entropy_share'):.2f}"
+    else:
+        entropy, share = "not recorded | not recorded", "not recorded"
+    return (f"| {name} | {len(metrics)} | {mean('response_length'):.1f} | {entropy} | {mean('mismatch/gap_mean_abs'):.5f} | "
+            f"{mean('mismatch/k3_kl'):.1e} | {per_response:.4f} | {share} |")
+
+
+def entropy_markdown(runs: dict[str, dict[str, list[dict]]]) -> list[str]:
+    """The policy's entropy beside the gap, a line per run (:func:`entropy_row`)."""
+    return ["", "## Policy entropy and the gap", "",
+            "Means over every step. A token the policy is sure of keeps its log-prob near 0 whatever the rollout's "
+            "precision does to the logits: the gap lives where the policy is uncertain. Gap share: of the summed "
+            "|Δlogp|, the part on the fifth of each step's tokens with the highest entropy (0.2 when the gap does "
+            "not depend on the entropy).", "",
+            "| run | steps | response tokens | entropy per token (nats) | entropy per response | mean \\|Δlogp\\| | "
+            "k3 KL per token | k3 KL per response | gap share, most uncertain fifth |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            *(entropy_row(name, runs[name]["metrics"]) for name in sorted(runs))]
+
+
 def first_warning(records: Sequence[dict], config: GapMonitorConfig | None = None) -> int | None:
     """The first step where the early warning (``config``, default: the run config's default) turns
     on, replayed over a run's records (None: never)."""
@@ -371,6 +403,7 @@ def report_markdown(runs: dict[str, dict[str, list[dict]]], stamp: dict[str, str
               "mean \\|Δlogp\\| | max \\|Δlogp\\| | k3 KL | deepest fall |",
               "|---|---:|---:|---:|---|---:|---:|---:|---|"]
     lines += [run_row(name, runs[name]["metrics"], runs[name]["eval"]) for name in sorted(runs)]
+    lines += entropy_markdown(runs)
     sweep = []
     for mode, ratio in RAC_SWEEP.items():
         names = [n for (m, c), group in _groups(runs).items() if m == mode and c == "none" for n in group]

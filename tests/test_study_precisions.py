@@ -38,8 +38,8 @@ def test_a_reward_that_falls_to_a_third_of_its_peak_collapses_and_a_noisy_platea
 
 
 def _write_run(results: Path, name: str, rewards: list[float], gap: float, k3: list[float]) -> None:
-    records = [{"step": i, "reward": r, "mismatch/gap_max_abs": gap, "mismatch/gap_mean_abs": gap / 10, "mismatch/k3_kl": k}
-               for i, (r, k) in enumerate(zip(rewards, k3, strict=True))]
+    records = [{"step": i, "reward": r, "mismatch/gap_max_abs": gap, "mismatch/gap_mean_abs": gap / 10, "mismatch/k3_kl": k,
+                "response_length": 4.0} for i, (r, k) in enumerate(zip(rewards, k3, strict=True))]
     _write_records(results / f"{name}{METRICS_SUFFIX}", records)
     _write_records(results / f"{name}{EVAL_SUFFIX}", [{"step": len(rewards), "eval/pass@1": rewards[-1]}])
 
@@ -157,7 +157,8 @@ def test_a_grids_overrides_are_named_in_its_report_and_other_overrides_are_refus
     record_overrides(results, ["grpo.optim.lr=0.001"])
     with pytest.raises(SystemExit, match="its own --results"):
         record_overrides(results, [])
-    records = [{"reward": 0.5, "mismatch/gap_max_abs": 0.1, "mismatch/gap_mean_abs": 0.01, "mismatch/k3_kl": 1e-3}] * 3
+    records = [{"reward": 0.5, "mismatch/gap_max_abs": 0.1, "mismatch/gap_mean_abs": 0.01, "mismatch/k3_kl": 1e-3,
+                "response_length": 4.0}] * 3
     _write_records(results / f"bf16.seed0.none{METRICS_SUFFIX}", records)
     text = report_markdown(load_results(results), STAMP, results)
     assert "with `grpo.optim.lr=0.001`" in text.splitlines()[0]
@@ -171,7 +172,8 @@ def test_a_grid_records_every_device_that_ran_it_and_its_report_names_them(tmp_p
     assert study_precisions.grid_devices(results) == ["NVIDIA H200", "NVIDIA H100"]
     with pytest.raises(SystemExit, match="its own --results"):
         record_overrides(results, ["grpo.optim.lr=0.001"], device="NVIDIA H200")
-    records = [{"reward": 0.5, "mismatch/gap_max_abs": 0.1, "mismatch/gap_mean_abs": 0.01, "mismatch/k3_kl": 1e-3}] * 3
+    records = [{"reward": 0.5, "mismatch/gap_max_abs": 0.1, "mismatch/gap_mean_abs": 0.01, "mismatch/k3_kl": 1e-3,
+                "response_length": 4.0}] * 3
     _write_records(results / f"bf16.seed0.none{METRICS_SUFFIX}", records)
     title, _, body = report_markdown(load_results(results), STAMP, results).splitlines()[:3]
     assert title.endswith("NVIDIA H200, NVIDIA H100)") and STAMP["device"] not in title
@@ -184,7 +186,8 @@ def test_a_grid_of_another_config_is_named_in_its_report_and_kept_apart(tmp_path
     record_overrides(results, [], config)
     with pytest.raises(SystemExit, match="its own --results"):
         record_overrides(results, [])  # the embedded default's grid
-    records = [{"reward": 0.5, "mismatch/gap_max_abs": 0.1, "mismatch/gap_mean_abs": 0.01, "mismatch/k3_kl": 1e-3}] * 3
+    records = [{"reward": 0.5, "mismatch/gap_max_abs": 0.1, "mismatch/gap_mean_abs": 0.01, "mismatch/k3_kl": 1e-3,
+                "response_length": 4.0}] * 3
     _write_records(results / f"bf16.seed0.none{METRICS_SUFFIX}", records)
     text = report_markdown(load_results(results), STAMP, results)
     assert text.splitlines()[0].startswith("# Precision study on `examples/collapse/chain_grpo_gpu.yaml` (")
@@ -217,3 +220,17 @@ def test_seeds_that_stopped_at_different_steps_show_the_range_of_steps(tmp_path:
     row = next(line for line in text.splitlines() if line.startswith("| naive-nvfp4 |"))
     assert "| 2 | 45–60 |" in row
     assert "the steps column gives the range" in text
+
+
+def test_the_entropy_section_puts_each_runs_entropy_beside_its_gap_per_token_and_per_response(tmp_path: Path) -> None:
+    steps = 4
+    _write_run(tmp_path, run_name("bf16", 0, "none"), [0.5] * steps, 0.1, [1e-4] * steps)  # recorded no entropy
+    records = [{"step": i, "reward": 0.5, "mismatch/gap_max_abs": 0.5, "mismatch/gap_mean_abs": 0.002,
+                "mismatch/k3_kl": k3, "response_length": length, "policy/entropy": h, "mismatch/gap_high_entropy_share": share}
+               for i, (k3, length, h, share) in enumerate([(2e-4, 200.0, 0.01, 0.9), (4e-4, 300.0, 0.03, 0.7)])]
+    _write_records(tmp_path / f"{run_name('naive-nvfp4', 0, 'none')}{METRICS_SUFFIX}", records)
+    text = report_markdown(load_results(tmp_path), STAMP, tmp_path)
+    assert "## Policy entropy and the gap" in text
+    # entropy per response: mean of 0.01 x 200 and 0.03 x 300; k3 KL per response: mean of 2e-4 x 200 and 4e-4 x 300
+    assert "| naive-nvfp4.seed0.none | 2 | 250.0 | 0.020 | 5.50 | 0.00200 | 3.0e-04 | 0.0800 | 0.80 |" in text
+    assert "| bf16.seed0.none | 4 | 4.0 | not recorded | not recorded | 0.01000 | 1.0e-04 | 0.0004 | not recorded |" in text
