@@ -100,7 +100,8 @@ class Trainers:
         """:meth:`compute_logprobs` under the current weights and the policy's entropy at each scored token."""
         return self._gathered("compute_logprobs_and_entropy", tokens, routed_experts)
 
-    def _gathered(self, method: str, tokens: torch.Tensor, routed_experts: torch.Tensor | None):
+    def _gathered(self, method: str, tokens: torch.Tensor, routed_experts: torch.Tensor | None
+                  ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """``method``'s per-row results over the whole batch: each data-parallel replica scores its shard
         (every rank of a replica returns the same), concatenated back in batch order (tuples element-wise)."""
         batch = {"tokens": tokens} if routed_experts is None else {"tokens": tokens, "routed_experts": routed_experts}
