@@ -46,6 +46,29 @@ def test_the_worked_solution_is_right() -> None:
         _check_worked_solution(prompt.text, task.target(prompt), int(prompt.answer))
 
 
+def test_forked_targets_write_commutative_steps_in_either_order_and_score_as_right() -> None:
+    task = make_task("chain", min_steps=8, max_steps=30, forks=True)
+    plain = ChainTask(ChainConfig(min_steps=8, max_steps=30))
+    swapped = commutative = 0
+    for prompt in task.sample_prompts(200, seed=3):
+        target = task.target(prompt)
+        assert target == task.target(prompt)  # the same prompt id, the same choices
+        assert task.score(prompt, target).reward == 1.0
+        start, steps = parse_chain(prompt.text)
+        value = start
+        for line, (op, operand) in zip(target[:-1].split(" ")[:-1], steps, strict=True):
+            result = apply_step(value, op, operand)
+            forms = {f"{value}{op}{operand}={result}", f"{operand}{op}{value}={result}"} if op in "+*" else \
+                {f"{value}{op}{operand}={result}"}
+            assert line in forms, (line, forms)
+            if op in "+*" and value != operand:
+                commutative += 1
+                swapped += line.startswith(f"{operand}{op}")
+            value = result
+        assert len(target) == len(plain.target(prompt))
+    assert 0.4 < swapped / commutative < 0.6, (swapped, commutative)
+
+
 def test_values_stay_in_range_and_text_fits_the_character_tokenizer() -> None:
     cfg = ChainConfig(min_steps=40, max_steps=40, max_value=50)
     task, tok = ChainTask(cfg), CharTokenizer()

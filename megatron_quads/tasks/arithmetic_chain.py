@@ -8,7 +8,10 @@ no newline)::
                                               then the end marker ";"
 
 Every intermediate value stays in ``[0, max_value]`` (a step that would leave it is redrawn), so the
-numbers stay small however long the chain. A response is about ``8 * steps`` characters at the
+numbers stay small however long the chain. With ``forks`` the targets write each ``+`` and ``*`` step with
+its operands in either order (``12*3=36`` or ``3*12=36``), chosen per problem and step from the prompt's
+id: a policy trained on them stays uncertain at those tokens (about ln 2 nats each) without it costing
+reward, as a reasoning model is at the forks of its chain of thought. A response is about ``8 * steps`` characters at the
 defaults (``max_operand=9``, ``max_value=99``): 40 steps give ~330 tokens. The reward reads the text
 before the first end marker: its last space-separated piece must be ``(N)``; N equal to the result
 scores 1.0, anything else 0.0.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import random
 import re
+import zlib
 from dataclasses import dataclass
 from typing import Literal
 
@@ -43,6 +47,7 @@ class ChainConfig:
     ``[0, max_operand]``, each step's operator from ``operators`` and its operand from
     ``[1, max_operand]``, redrawn until the new value lies in ``[0, max_value]``. ``split`` and
     ``eval_fraction`` hold out problems by the CRC-32 of their prompt, as ``ArithmeticConfig`` does.
+    ``forks``: targets write commutative steps in either operand order (module docstring).
     """
 
     min_steps: int = 8
@@ -53,6 +58,7 @@ class ChainConfig:
     end_marker: str = END_MARKER
     split: Literal["all", "train", "eval"] = "all"
     eval_fraction: float = 0.1
+    forks: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_steps <= self.max_steps:
@@ -111,14 +117,26 @@ def parse_chain(prompt_text: str) -> tuple[int, list[tuple[str, int]]]:
     return int(pieces[0]), steps
 
 
-def worked_solution(start: int, steps: list[tuple[str, int]], end_marker: str = END_MARKER) -> str:
-    """Each step as ``a op b=c`` separated by spaces, then ``(result)`` and the end marker."""
+COMMUTATIVE_OPERATORS = "+*"
+
+
+def worked_solution(start: int, steps: list[tuple[str, int]], end_marker: str = END_MARKER,
+                    swapped: frozenset[int] = frozenset()) -> str:
+    """Each step as ``a op b=c`` separated by spaces, then ``(result)`` and the end marker; the steps whose
+    index is in ``swapped`` and whose operator is commutative as ``b op a=c``."""
     lines, value = [], start
-    for op, operand in steps:
+    for index, (op, operand) in enumerate(steps):
         result = apply_step(value, op, operand)
-        lines.append(f"{value}{op}{operand}={result}")
+        left, right = (operand, value) if index in swapped and op in COMMUTATIVE_OPERATORS else (value, operand)
+        lines.append(f"{left}{op}{right}={result}")
         value = result
     return " ".join([*lines, f"({value})"]) + end_marker
+
+
+def fork_choices(prompt_id: str, num_steps: int) -> frozenset[int]:
+    """The steps a forked target writes with swapped operands: each with probability 1/2, from the CRC-32
+    of the prompt's id and the step's index (the same prompt id always gets the same target)."""
+    return frozenset(i for i in range(num_steps) if zlib.crc32(f"{prompt_id}#{i}".encode()) & 1)
 
 
 class ChainTask(GeneratedTask):
@@ -157,7 +175,8 @@ class ChainTask(GeneratedTask):
     def target(self, prompt: Prompt) -> str:
         """The completion the policy should write: the worked steps, ``(answer)`` and the end marker."""
         start, steps = parse_chain(prompt.text)
-        return worked_solution(start, steps, self.config.end_marker)
+        swapped = fork_choices(prompt.id, len(steps)) if self.config.forks else frozenset()
+        return worked_solution(start, steps, self.config.end_marker, swapped)
 
     def score(self, prompt: Prompt, response_text: str) -> RewardResult:
         """1.0 when the last piece before the end marker is ``(N)`` with N the result; else 0.0."""
