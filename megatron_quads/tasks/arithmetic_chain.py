@@ -8,13 +8,15 @@ no newline)::
                                               then the end marker ";"
 
 Every intermediate value stays in ``[0, max_value]`` (a step that would leave it is redrawn), so the
-numbers stay small however long the chain. With ``forks`` the targets write each ``+`` and ``*`` step with
-its operands in either order (``12*3=36`` or ``3*12=36``), chosen per problem and step from the prompt's
-id: a policy trained on them stays uncertain at those tokens (about ln 2 nats each) without it costing
-reward, as a reasoning model is at the forks of its chain of thought. A response is about ``8 * steps`` characters at the
+numbers stay small however long the chain. A response is about ``8 * steps`` characters at the
 defaults (``max_operand=9``, ``max_value=99``): 40 steps give ~330 tokens. The reward reads the text
 before the first end marker: its last space-separated piece must be ``(N)``; N equal to the result
 scores 1.0, anything else 0.0.
+
+With ``forks`` the targets write each ``+`` and ``*`` step with its operands in either order
+(``12*3=36`` or ``3*12=36``), chosen per problem and step from the prompt's id: a policy trained on them
+stays uncertain at those tokens (about ln 2 nats each) without it costing reward, as a reasoning model
+is at the forks of its chain of thought.
 """
 
 from __future__ import annotations
